@@ -1,0 +1,102 @@
+/*
+ * hkt.h -- Hierarchical Kernel Transformer attention kernels.
+ *
+ * Dimension letters: B batch, H heads, T queries, S keys, D query/key head dim,
+ * Dv value head dim, L levels.  Level l holds Tl = ceil(T/2^l) queries and
+ * Sl = ceil(S/2^l) keys:
+ *
+ *   q[l] (B, H, Tl, D)   k[l] (B, H, Sl, D)   v (B, H, S, Dv)   w (H, L) or (L,)
+ *   score[i, j] = scale * sum_l w[l] * <q[l][i >> l], k[l][j >> l]>  (+ float mask)
+ *   out = softmax(score over visible j) @ v       (B, H, T, Dv)
+ *
+ * Every array is described by a pointer and element strides; the last (feature)
+ * dimension must have stride 1.  The kernels never allocate: outputs and the
+ * per-thread workspace (hkt_workspace_bytes) come from the caller.  They include
+ * no Python header; the binding (hkt_module.c) is the only file that knows Python.
+ *
+ * Forward writes out and lse (log-sum-exp per query row, +inf for a row with no
+ * visible key).  Backward OVERWRITES dq[l], dk[l], dv and dw (it does not
+ * accumulate into what the caller passes).
+ */
+#ifndef HKT_H
+#define HKT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define HKT_MAX_LEVELS 24
+
+enum hkt_dtype { HKT_FLOAT32 = 0, HKT_FLOAT64 = 1 };
+enum hkt_mask_kind { HKT_MASK_NONE = 0, HKT_MASK_BOOL = 1, HKT_MASK_FLOAT = 2 };
+
+typedef struct {
+    int64_t B, H, T, S, D, Dv;
+    int L;
+    int dtype;                 /* enum hkt_dtype, shared by every real array */
+
+    /* inputs: strides are (batch, head, row) in elements */
+    const void *q[HKT_MAX_LEVELS];
+    int64_t q_stride[HKT_MAX_LEVELS][3];
+    const void *k[HKT_MAX_LEVELS];
+    int64_t k_stride[HKT_MAX_LEVELS][3];
+    const void *v;
+    int64_t v_stride[3];
+    const void *w;             /* w[h * w_stride[0] + l * w_stride[1]] */
+    int64_t w_stride[2];
+    int w_per_head;            /* 0: w has shape (L,), dw is summed over heads */
+
+    /* mask (B, H, T, S) with any strides (0 broadcasts); bool masks are bytes */
+    int mask_kind;             /* enum hkt_mask_kind */
+    const void *mask;
+    int64_t mask_stride[4];
+
+    int causal;                /* key j visible to query i only if j <= i */
+    double scale;
+    double dropout_p;          /* 0 disables dropout */
+    uint64_t seed;
+
+    /* forward outputs / backward inputs */
+    void *out;
+    int64_t out_stride[3];
+    void *lse;                 /* (B, H, T) contiguous */
+
+    /* backward only */
+    const void *dout;
+    int64_t dout_stride[3];
+    void *dq[HKT_MAX_LEVELS];
+    int64_t dq_stride[HKT_MAX_LEVELS][3];
+    void *dk[HKT_MAX_LEVELS];
+    int64_t dk_stride[HKT_MAX_LEVELS][3];
+    void *dv;
+    int64_t dv_stride[3];
+    void *dw;                  /* (H, L) or (L,), contiguous, like w */
+    void *dw_partial;          /* workspace (B, H, L) reals */
+
+    /* workspace: num_threads blocks of hkt_workspace_bytes(p, backward) */
+    void *workspace;
+    int num_threads;
+} hkt_params;
+
+/* Bytes of per-thread workspace the forward (backward = 0) or backward needs. */
+size_t hkt_workspace_bytes(const hkt_params *p, int backward);
+/* Bytes of dw_partial the backward needs (B * H * L reals). */
+size_t hkt_dw_partial_bytes(const hkt_params *p);
+/* Threads OpenMP would use by default (1 without OpenMP). */
+int hkt_default_threads(void);
+
+void hkt_forward_cpu(const hkt_params *p);
+void hkt_backward_cpu(const hkt_params *p);
+
+/* The dropout decision the kernels make: nonzero if entry (b, h, i, j) is kept. */
+int hkt_dropout_keep(uint64_t seed, double p, int64_t T, int64_t S, int64_t bh,
+                     int64_t i, int64_t j);
+/* Fills keep (B, H, T, S) bytes with hkt_dropout_keep, for tests. */
+void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
+                          int64_t B, int64_t H, int64_t T, int64_t S);
+
+#ifdef HKT_WITH_CUDA
+void hkt_forward_cuda(const hkt_params *p);
+void hkt_backward_cuda(const hkt_params *p);
+#endif
+
+#endif

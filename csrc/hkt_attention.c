@@ -1,0 +1,478 @@
+/*
+ * HKT attention on the CPU: forward and backward, float32 and float64.
+ *
+ * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H, ceil(S/2^l), D),
+ * v (B, H, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
+ *
+ * Flash-style: queries and keys are walked in BQ x BK tiles; a tile's score is
+ * built from each level's small Gram block (computed once per 2^l x 2^l block,
+ * the 1 + 1/4 + 1/16 ... cost) and consumed by an online softmax.  Nothing of
+ * size T x S is ever stored; the forward keeps one log-sum-exp per row and the
+ * backward recomputes the tile scores from it.
+ *
+ * The file is a template: it includes itself once per real type (float, double)
+ * so that both share one body; the block under "#ifndef HKT_REAL" is the common,
+ * type-free part.
+ */
+#ifndef HKT_REAL
+
+#include "hkt.h"
+
+#include <math.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Tile sizes: powers of two, so a tile always holds whole 2^l blocks of every
+ * level with 2^l <= 64 and lies inside one block of any coarser level. */
+#define BQ 64
+#define BK 64
+
+/* Compile the hot loops for several ISAs and pick one at load time, so one
+ * build runs anywhere and still uses AVX2/AVX-512 where present. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(HKT_NO_CLONES)
+#define HKT_HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HKT_HOT
+#endif
+
+int hkt_default_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* ---- dropout: a counter-based generator, so forward and backward (and any
+ * thread order) see the same decision for entry (b, h, i, j). ---- */
+static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static uint64_t keep_threshold(double p) {
+    if (p <= 0.0) return 0;
+    if (p >= 1.0) return (uint64_t)1 << 53;
+    return (uint64_t)(p * 9007199254740992.0); /* p * 2^53 */
+}
+
+static inline int keep_entry(uint64_t seed_mixed, uint64_t threshold, uint64_t index) {
+    return (mix64(seed_mixed + index * 0x9e3779b97f4a7c15ULL) >> 11) >= threshold;
+}
+
+int hkt_dropout_keep(uint64_t seed, double p, int64_t T, int64_t S, int64_t bh,
+                     int64_t i, int64_t j) {
+    return keep_entry(mix64(seed), keep_threshold(p), (uint64_t)((bh * T + i) * S + j));
+}
+
+void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
+                          int64_t B, int64_t H, int64_t T, int64_t S) {
+    uint64_t sm = mix64(seed), th = keep_threshold(p);
+    int64_t n = B * H * T * S;
+    for (int64_t x = 0; x < n; x++) keep[x] = (unsigned char)keep_entry(sm, th, (uint64_t)x);
+}
+
+/* ---- workspace layout, shared by both real types ---- */
+static int64_t rows_max(int l) { return (BQ >> l) > 0 ? (BQ >> l) : 1; }
+static int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
+static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+typedef struct {
+    int64_t s, dp, g, dsl, kt, vt, delta, dwacc, m, lsum, total; /* offsets in reals */
+    int64_t goff[HKT_MAX_LEVELS], ktoff[HKT_MAX_LEVELS];
+} ws_layout;
+
+static ws_layout layout(const hkt_params *p, int backward) {
+    ws_layout w;
+    int64_t g = 0, kt = 0, at = 0;
+    for (int l = 0; l < p->L; l++) {
+        w.goff[l] = g;
+        w.ktoff[l] = kt;
+        g += rows_max(l) * cols_max(l);
+        kt += p->D * cols_max(l);
+    }
+    g = round16(g);
+    kt = round16(kt);
+    w.s = at;    at += BQ * BK;
+    w.g = at;    at += g;
+    w.kt = at;   at += kt;
+    w.dp = w.dsl = w.vt = w.delta = w.dwacc = w.m = w.lsum = 0;
+    if (backward) {
+        w.dp = at;    at += BQ * BK;
+        w.dsl = at;   at += g;
+        w.vt = at;    at += round16(p->Dv * BK);
+        w.delta = at; at += round16(p->T);
+        w.dwacc = at; at += round16(p->L);
+    } else {
+        w.m = at;    at += BQ;
+        w.lsum = at; at += BQ;
+    }
+    w.total = at;
+    return w;
+}
+
+size_t hkt_workspace_bytes(const hkt_params *p, int backward) {
+    size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
+    return (size_t)layout(p, backward).total * elem + 64;
+}
+
+size_t hkt_dw_partial_bytes(const hkt_params *p) {
+    size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
+    return (size_t)(p->B * p->H * p->L) * elem;
+}
+
+static int num_threads(const hkt_params *p) {
+    return p->num_threads > 0 ? p->num_threads : 1;
+}
+
+#define CAT2(a, b) a##_##b
+#define CAT(a, b) CAT2(a, b)
+
+#define HKT_REAL float
+#define HKT_SUFFIX f32
+#define HKT_EXP expf
+#define HKT_LOG logf
+#include "hkt_attention.c"
+#undef HKT_REAL
+#undef HKT_SUFFIX
+#undef HKT_EXP
+#undef HKT_LOG
+
+#define HKT_REAL double
+#define HKT_SUFFIX f64
+#define HKT_EXP exp
+#define HKT_LOG log
+#include "hkt_attention.c"
+#undef HKT_REAL
+#undef HKT_SUFFIX
+#undef HKT_EXP
+#undef HKT_LOG
+
+void hkt_forward_cpu(const hkt_params *p) {
+    if (p->dtype == HKT_FLOAT64) forward_f64(p);
+    else forward_f32(p);
+}
+
+void hkt_backward_cpu(const hkt_params *p) {
+    if (p->dtype == HKT_FLOAT64) backward_f64(p);
+    else backward_f32(p);
+}
+
+#else /* ------------------------- per-type body ------------------------- */
+
+#define real HKT_REAL
+#define FN(name) CAT(name, HKT_SUFFIX)
+
+static inline void FN(axpy)(int64_t n, real a, const real *restrict x, real *restrict y) {
+    for (int64_t e = 0; e < n; e++) y[e] += a * x[e];
+}
+
+static inline real FN(dot)(int64_t n, const real *restrict x, const real *restrict y) {
+    real acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t e = 0; e < n; e++) acc += x[e] * y[e];
+    return acc;
+}
+
+static inline real FN(weight)(const hkt_params *p, int64_t h, int l) {
+    return ((const real *)p->w)[h * p->w_stride[0] + l * p->w_stride[1]];
+}
+
+/* Level-l rows [r0, r0 + rl) and cols [c0, c0 + cl) that tile [i0,i1) x [j0,j1) touches. */
+typedef struct { int64_t r0, rl, c0, cl; } FN(span);
+
+static inline FN(span) FN(level_span)(int l, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    FN(span) s;
+    s.r0 = i0 >> l;
+    s.rl = ((i1 - 1) >> l) + 1 - s.r0;
+    s.c0 = j0 >> l;
+    s.cl = ((j1 - 1) >> l) + 1 - s.c0;
+    return s;
+}
+
+/* Kt_l (D, cl) = transpose of k[l] rows [c0, c0 + cl), for every level. */
+static void FN(load_keys)(const hkt_params *p, const ws_layout *ws, real *base,
+                          int64_t b, int64_t h, int64_t j0, int64_t j1) {
+    const int64_t D = p->D;
+    for (int l = 0; l < p->L; l++) {
+        FN(span) sp = FN(level_span)(l, 0, 1, j0, j1);
+        const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
+        real *kt = base + ws->kt + ws->ktoff[l];
+        for (int64_t c = 0; c < sp.cl; c++) {
+            const real *row = kb + (sp.c0 + c) * p->k_stride[l][2];
+            for (int64_t d = 0; d < D; d++) kt[d * sp.cl + c] = row[d];
+        }
+    }
+}
+
+/* S (nq, BK) = scale * sum_l w[l] * upsample(G_l), with G_l = q[l] k[l]^T over
+ * the tile (kept in the workspace for the backward's dw), then masking:
+ * invisible entries become -inf, a float mask is added. */
+static HKT_HOT void FN(tile_scores)(const hkt_params *p, const ws_layout *ws, real *base,
+                                    int64_t b, int64_t h, int64_t i0, int64_t i1,
+                                    int64_t j0, int64_t j1) {
+    const int64_t D = p->D, nq = i1 - i0, nk = j1 - j0;
+    real *S = base + ws->s;
+    for (int l = 0; l < p->L; l++) {
+        FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
+        const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+        const real *kt = base + ws->kt + ws->ktoff[l];
+        real *G = base + ws->g + ws->goff[l];
+        for (int64_t r = 0; r < sp.rl; r++) {
+            const real *qrow = qb + (sp.r0 + r) * p->q_stride[l][2];
+            real *g = G + r * sp.cl;
+            for (int64_t c = 0; c < sp.cl; c++) g[c] = 0;
+            for (int64_t d = 0; d < D; d++) FN(axpy)(sp.cl, qrow[d], kt + d * sp.cl, g);
+        }
+        const real ws_l = (real)p->scale * FN(weight)(p, h, l);
+        if (l == 0) {
+            for (int64_t r = 0; r < nq; r++)
+                for (int64_t c = 0; c < nk; c++) S[r * BK + c] = ws_l * G[r * sp.cl + c];
+        } else {
+            for (int64_t r = 0; r < nq; r++) {
+                const real *g = G + (((i0 + r) >> l) - sp.r0) * sp.cl;
+                real *srow = S + r * BK;
+                for (int64_t c = 0; c < nk; c++) srow[c] += ws_l * g[((j0 + c) >> l) - sp.c0];
+            }
+        }
+    }
+    /* A tile wholly below the diagonal with no mask needs no per-entry test. */
+    if (p->mask_kind == HKT_MASK_NONE && (!p->causal || j1 - 1 <= i0)) return;
+    for (int64_t r = 0; r < nq; r++) {
+        const int64_t i = i0 + r;
+        real *srow = S + r * BK;
+        const int64_t mrow = b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2];
+        for (int64_t c = 0; c < nk; c++) {
+            const int64_t j = j0 + c;
+            const int64_t mi = mrow + j * p->mask_stride[3];
+            if (p->causal && j > i) srow[c] = -INFINITY;
+            else if (p->mask_kind == HKT_MASK_BOOL && !((const unsigned char *)p->mask)[mi])
+                srow[c] = -INFINITY;
+            else if (p->mask_kind == HKT_MASK_FLOAT) srow[c] += ((const real *)p->mask)[mi];
+        }
+    }
+}
+
+/* forward: one task per (b, h, query tile); each task owns its out rows. */
+static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, real *base,
+                                     int64_t b, int64_t h, int64_t qt) {
+    const int64_t T = p->T, S = p->S, Dv = p->Dv;
+    const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
+    const int use_dropout = p->dropout_p > 0;
+    const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
+    const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
+    real *Sbuf = base + ws->s, *m = base + ws->m, *lsum = base + ws->lsum;
+    real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
+    const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
+
+    for (int64_t r = 0; r < nq; r++) {
+        m[r] = -INFINITY;
+        lsum[r] = 0;
+        real *orow = ob + (i0 + r) * p->out_stride[2];
+        for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
+    }
+    const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
+    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+        const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
+        FN(load_keys)(p, ws, base, b, h, j0, j1);
+        FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1);
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = Sbuf + r * BK;
+            real mx = -INFINITY;
+            for (int64_t c = 0; c < nk; c++) mx = srow[c] > mx ? srow[c] : mx;
+            if (mx == -INFINITY) continue; /* nothing visible in this tile */
+            const real mnew = mx > m[r] ? mx : m[r];
+            const real alpha = HKT_EXP(m[r] - mnew);
+            real sum = 0;
+            for (int64_t c = 0; c < nk; c++) {
+                const real e = HKT_EXP(srow[c] - mnew);
+                srow[c] = e;
+                sum += e;
+            }
+            real *orow = ob + (i0 + r) * p->out_stride[2];
+            if (alpha != 1)
+                for (int64_t e = 0; e < Dv; e++) orow[e] *= alpha;
+            lsum[r] = lsum[r] * alpha + sum;
+            m[r] = mnew;
+            const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S);
+            for (int64_t c = 0; c < nk; c++) {
+                real pr = srow[c];
+                if (use_dropout) pr = keep_entry(sm, th, rowidx + (uint64_t)(j0 + c)) ? pr * kf : 0;
+                if (pr != 0) FN(axpy)(Dv, pr, vb + (j0 + c) * p->v_stride[2], orow);
+            }
+        }
+    }
+    real *lse = (real *)p->lse + (b * p->H + h) * T;
+    for (int64_t r = 0; r < nq; r++) {
+        real *orow = ob + (i0 + r) * p->out_stride[2];
+        if (lsum[r] > 0) {
+            const real inv = 1 / lsum[r];
+            for (int64_t e = 0; e < Dv; e++) orow[e] *= inv;
+            lse[i0 + r] = m[r] + HKT_LOG(lsum[r]);
+        } else {
+            /* no visible key: zeros, and +inf so the backward's P is exactly 0 */
+            lse[i0 + r] = INFINITY;
+        }
+    }
+}
+
+static void FN(forward)(const hkt_params *p) {
+    const ws_layout ws = layout(p, 0);
+    const size_t wsb = hkt_workspace_bytes(p, 0);
+    const int64_t nqt = (p->T + BQ - 1) / BQ, ntask = p->B * p->H * nqt;
+    const int nt = num_threads(p);
+    (void)nt;
+    /* Causal tiles further down cost more: hand them out first. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t t = 0; t < ntask; t++) {
+        const int64_t qt = nqt - 1 - t / (p->B * p->H), bh = t % (p->B * p->H);
+        real *base = (real *)((char *)p->workspace + (size_t)thread_id() * wsb);
+        FN(forward_task)(p, &ws, base, bh / p->H, bh % p->H, qt);
+    }
+}
+
+/* backward: one task per (b, h), which owns every gradient row of that (b, h),
+ * so accumulation needs no atomics and is deterministic; dw goes through
+ * dw_partial and is reduced in a fixed order at the end. */
+static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, real *base,
+                                      int64_t b, int64_t h) {
+    const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv;
+    const int L = p->L;
+    const int use_dropout = p->dropout_p > 0;
+    const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
+    const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
+    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt;
+    real *delta = base + ws->delta, *dwacc = base + ws->dwacc;
+    const real *lse = (const real *)p->lse + (b * p->H + h) * T;
+    const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
+    const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
+    const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
+    real *dvb = (real *)p->dv + b * p->dv_stride[0] + h * p->dv_stride[1];
+
+    /* overwrite semantics: clear this (b, h)'s gradient rows first */
+    for (int l = 0; l < L; l++) {
+        const int64_t Tl = ((T - 1) >> l) + 1, Sl = S > 0 ? ((S - 1) >> l) + 1 : 0;
+        real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
+        real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
+        for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
+        for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
+        dwacc[l] = 0;
+    }
+    for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
+    /* rowsum(dO * out): the softmax backward's per-row term */
+    for (int64_t i = 0; i < T; i++)
+        delta[i] = FN(dot)(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
+
+    for (int64_t j0 = 0; j0 < S; j0 += BK) {
+        const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
+        FN(load_keys)(p, ws, base, b, h, j0, j1);
+        for (int64_t c = 0; c < nk; c++) {
+            const real *vrow = vb + (j0 + c) * p->v_stride[2];
+            for (int64_t e = 0; e < Dv; e++) Vt[e * BK + c] = vrow[e];
+        }
+        /* causal: query tiles that end before j0 see none of these keys */
+        for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < T; i0 += BQ) {
+            const int64_t i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
+            FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1);
+            /* P = exp(S - lse), dP = dO V^T, both (nq, nk) */
+            for (int64_t r = 0; r < nq; r++) {
+                real *srow = Sb + r * BK, *dprow = dP + r * BK;
+                const real li = lse[i0 + r];
+                for (int64_t c = 0; c < nk; c++)
+                    srow[c] = srow[c] == -INFINITY ? 0 : HKT_EXP(srow[c] - li);
+                const real *dorow = dob + (i0 + r) * p->dout_stride[2];
+                for (int64_t c = 0; c < nk; c++) dprow[c] = 0;
+                for (int64_t e = 0; e < Dv; e++) FN(axpy)(nk, dorow[e], Vt + e * BK, dprow);
+            }
+            /* dv[j] += sum_i Pdrop[i, j] dO[i];  dS = P * (dP * keep/(1-p) - delta) * scale */
+            for (int64_t r = 0; r < nq; r++) {
+                real *srow = Sb + r * BK, *dprow = dP + r * BK;
+                const real di = delta[i0 + r];
+                const real *dorow = dob + (i0 + r) * p->dout_stride[2];
+                const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S);
+                for (int64_t c = 0; c < nk; c++) {
+                    const real pr = srow[c];
+                    if (pr == 0) { dprow[c] = 0; continue; }
+                    real f = 1;
+                    if (use_dropout) f = keep_entry(sm, th, rowidx + (uint64_t)(j0 + c)) ? kf : 0;
+                    if (f != 0) FN(axpy)(Dv, pr * f, dorow, dvb + (j0 + c) * p->dv_stride[2]);
+                    dprow[c] = (real)p->scale * pr * (dprow[c] * f - di);
+                }
+            }
+            /* per level: block-sum dS, then dq, dk, dw of that level */
+            for (int l = 0; l < L; l++) {
+                FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
+                const real *G = base + ws->g + ws->goff[l];
+                real *dsl = base + ws->dsl + ws->goff[l];
+                for (int64_t x = 0; x < sp.rl * sp.cl; x++) dsl[x] = 0;
+                for (int64_t r = 0; r < nq; r++) {
+                    real *drow = dsl + (((i0 + r) >> l) - sp.r0) * sp.cl;
+                    const real *dprow = dP + r * BK;
+                    if (l == 0) {
+                        for (int64_t c = 0; c < nk; c++) drow[c] += dprow[c];
+                    } else {
+                        for (int64_t c = 0; c < nk; c++) drow[((j0 + c) >> l) - sp.c0] += dprow[c];
+                    }
+                }
+                dwacc[l] += FN(dot)(sp.rl * sp.cl, dsl, G);
+                const real wl = FN(weight)(p, h, l);
+                const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+                const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
+                real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
+                real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
+                for (int64_t a = 0; a < sp.rl; a++) {
+                    real *dqrow = dq + (sp.r0 + a) * p->dq_stride[l][2];
+                    const real *qrow = qb + (sp.r0 + a) * p->q_stride[l][2];
+                    for (int64_t c = 0; c < sp.cl; c++) {
+                        const real g = wl * dsl[a * sp.cl + c];
+                        if (g == 0) continue;
+                        FN(axpy)(D, g, kb + (sp.c0 + c) * p->k_stride[l][2], dqrow);
+                        FN(axpy)(D, g, qrow, dk + (sp.c0 + c) * p->dk_stride[l][2]);
+                    }
+                }
+            }
+        }
+    }
+    real *dwp = (real *)p->dw_partial + (b * p->H + h) * L;
+    for (int l = 0; l < L; l++) dwp[l] = dwacc[l];
+}
+
+static void FN(backward)(const hkt_params *p) {
+    const ws_layout ws = layout(p, 1);
+    const size_t wsb = hkt_workspace_bytes(p, 1);
+    const int64_t ntask = p->B * p->H;
+    const int nt = num_threads(p);
+    (void)nt;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t t = 0; t < ntask; t++) {
+        real *base = (real *)((char *)p->workspace + (size_t)thread_id() * wsb);
+        FN(backward_task)(p, &ws, base, t / p->H, t % p->H);
+    }
+    /* dw[h, l] = sum_b dw_partial[b, h, l] (and over h when w is shared) */
+    real *dw = (real *)p->dw;
+    const real *part = (const real *)p->dw_partial;
+    const int64_t nw = p->w_per_head ? p->H * p->L : p->L;
+    for (int64_t x = 0; x < nw; x++) dw[x] = 0;
+    for (int64_t b = 0; b < p->B; b++)
+        for (int64_t h = 0; h < p->H; h++)
+            for (int l = 0; l < p->L; l++)
+                dw[(p->w_per_head ? h * p->L : 0) + l] += part[(b * p->H + h) * p->L + l];
+}
+
+#undef real
+#undef FN
+#endif

@@ -1,0 +1,65 @@
+"""The only Python file that calls into the C extension (hkt._C).
+
+Private _forward / _backward take torch tensors, allocate the outputs the
+destination-passing kernels expect, and hand everything over through DLPack.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+__all__ = ["_forward", "_backward", "dropout_keep_mask", "has_cuda"]
+
+has_cuda = bool(_C.has_cuda)
+
+
+def _lastdim_contiguous(x: Tensor) -> Tensor:
+    # The kernels take any batch/head/row strides but need unit feature stride.
+    x = x.detach()
+    if x.dim() > 0 and x.size(-1) > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    return x
+
+
+def _mask_arg(mask: Optional[Tensor]) -> Optional[Tensor]:
+    return None if mask is None else mask.detach()
+
+
+def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
+             is_causal: bool, dropout_p: float, scale: float, seed: int) -> Tuple[Tensor, Tensor]:
+    """Returns (out (B, H, T, Dv), lse (B, H, T))."""
+    q = [_lastdim_contiguous(x) for x in q]
+    k = [_lastdim_contiguous(x) for x in k]
+    v = _lastdim_contiguous(v)
+    B, H, T, _ = q[0].shape
+    out = torch.empty((B, H, T, v.shape[-1]), dtype=q[0].dtype, device=q[0].device)
+    lse = torch.empty((B, H, T), dtype=q[0].dtype, device=q[0].device)
+    _C.forward(q, k, v, w.detach(), out, lse, _mask_arg(attn_mask), bool(is_causal), float(scale),
+               float(dropout_p), int(seed), torch.get_num_threads())
+    return out, lse
+
+
+def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
+              lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
+              seed: int) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor]:
+    """Returns (dq per level, dk per level, dv, dw)."""
+    q = [_lastdim_contiguous(x) for x in q]
+    k = [_lastdim_contiguous(x) for x in k]
+    v = _lastdim_contiguous(v)
+    dq = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in q]
+    dk = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in k]
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    _C.backward(_lastdim_contiguous(dout), q, k, v, w.detach(), out.detach().contiguous(), lse.detach().contiguous(),
+                dq, dk, dv, dw, _mask_arg(attn_mask), bool(is_causal), float(scale), float(dropout_p), int(seed),
+                torch.get_num_threads())
+    return dq, dk, dv, dw
+
+
+def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: int) -> Tensor:
+    """The kernels' dropout pattern for ``seed`` as a bool tensor (B, H, T, S), True = kept."""
+    keep = torch.empty((B, H, T, S), dtype=torch.bool)
+    _C.dropout_mask(keep, int(seed), float(dropout_p))
+    return keep

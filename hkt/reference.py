@@ -1,0 +1,82 @@
+"""Plain-PyTorch HKT attention: the definition the kernels are tested against.
+
+It materialises the full (B, H, T, S) score matrix, so it is O(T*S) in memory
+and slow; use it for checking, never for training.
+"""
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["hkt_attention_reference", "combined_scores", "upsample_level"]
+
+
+def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
+    """Expands a level-``level`` score block (..., ceil(T/2^l), ceil(S/2^l)) to
+    (..., T, S): entry (i, j) takes block (i >> l, j >> l)."""
+    if level == 0:
+        return g
+    f = 2**level
+    return g.repeat_interleave(f, dim=-2)[..., :T, :].repeat_interleave(f, dim=-1)[..., :S]
+
+
+def combined_scores(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Optional[float] = None) -> Tensor:
+    """score[i, j] = scale * sum_l w[l] * <q[l][i >> l], k[l][j >> l]>, shape (B, H, T, S)."""
+    B, H, T, D = q[0].shape
+    S = k[0].shape[-2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    L = len(q)
+    w2 = w.unsqueeze(0).expand(H, L) if w.dim() == 1 else w
+    score = None
+    for l in range(L):
+        g = upsample_level(q[l] @ k[l].transpose(-1, -2), l, T, S)
+        term = scale * w2[:, l].view(1, H, 1, 1) * g
+        score = term if score is None else score + term
+    return score
+
+
+def hkt_attention_reference(
+    q: Sequence[Tensor],
+    k: Sequence[Tensor],
+    v: Tensor,
+    w: Tensor,
+    *,
+    attn_mask: Optional[Tensor] = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    dropout_mask: Optional[Tensor] = None,
+    return_probs: bool = False,
+):
+    """HKT attention exactly as HKT_SPEC.md section 1 defines it.
+
+    Same arguments as :func:`hkt.hkt_attention`.  Dropout needs an explicit
+    ``dropout_mask`` (B, H, T, S) of kept entries (e.g. from
+    ``hkt._C.dropout_mask``), so results are reproducible.  With
+    ``return_probs`` also returns P (B, H, T, S) before dropout.
+    """
+    score = combined_scores(q, k, w, scale)
+    T, S = score.shape[-2:]
+    visible = torch.ones(T, S, dtype=torch.bool, device=score.device)
+    if is_causal:
+        visible = torch.tril(visible)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            visible = visible & attn_mask
+        else:
+            score = score + attn_mask
+    score = score.masked_fill(~visible, float("-inf"))
+    # A row with nothing visible gives zeros: softmax a harmless row, then zero it,
+    # so neither the value nor the gradient picks up NaN.
+    row_any = (score > float("-inf")).any(dim=-1, keepdim=True)
+    P = torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1)
+    P = P * row_any
+    Pd = P
+    if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("dropout_mask: required when dropout_p > 0")
+        Pd = P * dropout_mask.to(P.dtype) / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(P)
+    out = Pd @ v
+    return (out, P) if return_probs else out
