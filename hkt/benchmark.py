@@ -1,0 +1,106 @@
+"""Timing and checking helpers shared by ``python -m hkt.demo`` and benchmarks/.
+
+Every comparison checks the kernel against the plain-PyTorch reference before it
+times anything; timings are medians of interleaved runs, so the candidates see
+the same machine state.
+"""
+import math
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .functional import hkt_attention
+from .reference import hkt_attention_reference
+
+__all__ = ["make_inputs", "max_error", "time_interleaved", "attention_callables", "score_flops"]
+
+
+def make_inputs(B, H, T, S, D, L, *, Dv=None, dtype=torch.float32, requires_grad=True, seed=0):
+    """Random q, k (lists of L levels), v and convex per-head w."""
+    g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+
+    q = [rnd(B, H, -(-T // 2**l), D) for l in range(L)]
+    k = [rnd(B, H, -(-S // 2**l), D) for l in range(L)]
+    v = rnd(B, H, S, Dv)
+    w = torch.softmax(torch.randn(H, L, generator=g), -1).to(dtype).requires_grad_(requires_grad)
+    return q, k, v, w
+
+
+def max_error(L, *, is_causal=False, B=1, H=2, T=97, S=None, D=13, dtype=torch.float64) -> float:
+    """Largest |kernel - reference| over the output and every gradient."""
+    q, k, v, w = make_inputs(B, H, T, S or T, D, L, dtype=dtype)
+    leaves = [*q, *k, v, w]
+    out = hkt_attention(q, k, v, w, is_causal=is_causal)
+    ref = hkt_attention_reference(q, k, v, w, is_causal=is_causal)
+    g = torch.randn_like(out)
+    errs = [(out - ref).abs().max().item()]
+    for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
+        errs.append(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return max(errs)
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                     min_time: float = 0.0) -> Dict[str, float]:
+    """Median seconds per call of each callable, running them round-robin."""
+    for f in fns.values():
+        for _ in range(warmup):
+            f()
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    r = 0
+    while r < repeats or time.perf_counter() - start < min_time:
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(time.perf_counter() - t0)
+        r += 1
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def attention_callables(B, H, T, D, levels, *, is_causal=False, backward=False, dtype=torch.float32,
+                        include_reference=False) -> Dict[str, Callable[[], object]]:
+    """Callables for SDPA and HKT at each L in ``levels`` (forward, or forward+backward)."""
+    fns = {}
+
+    def wrap(run, leaves):
+        if not backward:
+            def f():
+                with torch.no_grad():
+                    return run()
+            return f
+
+        def fb():
+            out = run()
+            out.backward(torch.ones_like(out))
+            for x in leaves:
+                x.grad = None
+        return fb
+
+    q, k, v, _ = make_inputs(B, H, T, T, D, 1, dtype=dtype)
+    fns["sdpa"] = wrap(lambda: F.scaled_dot_product_attention(q[0], k[0], v, is_causal=is_causal), [q[0], k[0], v])
+    for L in levels:
+        qL, kL, vL, wL = make_inputs(B, H, T, T, D, L, dtype=dtype)
+        fns[f"hkt L={L}"] = wrap(lambda qL=qL, kL=kL, vL=vL, wL=wL: hkt_attention(qL, kL, vL, wL, is_causal=is_causal),
+                                 [*qL, *kL, vL, wL])
+        if include_reference and L == max(levels):
+            fns[f"reference L={L}"] = wrap(
+                lambda qL=qL, kL=kL, vL=vL, wL=wL: hkt_attention_reference(qL, kL, vL, wL, is_causal=is_causal),
+                [*qL, *kL, vL, wL])
+    return fns
+
+
+def score_flops(B, H, T, D, L, *, is_causal=False, backward=False) -> float:
+    """Nominal floating-point operations of attention with L levels (2 per multiply-add):
+    scores T*T*D*sum_l 4^-l, P@V T*T*D; the backward about 2.5x the forward."""
+    levels = sum(4.0 ** -l for l in range(L))
+    fwd = 2.0 * B * H * T * T * D * (levels + 1)
+    if is_causal:
+        fwd /= 2
+    return fwd * (3.5 if backward else 1.0)

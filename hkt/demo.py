@@ -1,0 +1,40 @@
+"""``make demo``: HKT (L = 1, 2, 3) side by side with torch's SDPA on random data.
+
+Prints, for each L, the largest error against the plain-PyTorch reference
+(float64, output and gradients) and the time per call in float32.
+"""
+import argparse
+
+import torch
+
+from . import _C
+from .benchmark import attention_callables, max_error, time_interleaved
+
+
+def attention_table(B=1, H=8, T=1024, D=64, levels=(1, 2, 3), is_causal=False, repeats=5):
+    print(f"HKT attention vs torch SDPA: B={B} H={H} T=S={T} D={D} float32, causal={is_causal}, "
+          f"{torch.get_num_threads()} threads (hkt OpenMP default {_C.default_threads()})")
+    errs = {L: max_error(L, is_causal=is_causal) for L in levels}
+    fwd = time_interleaved(attention_callables(B, H, T, D, levels, is_causal=is_causal), repeats)
+    fb = time_interleaved(attention_callables(B, H, T, D, levels, is_causal=is_causal, backward=True), repeats)
+    print(f"{'':10s} {'max err vs ref (f64)':>21s} {'fwd ms':>9s} {'x SDPA':>7s} {'fwd+bwd ms':>11s} {'x SDPA':>7s}")
+    for name in fwd:
+        L = None if name == "sdpa" else int(name.split("=")[1])
+        err = "-" if L is None else f"{errs[L]:.1e}"
+        print(f"{name:10s} {err:>21s} {fwd[name] * 1e3:9.1f} {fwd[name] / fwd['sdpa']:7.2f} "
+              f"{fb[name] * 1e3:11.1f} {fb[name] / fb['sdpa']:7.2f}")
+    return fwd, fb
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args(argv)
+    attention_table(H=args.heads, T=args.T, D=args.dim, is_causal=args.causal)
+
+
+if __name__ == "__main__":
+    main()

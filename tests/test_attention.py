@@ -1,0 +1,277 @@
+"""hkt.hkt_attention against the plain-PyTorch reference (float64), SDPA, gradcheck,
+compile and custom-op checks."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hkt
+from hkt import _C, ops
+from hkt._kernels import dropout_keep_mask
+from hkt.reference import hkt_attention_reference as reference
+
+from conftest import level_len, sample_inputs
+
+# (B, H, T, S, D, Dv, L): awkward lengths, S != T, D and Dv not multiples of 8
+SIZES = [
+    (1, 1, 1, 1, 3, 5, 1),
+    (2, 3, 1, 7, 5, 3, 3),
+    (1, 2, 7, 7, 4, 9, 2),
+    (2, 2, 97, 130, 13, 7, 3),
+    (1, 3, 130, 97, 9, 11, 5),
+    (1, 1, 1025, 257, 5, 3, 4),
+    (1, 2, 200, 200, 64, 64, 3),
+]
+MASKS = [None, "bool", "float", "bool4d"]
+
+
+def make_mask(kind, B, H, T, S, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "bool":
+        return torch.rand(T, S, generator=g) > 0.3
+    if kind == "bool4d":  # whole rows masked out too
+        m = torch.rand(B, 1, T, S, generator=g) > 0.5
+        m[:, :, ::5] = False
+        return m
+    m = torch.randn(1, H, T, S, generator=g, dtype=dtype)
+    m[..., ::3, 1::2] = float("-inf")
+    return m
+
+
+def grads(out, tensors, seed=3):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad(out, tensors, g)
+
+
+def assert_matches(q, k, v, w, rtol, atol, **kw):
+    out = hkt.hkt_attention(q, k, v, w, **kw)
+    ref = reference(q, k, v, w, **kw)
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)
+    leaves = [*q, *k, v, w]
+    for a, b in zip(grads(out, leaves), grads(ref, leaves)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    return out
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_grads_float64(size, mask, causal):
+    B, H, T, S, D, Dv, L = size
+    q, k, v, w = sample_inputs(*size, requires_grad=True, per_head=(T % 2 == 1))
+    assert_matches(q, k, v, w, 1e-10, 1e-10, attn_mask=make_mask(mask, B, H, T, S, torch.float64),
+                   is_causal=causal)
+
+
+@pytest.mark.parametrize("size", SIZES[2:5], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("per_head", [False, True])
+def test_float32(size, per_head):
+    q, k, v, w = sample_inputs(*size, dtype=torch.float32, requires_grad=True, per_head=per_head)
+    q64, k64, v64, w64 = [[x.detach().double().requires_grad_() for x in xs] for xs in (q, k)] + [
+        x.detach().double().requires_grad_() for x in (v, w)]
+    out = hkt.hkt_attention(q, k, v, w, is_causal=True, scale=0.3)
+    ref = reference(q64, k64, v64, w64, is_causal=True, scale=0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads(out, [*q, *k, v, w]), grads(ref, [*q64, *k64, v64, w64])):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_scale_and_levels_matter():
+    # guards against a kernel that ignores coarse levels or the scale
+    q, k, v, w = sample_inputs(1, 2, 33, 33, 4, 4, 3)
+    base = hkt.hkt_attention(q, k, v, w)
+    w2 = w.clone()
+    w2[:, 2] += 1
+    assert (hkt.hkt_attention(q, k, v, w2) - base).abs().max() > 1e-3
+    assert (hkt.hkt_attention(q, k, v, w, scale=0.01) - base).abs().max() > 1e-3
+
+
+def test_gradcheck():
+    q, k, v, w = sample_inputs(1, 2, 9, 6, 3, 2, 3, requires_grad=True)
+    mask = make_mask("float", 1, 2, 9, 6, torch.float64)
+    fn = lambda *a: hkt.hkt_attention(list(a[:3]), list(a[3:6]), a[6], a[7], attn_mask=mask, is_causal=True)
+    assert torch.autograd.gradcheck(fn, (*q, *k, v, w))
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_level_equals_sdpa(mask, causal):
+    B, H, T, S = 2, 3, 37, 37 if causal else 50
+    q, k, v, _ = sample_inputs(B, H, T, S, 6, 5, 1, requires_grad=True)
+    w = torch.ones(1, dtype=torch.float64)
+    am = make_mask(mask, B, H, T, S, torch.float64)
+    if mask == "bool":
+        am[:, 0] = True  # SDPA gives NaN for rows with nothing visible
+    if mask == "float":
+        am = am.nan_to_num(neginf=-1e4)
+    if causal and am is not None:  # SDPA cannot take both: fold causality into the mask
+        tri = torch.ones(T, S, dtype=torch.bool).tril()
+        sd_mask = (am & tri) if am.dtype == torch.bool else am.masked_fill(~tri, float("-inf"))
+    else:
+        sd_mask = am
+    out = hkt.hkt_attention(q, k, v, w, attn_mask=am, is_causal=causal)
+    ref = F.scaled_dot_product_attention(q[0], k[0], v, attn_mask=sd_mask, is_causal=causal and am is None)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads(out, [q[0], k[0], v]), grads(ref, [q[0], k[0], v])):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_fully_masked_rows_give_zeros():
+    B, H, T, S = 1, 2, 20, 30
+    q, k, v, w = sample_inputs(B, H, T, S, 4, 3, 3, requires_grad=True)
+    mask = torch.ones(T, S, dtype=torch.bool)
+    mask[3] = False
+    mask[11] = False
+    out = hkt.hkt_attention(q, k, v, w, attn_mask=mask)
+    assert torch.isfinite(out).all()
+    assert (out[:, :, [3, 11]] == 0).all()
+    assert (out[:, :, 4].abs() > 0).any()
+    fm = torch.zeros(T, S, dtype=torch.float64)
+    fm[5] = float("-inf")
+    out2 = hkt.hkt_attention(q, k, v, w, attn_mask=fm)
+    assert (out2[:, :, 5] == 0).all()
+    gq0, gv = torch.autograd.grad(out.sum() + out2.sum(), [q[0], v])
+    assert torch.isfinite(gq0).all() and torch.isfinite(gv).all()
+    # rows 3 and 11 see no key in either call, row 5 none in the second: no gradient
+    gq0 = torch.autograd.grad(hkt.hkt_attention(q, k, v, w, attn_mask=mask).sum(), q[0])[0]
+    assert (gq0[:, :, [3, 11]] == 0).all() and (gq0[:, :, 4] != 0).any()
+    # no key at all
+    q, k, v, w = sample_inputs(1, 1, 5, 0, 4, 3, 2, requires_grad=True)
+    out = hkt.hkt_attention(q, k, v, w)
+    assert out.shape == (1, 1, 5, 3) and (out == 0).all()
+
+
+def test_non_contiguous_inputs():
+    B, H, T, S, D, Dv, L = 2, 3, 29, 23, 6, 5, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L)
+    # (B, T, H, D) storage viewed as (B, H, T, D), as a projection then view would give
+    qt = [x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in q]
+    kt = [x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in k]
+    vt = torch.cat([v, v], dim=-1)[..., ::2].detach().requires_grad_()  # feature stride 2
+    wt = w.t().contiguous().t().requires_grad_()
+    assert not qt[1].is_contiguous() and not vt.is_contiguous() and not wt.is_contiguous()
+    assert_matches(qt, kt, vt, wt, 1e-10, 1e-10, is_causal=True)
+
+
+def test_numpy_through_extension():
+    B, H, T, S, D, Dv, L = 1, 2, 19, 21, 3, 4, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L)
+    out = np.empty((B, H, T, Dv))
+    lse = np.empty((B, H, T))
+    _C.forward([x.numpy() for x in q], [x.numpy() for x in k], v.numpy(), w.numpy(), out, lse, None, True)
+    np.testing.assert_allclose(out, reference(q, k, v, w, is_causal=True).numpy(), rtol=1e-10, atol=1e-12)
+    dout = np.ones((B, H, T, Dv))
+    dq = [np.empty(x.shape) for x in q]
+    dk = [np.empty(x.shape) for x in k]
+    dv, dw = np.empty(v.shape), np.empty(w.shape)
+    _C.backward(dout, [x.numpy() for x in q], [x.numpy() for x in k], v.numpy(), w.numpy(), out, lse,
+                dq, dk, dv, dw, None, True)
+    leaves = [x.clone().requires_grad_() for x in [*q, *k, v, w]]
+    ref = torch.autograd.grad(reference(leaves[:L], leaves[L:2 * L], leaves[-2], leaves[-1], is_causal=True).sum(),
+                              leaves)
+    for a, b in zip([*dq, *dk, dv, dw], ref):
+        np.testing.assert_allclose(a, b.numpy(), rtol=1e-10, atol=1e-12)
+    # float32 arrays and a bool mask from NumPy
+    out32 = np.empty((B, H, T, Dv), np.float32)
+    mask = np.random.default_rng(0).random((B, H, T, S)) > 0.4
+    _C.forward([x.numpy().astype(np.float32) for x in q], [x.numpy().astype(np.float32) for x in k],
+               v.numpy().astype(np.float32), w.numpy().astype(np.float32), out32, np.empty((B, H, T), np.float32),
+               mask)
+    ref = reference(q, k, v, w, attn_mask=torch.from_numpy(mask)).numpy()
+    np.testing.assert_allclose(out32, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_deterministic_and_thread_count_independent():
+    q, k, v, w = sample_inputs(2, 3, 150, 140, 16, 8, 3, dtype=torch.float32, requires_grad=True)
+    runs = []
+    for threads in (1, 2, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = hkt.hkt_attention(q, k, v, w, is_causal=True)
+            runs.append([out, *grads(out, [*q, *k, v, w])])
+        finally:
+            torch.set_num_threads(old)
+    for a, b in zip(runs[1], runs[2]):
+        assert torch.equal(a, b)  # bitwise run to run
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b)  # per-(b, h) ownership: thread count does not change the order
+
+
+def test_opcheck():
+    q, k, v, w = sample_inputs(1, 2, 11, 9, 3, 4, 2, requires_grad=True)
+    mask = torch.rand(1, 2, 11, 9) > 0.2
+    seed = torch.tensor(5)
+    torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, mask, True, 0.0, 0.5, seed))
+    torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, None, False, 0.0, 0.5, seed))
+
+
+def test_torch_compile_fullgraph():
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8 * 3)
+            self.w = torch.nn.Parameter(torch.tensor([0.6, 0.3, 0.1]))
+
+        def forward(self, x):
+            q, k, v = self.proj(x).unsqueeze(1).chunk(3, dim=-1)
+            qs = [q, q[:, :, ::2], q[:, :, ::4]]
+            ks = [k, k[:, :, ::2], k[:, :, ::4]]
+            return hkt.hkt_attention(qs, ks, v, self.w, is_causal=True)
+
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(2, 13, 8)
+    eager = model(x)
+    eager.sum().backward()
+    g_eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, eager)
+    for a, p in zip(g_eager, model.parameters()):
+        torch.testing.assert_close(p.grad, a)
+
+
+def test_dropout_exact_against_reference():
+    B, H, T, S, p = 1, 2, 70, 66, 0.3
+    q, k, v, w = sample_inputs(B, H, T, S, 5, 4, 3, requires_grad=True)
+    seed = torch.tensor(1234)
+    out, _ = ops.attention_forward(list(q), list(k), v, w, None, True, p, 0.4, seed)
+    keep = dropout_keep_mask(1234, p, B, H, T, S)
+    frac = keep.float().mean().item()
+    assert abs(frac - (1 - p)) < 0.02
+    ref = reference(q, k, v, w, is_causal=True, dropout_p=p, scale=0.4, dropout_mask=keep)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads(out, [*q, *k, v, w]), grads(ref, [*q, *k, v, w])):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_dropout_same_seed_same_result_and_expectation():
+    q, k, v, w = sample_inputs(1, 2, 24, 24, 4, 3, 2, requires_grad=True)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        out = hkt.hkt_attention(q, k, v, w, dropout_p=0.5)
+        return [out, *grads(out, [*q, v])]
+
+    a, b, c = run(7), run(7), run(8)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[0], c[0])
+    plain = hkt.hkt_attention(q, k, v, w)
+    torch.manual_seed(0)
+    mean = torch.stack([hkt.hkt_attention(q, k, v, w, dropout_p=0.5) for _ in range(3000)]).mean(0)
+    # the mean of 3000 draws sits within a few standard errors of the undropped output
+    assert (mean - plain).abs().max() < 0.1
+    assert (mean - plain).abs().mean() < 0.02
+
+
+def test_dropout_one_drops_everything():
+    q, k, v, w = sample_inputs(1, 1, 5, 5, 2, 2, 1)
+    assert (hkt.hkt_attention(q, k, v, w, dropout_p=1.0) == 0).all()
