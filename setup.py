@@ -10,7 +10,7 @@ from setuptools import Extension, setup
 debug = os.environ.get("DEBUG", "0") == "1"
 openmp = os.environ.get("HKT_NO_OPENMP", "0") != "1"
 
-cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas"]
+cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
 ldflags = []
 if openmp:

@@ -92,7 +92,7 @@ static int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
 static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
 typedef struct {
-    int64_t s, dp, g, dsl, kt, vt, delta, dwacc, m, lsum, total; /* offsets in reals */
+    int64_t s, dp, g, e, dsl, dslt, pt, kt, vt, delta, dwacc, m, lsum, total; /* offsets in reals */
     int64_t goff[HKT_MAX_LEVELS], ktoff[HKT_MAX_LEVELS];
 } ws_layout;
 
@@ -109,11 +109,14 @@ static ws_layout layout(const hkt_params *p, int backward) {
     kt = round16(kt);
     w.s = at;    at += BQ * BK;
     w.g = at;    at += g;
+    w.e = at;    at += g;
     w.kt = at;   at += kt;
-    w.dp = w.dsl = w.vt = w.delta = w.dwacc = w.m = w.lsum = 0;
+    w.dp = w.dsl = w.dslt = w.pt = w.vt = w.delta = w.dwacc = w.m = w.lsum = 0;
     if (backward) {
         w.dp = at;    at += BQ * BK;
+        w.pt = at;    at += BQ * BK;
         w.dsl = at;   at += g;
+        w.dslt = at;  at += g;
         w.vt = at;    at += round16(p->Dv * BK);
         w.delta = at; at += round16(p->T);
         w.dwacc = at; at += round16(p->L);
@@ -143,21 +146,25 @@ static int num_threads(const hkt_params *p) {
 #define CAT(a, b) CAT2(a, b)
 
 #define HKT_REAL float
+#define HKT_IS_FLOAT 1
 #define HKT_SUFFIX f32
 #define HKT_EXP expf
 #define HKT_LOG logf
 #include "hkt_attention.c"
 #undef HKT_REAL
+#undef HKT_IS_FLOAT
 #undef HKT_SUFFIX
 #undef HKT_EXP
 #undef HKT_LOG
 
 #define HKT_REAL double
+#define HKT_IS_FLOAT 0
 #define HKT_SUFFIX f64
 #define HKT_EXP exp
 #define HKT_LOG log
 #include "hkt_attention.c"
 #undef HKT_REAL
+#undef HKT_IS_FLOAT
 #undef HKT_SUFFIX
 #undef HKT_EXP
 #undef HKT_LOG
@@ -176,16 +183,116 @@ void hkt_backward_cpu(const hkt_params *p) {
 
 #define real HKT_REAL
 #define FN(name) CAT(name, HKT_SUFFIX)
+/* One 64-byte vector: a zmm register with AVX-512, two ymm with AVX2. */
+#define VL ((int64_t)(64 / sizeof(real)))
+typedef real CAT(vec, HKT_SUFFIX) __attribute__((vector_size(64)));
+#define vec CAT(vec, HKT_SUFFIX)
 
-static inline void FN(axpy)(int64_t n, real a, const real *restrict x, real *restrict y) {
-    for (int64_t e = 0; e < n; e++) y[e] += a * x[e];
+static inline __attribute__((always_inline)) vec FN(vload)(const real *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
+
+static inline __attribute__((always_inline)) void FN(vstore)(real *p, vec v) { memcpy(p, &v, sizeof v); }
 
 static inline real FN(dot)(int64_t n, const real *restrict x, const real *restrict y) {
     real acc = 0;
 #pragma omp simd reduction(+ : acc)
     for (int64_t e = 0; e < n; e++) acc += x[e] * y[e];
     return acc;
+}
+
+/* ---- GEMM: C (M, N) = [C +] alpha * A (M, K) @ B (K, N), all row-major with
+ * leading dimensions.  Register-blocked R x (NV vectors) micro-tiles: 4 x 4
+ * keeps 16 accumulators in zmm registers, 4 loads and 4 broadcasts feed 16 FMAs. */
+#define DEFINE_TILE(R, NV)                                                                      \
+    static inline __attribute__((always_inline)) void FN(tile_##R##x##NV)(int64_t K, real alpha, const real *restrict A,      \
+                                           int64_t lda, const real *restrict B, int64_t ldb,   \
+                                           real *restrict C, int64_t ldc, int accumulate) {    \
+        vec c[R][NV];                                                                           \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (vec){0};           \
+        for (int64_t kk = 0; kk < K; kk++) {                                                    \
+            vec b[NV];                                                                          \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) b[v] = FN(vload)(B + kk * ldb + v * VL); \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                              \
+                const real a = A[r * lda + kk];                                                 \
+                _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] += a * b[v];      \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) {                             \
+                real *p = C + r * ldc + v * VL;                                                 \
+                vec o = alpha * c[r][v];                                                        \
+                FN(vstore)(p, accumulate ? FN(vload)(p) + o : o);                               \
+            }                                                                                   \
+    }
+
+DEFINE_TILE(4, 4)
+DEFINE_TILE(1, 4)
+DEFINE_TILE(4, 1)
+DEFINE_TILE(1, 1)
+
+static HKT_HOT void FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A, int64_t lda,
+                             const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
+    int64_t j = 0;
+    for (; j + 4 * VL <= N; j += 4 * VL) {
+        int64_t i = 0;
+        for (; i + 4 <= M; i += 4) FN(tile_4x4)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i < M; i++) FN(tile_1x4)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+    }
+    for (; j + VL <= N; j += VL) {
+        int64_t i = 0;
+        for (; i + 4 <= M; i += 4) FN(tile_4x1)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i < M; i++) FN(tile_1x1)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+    }
+    if (j < N) {
+        for (int64_t i = 0; i < M; i++) {
+            real *crow = C + i * ldc;
+            for (int64_t n = j; n < N; n++) {
+                real acc = 0;
+                for (int64_t kk = 0; kk < K; kk++) acc += A[i * lda + kk] * B[kk * ldb + n];
+                crow[n] = accumulate ? crow[n] + alpha * acc : alpha * acc;
+            }
+        }
+    }
+}
+
+/* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions */
+static inline void FN(transpose)(int64_t rows, int64_t cols, const real *src, int64_t lds, real *dst, int64_t ldd) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
+}
+
+/* x[c] = exp(x[c] - m) for c < n; -inf gives exactly 0.  Arguments are <= 0 (m is
+ * the row max, or the row's log-sum-exp in the backward). */
+#if HKT_IS_FLOAT
+static inline float FN(exp_nonpos)(float x) {
+    /* Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial
+     * (relative error ~2e-7): vectorises, unlike a libm call. */
+    const float xc = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+    const float t = xc * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : p * scale;
+}
+#else
+static inline double FN(exp_nonpos)(double x) { return exp(x); }
+#endif
+
+static inline void FN(exp_shift)(real *restrict x, int64_t n, real m) {
+    for (int64_t c = 0; c < n; c++) x[c] = FN(exp_nonpos)(x[c] - m);
 }
 
 static inline real FN(weight)(const hkt_params *p, int64_t h, int l) {
@@ -207,46 +314,67 @@ static inline FN(span) FN(level_span)(int l, int64_t i0, int64_t i1, int64_t j0,
 /* Kt_l (D, cl) = transpose of k[l] rows [c0, c0 + cl), for every level. */
 static void FN(load_keys)(const hkt_params *p, const ws_layout *ws, real *base,
                           int64_t b, int64_t h, int64_t j0, int64_t j1) {
-    const int64_t D = p->D;
     for (int l = 0; l < p->L; l++) {
         FN(span) sp = FN(level_span)(l, 0, 1, j0, j1);
         const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
-        real *kt = base + ws->kt + ws->ktoff[l];
-        for (int64_t c = 0; c < sp.cl; c++) {
-            const real *row = kb + (sp.c0 + c) * p->k_stride[l][2];
-            for (int64_t d = 0; d < D; d++) kt[d * sp.cl + c] = row[d];
-        }
+        FN(transpose)(sp.cl, p->D, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                      base + ws->kt + ws->ktoff[l], sp.cl);
     }
 }
 
-/* S (nq, BK) = scale * sum_l w[l] * upsample(G_l), with G_l = q[l] k[l]^T over
- * the tile (kept in the workspace for the backward's dw), then masking:
- * invisible entries become -inf, a float mask is added. */
+/* S (nq, BK) = scale * sum_l w[l] * upsample(G_l), with G_l = q[l] k[l]^T over the
+ * tile (kept in the workspace for the backward's dw).  Coarse levels are folded
+ * from the coarsest down (E_l = w_l G_l + up2(E_{l+1})), so each level costs one
+ * pass over its own grid.  Then masking: invisible entries become -inf, a float
+ * mask is added. */
 static HKT_HOT void FN(tile_scores)(const hkt_params *p, const ws_layout *ws, real *base,
                                     int64_t b, int64_t h, int64_t i0, int64_t i1,
                                     int64_t j0, int64_t j1) {
     const int64_t D = p->D, nq = i1 - i0, nk = j1 - j0;
+    const int L = p->L;
     real *S = base + ws->s;
-    for (int l = 0; l < p->L; l++) {
+    const real scale = (real)p->scale;
+    for (int l = 0; l < L; l++) {
         FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
         const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-        const real *kt = base + ws->kt + ws->ktoff[l];
-        real *G = base + ws->g + ws->goff[l];
-        for (int64_t r = 0; r < sp.rl; r++) {
-            const real *qrow = qb + (sp.r0 + r) * p->q_stride[l][2];
-            real *g = G + r * sp.cl;
-            for (int64_t c = 0; c < sp.cl; c++) g[c] = 0;
-            for (int64_t d = 0; d < D; d++) FN(axpy)(sp.cl, qrow[d], kt + d * sp.cl, g);
-        }
-        const real ws_l = (real)p->scale * FN(weight)(p, h, l);
-        if (l == 0) {
-            for (int64_t r = 0; r < nq; r++)
-                for (int64_t c = 0; c < nk; c++) S[r * BK + c] = ws_l * G[r * sp.cl + c];
+        FN(gemm)(sp.rl, sp.cl, D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
+                 base + ws->kt + ws->ktoff[l], sp.cl, base + ws->g + ws->goff[l], sp.cl, 0);
+    }
+    const real *E1 = NULL;
+    int64_t e1_ld = 0, e1_r0 = 0, e1_c0 = 0;
+    for (int l = L - 1; l >= 1; l--) {
+        FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
+        const real *G = base + ws->g + ws->goff[l];
+        real *E = base + ws->e + ws->goff[l];
+        const real wl = scale * FN(weight)(p, h, l);
+        if (l == L - 1) {
+            for (int64_t x = 0; x < sp.rl * sp.cl; x++) E[x] = wl * G[x];
         } else {
-            for (int64_t r = 0; r < nq; r++) {
-                const real *g = G + (((i0 + r) >> l) - sp.r0) * sp.cl;
-                real *srow = S + r * BK;
-                for (int64_t c = 0; c < nk; c++) srow[c] += ws_l * g[((j0 + c) >> l) - sp.c0];
+            FN(span) up = FN(level_span)(l + 1, i0, i1, j0, j1);
+            const real *Eu = base + ws->e + ws->goff[l + 1];
+            for (int64_t a = 0; a < sp.rl; a++) {
+                const real *eu = Eu + (((sp.r0 + a) >> 1) - up.r0) * up.cl;
+                for (int64_t c = 0; c < sp.cl; c++)
+                    E[a * sp.cl + c] = wl * G[a * sp.cl + c] + eu[((sp.c0 + c) >> 1) - up.c0];
+            }
+        }
+        E1 = E;
+        e1_ld = sp.cl;
+        e1_r0 = sp.r0;
+        e1_c0 = sp.c0;
+    }
+    {
+        const real *G0 = base + ws->g + ws->goff[0];
+        const real w0 = scale * FN(weight)(p, h, 0);
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            const real *g = G0 + r * nk;
+            if (E1) {
+                const real *e = E1 + (((i0 + r) >> 1) - e1_r0) * e1_ld;
+                const int64_t off = (j0 >> 1) - e1_c0; /* 0: tiles start on even keys */
+                for (int64_t c = 0; c < nk; c++) srow[c] = w0 * g[c] + e[((j0 + c) >> 1) - (j0 >> 1) + off];
+            } else {
+                for (int64_t c = 0; c < nk; c++) srow[c] = w0 * g[c];
             }
         }
     }
@@ -276,13 +404,13 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, r
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
     const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
     real *Sbuf = base + ws->s, *m = base + ws->m, *lsum = base + ws->lsum;
-    real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
+    real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
     const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
 
     for (int64_t r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         lsum[r] = 0;
-        real *orow = ob + (i0 + r) * p->out_stride[2];
+        real *orow = ob + r * p->out_stride[2];
         for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
     }
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
@@ -290,42 +418,45 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, r
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         FN(load_keys)(p, ws, base, b, h, j0, j1);
         FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1);
+        /* online softmax: rescale what out holds so far, then add this tile's P @ V */
         for (int64_t r = 0; r < nq; r++) {
             real *srow = Sbuf + r * BK;
             real mx = -INFINITY;
             for (int64_t c = 0; c < nk; c++) mx = srow[c] > mx ? srow[c] : mx;
-            if (mx == -INFINITY) continue; /* nothing visible in this tile */
-            const real mnew = mx > m[r] ? mx : m[r];
-            const real alpha = HKT_EXP(m[r] - mnew);
-            real sum = 0;
-            for (int64_t c = 0; c < nk; c++) {
-                const real e = HKT_EXP(srow[c] - mnew);
-                srow[c] = e;
-                sum += e;
+            if (mx == -INFINITY) { /* nothing visible in this tile */
+                for (int64_t c = 0; c < nk; c++) srow[c] = 0;
+                continue;
             }
-            real *orow = ob + (i0 + r) * p->out_stride[2];
-            if (alpha != 1)
+            const real mnew = mx > m[r] ? mx : m[r];
+            const real alpha = m[r] == -INFINITY ? 0 : FN(exp_nonpos)(m[r] - mnew);
+            FN(exp_shift)(srow, nk, mnew);
+            real sum = 0;
+            for (int64_t c = 0; c < nk; c++) sum += srow[c];
+            if (alpha != 1) {
+                real *orow = ob + r * p->out_stride[2];
                 for (int64_t e = 0; e < Dv; e++) orow[e] *= alpha;
+            }
             lsum[r] = lsum[r] * alpha + sum;
             m[r] = mnew;
-            const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S);
-            for (int64_t c = 0; c < nk; c++) {
-                real pr = srow[c];
-                if (use_dropout) pr = keep_entry(sm, th, rowidx + (uint64_t)(j0 + c)) ? pr * kf : 0;
-                if (pr != 0) FN(axpy)(Dv, pr, vb + (j0 + c) * p->v_stride[2], orow);
+            if (use_dropout) {
+                const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
+                for (int64_t c = 0; c < nk; c++)
+                    srow[c] = keep_entry(sm, th, rowidx + (uint64_t)c) ? srow[c] * kf : 0;
             }
         }
+        FN(gemm)(nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
     }
-    real *lse = (real *)p->lse + (b * p->H + h) * T;
+    real *lse = (real *)p->lse + (b * p->H + h) * T + i0;
     for (int64_t r = 0; r < nq; r++) {
-        real *orow = ob + (i0 + r) * p->out_stride[2];
+        real *orow = ob + r * p->out_stride[2];
         if (lsum[r] > 0) {
             const real inv = 1 / lsum[r];
             for (int64_t e = 0; e < Dv; e++) orow[e] *= inv;
-            lse[i0 + r] = m[r] + HKT_LOG(lsum[r]);
+            lse[r] = m[r] + HKT_LOG(lsum[r]);
         } else {
             /* no visible key: zeros, and +inf so the backward's P is exactly 0 */
-            lse[i0 + r] = INFINITY;
+            for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
+            lse[r] = INFINITY;
         }
     }
 }
@@ -345,9 +476,14 @@ static void FN(forward)(const hkt_params *p) {
     }
 }
 
-/* backward: one task per (b, h), which owns every gradient row of that (b, h),
- * so accumulation needs no atomics and is deterministic; dw goes through
- * dw_partial and is reduced in a fixed order at the end. */
+/* backward: one task per (b, h), which owns every gradient row of that (b, h), so
+ * accumulation needs no atomics and is deterministic; dw goes through dw_partial
+ * and is reduced in a fixed order at the end.
+ *
+ * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
+ * backward: dv = Pdrop^T dO; dP = dO v^T; dS = P * (dP * keep/(1-p) - rowsum(dO * out))
+ *           dq_l = scale w_l sum2^l(dS) k_l; dk_l = scale w_l sum2^l(dS)^T q_l;
+ *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T) */
 static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, real *base,
                                       int64_t b, int64_t h) {
     const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv;
@@ -355,7 +491,8 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
     const int use_dropout = p->dropout_p > 0;
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
     const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
-    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt;
+    const real scale = (real)p->scale;
+    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt, *Pt = base + ws->pt;
     real *delta = base + ws->delta, *dwacc = base + ws->dwacc;
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
     const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
@@ -380,70 +517,66 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         FN(load_keys)(p, ws, base, b, h, j0, j1);
-        for (int64_t c = 0; c < nk; c++) {
-            const real *vrow = vb + (j0 + c) * p->v_stride[2];
-            for (int64_t e = 0; e < Dv; e++) Vt[e * BK + c] = vrow[e];
-        }
+        FN(transpose)(nk, Dv, vb + j0 * p->v_stride[2], p->v_stride[2], Vt, BK);
         /* causal: query tiles that end before j0 see none of these keys */
         for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < T; i0 += BQ) {
             const int64_t i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
+            const real *dorows = dob + i0 * p->dout_stride[2];
             FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1);
-            /* P = exp(S - lse), dP = dO V^T, both (nq, nk) */
-            for (int64_t r = 0; r < nq; r++) {
-                real *srow = Sb + r * BK, *dprow = dP + r * BK;
-                const real li = lse[i0 + r];
-                for (int64_t c = 0; c < nk; c++)
-                    srow[c] = srow[c] == -INFINITY ? 0 : HKT_EXP(srow[c] - li);
-                const real *dorow = dob + (i0 + r) * p->dout_stride[2];
-                for (int64_t c = 0; c < nk; c++) dprow[c] = 0;
-                for (int64_t e = 0; e < Dv; e++) FN(axpy)(nk, dorow[e], Vt + e * BK, dprow);
-            }
-            /* dv[j] += sum_i Pdrop[i, j] dO[i];  dS = P * (dP * keep/(1-p) - delta) * scale */
-            for (int64_t r = 0; r < nq; r++) {
-                real *srow = Sb + r * BK, *dprow = dP + r * BK;
-                const real di = delta[i0 + r];
-                const real *dorow = dob + (i0 + r) * p->dout_stride[2];
-                const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S);
-                for (int64_t c = 0; c < nk; c++) {
-                    const real pr = srow[c];
-                    if (pr == 0) { dprow[c] = 0; continue; }
-                    real f = 1;
-                    if (use_dropout) f = keep_entry(sm, th, rowidx + (uint64_t)(j0 + c)) ? kf : 0;
-                    if (f != 0) FN(axpy)(Dv, pr * f, dorow, dvb + (j0 + c) * p->dv_stride[2]);
-                    dprow[c] = (real)p->scale * pr * (dprow[c] * f - di);
+            for (int64_t r = 0; r < nq; r++) FN(exp_shift)(Sb + r * BK, nk, lse[i0 + r]);  /* P */
+            FN(gemm)(nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0);        /* dP = dO V^T */
+            if (use_dropout) {
+                /* dv takes the dropped P; dS uses dP through the same mask */
+                for (int64_t r = 0; r < nq; r++) {
+                    const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
+                    const real di = delta[i0 + r];
+                    real *srow = Sb + r * BK, *dprow = dP + r * BK;
+                    for (int64_t c = 0; c < nk; c++) {
+                        const real f = keep_entry(sm, th, rowidx + (uint64_t)c) ? kf : 0;
+                        Pt[c * BQ + r] = srow[c] * f;
+                        dprow[c] = scale * srow[c] * (dprow[c] * f - di);
+                    }
+                }
+            } else {
+                FN(transpose)(nq, nk, Sb, BK, Pt, BQ);
+                for (int64_t r = 0; r < nq; r++) {
+                    const real di = delta[i0 + r];
+                    real *srow = Sb + r * BK, *dprow = dP + r * BK;
+                    for (int64_t c = 0; c < nk; c++) dprow[c] = scale * srow[c] * (dprow[c] - di);
                 }
             }
-            /* per level: block-sum dS, then dq, dk, dw of that level */
+            FN(gemm)(nk, Dv, nq, 1, Pt, BQ, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2],
+                     p->dv_stride[2], 1);                                                  /* dv += P^T dO */
+            /* per level: block-sum dS (already times scale), then dq, dk, dw of that level */
             for (int l = 0; l < L; l++) {
                 FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
                 const real *G = base + ws->g + ws->goff[l];
-                real *dsl = base + ws->dsl + ws->goff[l];
-                for (int64_t x = 0; x < sp.rl * sp.cl; x++) dsl[x] = 0;
-                for (int64_t r = 0; r < nq; r++) {
-                    real *drow = dsl + (((i0 + r) >> l) - sp.r0) * sp.cl;
-                    const real *dprow = dP + r * BK;
-                    if (l == 0) {
-                        for (int64_t c = 0; c < nk; c++) drow[c] += dprow[c];
-                    } else {
+                real *dsl = dP;
+                int64_t ldsl = BK;
+                if (l > 0) {
+                    dsl = base + ws->dsl + ws->goff[l];
+                    ldsl = sp.cl;
+                    for (int64_t x = 0; x < sp.rl * sp.cl; x++) dsl[x] = 0;
+                    for (int64_t r = 0; r < nq; r++) {
+                        real *drow = dsl + (((i0 + r) >> l) - sp.r0) * sp.cl;
+                        const real *dprow = dP + r * BK;
                         for (int64_t c = 0; c < nk; c++) drow[((j0 + c) >> l) - sp.c0] += dprow[c];
                     }
                 }
-                dwacc[l] += FN(dot)(sp.rl * sp.cl, dsl, G);
+                real dws = 0;
+                for (int64_t a = 0; a < sp.rl; a++) dws += FN(dot)(sp.cl, dsl + a * ldsl, G + a * sp.cl);
+                dwacc[l] += dws;
                 const real wl = FN(weight)(p, h, l);
                 const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
                 const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
                 real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
                 real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
-                for (int64_t a = 0; a < sp.rl; a++) {
-                    real *dqrow = dq + (sp.r0 + a) * p->dq_stride[l][2];
-                    const real *qrow = qb + (sp.r0 + a) * p->q_stride[l][2];
-                    for (int64_t c = 0; c < sp.cl; c++) {
-                        const real g = wl * dsl[a * sp.cl + c];
-                        if (g == 0) continue;
-                        FN(axpy)(D, g, kb + (sp.c0 + c) * p->k_stride[l][2], dqrow);
-                        FN(axpy)(D, g, qrow, dk + (sp.c0 + c) * p->dk_stride[l][2]);
-                    }
-                }
+                real *dslt = base + ws->dslt + ws->goff[l];
+                FN(gemm)(sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                         dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
+                FN(transpose)(sp.rl, sp.cl, dsl, ldsl, dslt, sp.rl);
+                FN(gemm)(sp.cl, D, sp.rl, wl, dslt, sp.rl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
+                         dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
             }
         }
     }
@@ -473,6 +606,8 @@ static void FN(backward)(const hkt_params *p) {
                 dw[(p->w_per_head ? h * p->L : 0) + l] += part[(b * p->H + h) * p->L + l];
 }
 
+#undef vec
+#undef VL
 #undef real
 #undef FN
 #endif
