@@ -92,37 +92,48 @@ static int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
 static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
 typedef struct {
-    int64_t s, dp, g, e, dsl, dslt, pt, kt, vt, delta, dwacc, m, lsum, total; /* offsets in reals */
-    int64_t goff[HKT_MAX_LEVELS], ktoff[HKT_MAX_LEVELS];
+    /* offsets in reals, after the per-thread header */
+    int64_t s, dp, g, e, dsl, pt, kt, ktall, ready, tmp, vt, delta, dwacc, m, lsum, total;
+    int64_t goff[HKT_MAX_LEVELS], ktoff[HKT_MAX_LEVELS], ktalloff[HKT_MAX_LEVELS];
 } ws_layout;
+
+/* Row length of a level's transposed keys: padded so rows 4 KiB apart do not all
+ * land in the same L1 set. */
+static int64_t ktall_ld(const hkt_params *p, int l) {
+    return round16(p->S > 0 ? ((p->S - 1) >> l) + 1 : 0) + 16;
+}
 
 static ws_layout layout(const hkt_params *p, int backward) {
     ws_layout w;
-    int64_t g = 0, kt = 0, at = 0;
+    int64_t g = 0, kt = 0, ktall = 0, at = 0;
+    memset(&w, 0, sizeof w);
     for (int l = 0; l < p->L; l++) {
         w.goff[l] = g;
         w.ktoff[l] = kt;
+        w.ktalloff[l] = ktall;
         g += rows_max(l) * cols_max(l);
         kt += p->D * cols_max(l);
+        ktall += p->D * ktall_ld(p, l);
     }
     g = round16(g);
-    kt = round16(kt);
     w.s = at;    at += BQ * BK;
     w.g = at;    at += g;
     w.e = at;    at += g;
-    w.kt = at;   at += kt;
-    w.dp = w.dsl = w.dslt = w.pt = w.vt = w.delta = w.dwacc = w.m = w.lsum = 0;
+    w.tmp = at;  at += BK > BQ ? BK : BQ;
     if (backward) {
+        w.kt = at;    at += round16(kt);
         w.dp = at;    at += BQ * BK;
         w.pt = at;    at += BQ * BK;
         w.dsl = at;   at += g;
-        w.dslt = at;  at += g;
         w.vt = at;    at += round16(p->Dv * BK);
         w.delta = at; at += round16(p->T);
         w.dwacc = at; at += round16(p->L);
     } else {
-        w.m = at;    at += BQ;
-        w.lsum = at; at += BQ;
+        /* the transposed keys of one (b, h), all levels, and which tiles are in */
+        w.ktall = at; at += round16(ktall);
+        w.ready = at; at += round16((p->S + BK - 1) / BK);
+        w.m = at;     at += BQ;
+        w.lsum = at;  at += BQ;
     }
     w.total = at;
     return w;
@@ -130,7 +141,7 @@ static ws_layout layout(const hkt_params *p, int backward) {
 
 size_t hkt_workspace_bytes(const hkt_params *p, int backward) {
     size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
-    return (size_t)layout(p, backward).total * elem + 64;
+    return (size_t)layout(p, backward).total * elem + 64 /* header */ + 64 /* round up */;
 }
 
 size_t hkt_dw_partial_bytes(const hkt_params *p) {
@@ -187,6 +198,19 @@ void hkt_backward_cpu(const hkt_params *p) {
 #define VL ((int64_t)(64 / sizeof(real)))
 typedef real CAT(vec, HKT_SUFFIX) __attribute__((vector_size(64)));
 #define vec CAT(vec, HKT_SUFFIX)
+#if HKT_IS_FLOAT
+typedef int32_t CAT(ivec, HKT_SUFFIX) __attribute__((vector_size(64)));
+static const CAT(ivec, HKT_SUFFIX) FN(dup_lo) = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+static const CAT(ivec, HKT_SUFFIX) FN(dup_hi) = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+static const CAT(ivec, HKT_SUFFIX) FN(even) = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const CAT(ivec, HKT_SUFFIX) FN(odd) = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#else
+typedef int64_t CAT(ivec, HKT_SUFFIX) __attribute__((vector_size(64)));
+static const CAT(ivec, HKT_SUFFIX) FN(dup_lo) = {0, 0, 1, 1, 2, 2, 3, 3};
+static const CAT(ivec, HKT_SUFFIX) FN(dup_hi) = {4, 4, 5, 5, 6, 6, 7, 7};
+static const CAT(ivec, HKT_SUFFIX) FN(even) = {0, 2, 4, 6, 8, 10, 12, 14};
+static const CAT(ivec, HKT_SUFFIX) FN(odd) = {1, 3, 5, 7, 9, 11, 13, 15};
+#endif
 
 static inline __attribute__((always_inline)) vec FN(vload)(const real *p) {
     vec v;
@@ -203,13 +227,14 @@ static inline real FN(dot)(int64_t n, const real *restrict x, const real *restri
     return acc;
 }
 
-/* ---- GEMM: C (M, N) = [C +] alpha * A (M, K) @ B (K, N), all row-major with
- * leading dimensions.  Register-blocked R x (NV vectors) micro-tiles: 4 x 4
- * keeps 16 accumulators in zmm registers, 4 loads and 4 broadcasts feed 16 FMAs. */
-#define DEFINE_TILE(R, NV)                                                                      \
-    static inline __attribute__((always_inline)) void FN(tile_##R##x##NV)(int64_t K, real alpha, const real *restrict A,      \
-                                           int64_t lda, const real *restrict B, int64_t ldb,   \
-                                           real *restrict C, int64_t ldc, int accumulate) {    \
+/* ---- GEMM: C (M, N) = [C +] alpha * op(A) @ B, row-major with leading dimensions;
+ * op(A) = A (M, K) or, with trans_a, A^T where A is stored (K, M).  Register-blocked
+ * R x (NV vectors) micro-tiles: 4 x 4 keeps 16 accumulators in zmm registers, and
+ * 4 loads plus 4 broadcasts feed 16 FMAs. */
+#define DEFINE_TILE(NAME, R, NV, AIDX)                                                          \
+    static inline __attribute__((always_inline)) void FN(NAME)(                                \
+        int64_t K, real alpha, const real *restrict A, int64_t lda, const real *restrict B,    \
+        int64_t ldb, real *restrict C, int64_t ldc, int accumulate) {                          \
         vec c[R][NV];                                                                           \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (vec){0};           \
@@ -217,7 +242,7 @@ static inline real FN(dot)(int64_t n, const real *restrict x, const real *restri
             vec b[NV];                                                                          \
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) b[v] = FN(vload)(B + kk * ldb + v * VL); \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                              \
-                const real a = A[r * lda + kk];                                                 \
+                const real a = A[AIDX];                                                         \
                 _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] += a * b[v];      \
             }                                                                                   \
         }                                                                                       \
@@ -229,34 +254,72 @@ static inline real FN(dot)(int64_t n, const real *restrict x, const real *restri
             }                                                                                   \
     }
 
-DEFINE_TILE(4, 4)
-DEFINE_TILE(1, 4)
-DEFINE_TILE(4, 1)
-DEFINE_TILE(1, 1)
+/* narrower column blocks (coarse levels, small Dv) take more rows, so every
+ * block still keeps 16 (8) accumulators busy */
+DEFINE_TILE(tile_4x4, 4, 4, r * lda + kk)
+DEFINE_TILE(tile_1x4, 1, 4, r * lda + kk)
+DEFINE_TILE(tile_8x2, 8, 2, r * lda + kk)
+DEFINE_TILE(tile_1x2, 1, 2, r * lda + kk)
+DEFINE_TILE(tile_8x1, 8, 1, r * lda + kk)
+DEFINE_TILE(tile_1x1, 1, 1, r * lda + kk)
+DEFINE_TILE(tile_t4x4, 4, 4, kk * lda + r)
+DEFINE_TILE(tile_t1x4, 1, 4, kk * lda + r)
+DEFINE_TILE(tile_t8x2, 8, 2, kk * lda + r)
+DEFINE_TILE(tile_t1x2, 1, 2, kk * lda + r)
+DEFINE_TILE(tile_t8x1, 8, 1, kk * lda + r)
+DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
 
-static HKT_HOT void FN(gemm)(int64_t M, int64_t N, int64_t K, real alpha, const real *A, int64_t lda,
-                             const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
+static HKT_HOT void FN(gemm)(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                             int64_t lda, const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
+    /* row i of op(A) starts at A + i * as, and op(A)[i][kk] = A[i * as + kk * ks] */
+    const int64_t as = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
     int64_t j = 0;
-    for (; j + 4 * VL <= N; j += 4 * VL) {
-        int64_t i = 0;
-        for (; i + 4 <= M; i += 4) FN(tile_4x4)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < M; i++) FN(tile_1x4)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+#define HKT_TILES(R, NV, TR, T1, TTR, TT1)                                                               \
+    for (; j + NV * VL <= N; j += NV * VL) {                                                             \
+        int64_t i = 0;                                                                                   \
+        if (trans_a) {                                                                                   \
+            for (; i + R <= M; i += R) FN(TTR)(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i < M; i++) FN(TT1)(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
+        } else {                                                                                         \
+            for (; i + R <= M; i += R) FN(TR)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i < M; i++) FN(T1)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
+        }                                                                                                \
     }
-    for (; j + VL <= N; j += VL) {
-        int64_t i = 0;
-        for (; i + 4 <= M; i += 4) FN(tile_4x1)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < M; i++) FN(tile_1x1)(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-    }
+    HKT_TILES(4, 4, tile_4x4, tile_1x4, tile_t4x4, tile_t1x4)
+    HKT_TILES(8, 2, tile_8x2, tile_1x2, tile_t8x2, tile_t1x2)
+    HKT_TILES(8, 1, tile_8x1, tile_1x1, tile_t8x1, tile_t1x1)
+#undef HKT_TILES
     if (j < N) {
         for (int64_t i = 0; i < M; i++) {
             real *crow = C + i * ldc;
             for (int64_t n = j; n < N; n++) {
                 real acc = 0;
-                for (int64_t kk = 0; kk < K; kk++) acc += A[i * lda + kk] * B[kk * ldb + n];
+                for (int64_t kk = 0; kk < K; kk++) acc += A[i * as + kk * ks] * B[kk * ldb + n];
                 crow[n] = accumulate ? crow[n] + alpha * acc : alpha * acc;
             }
         }
     }
+}
+
+/* dst[c] = src[c >> 1] for c < n: a grid row upsampled by 2 */
+static inline void FN(expand2)(const real *restrict src, int64_t n, real *restrict dst) {
+    int64_t c = 0;
+    for (; c + 2 * VL <= n; c += 2 * VL) {
+        const vec s = FN(vload)(src + c / 2);
+        FN(vstore)(dst + c, __builtin_shuffle(s, FN(dup_lo)));
+        FN(vstore)(dst + c + VL, __builtin_shuffle(s, FN(dup_hi)));
+    }
+    for (; c < n; c++) dst[c] = src[c >> 1];
+}
+
+/* dst[c] = src[2c] + src[2c + 1] (the last alone if n is odd): a row summed over pairs */
+static inline void FN(pairsum)(const real *restrict src, int64_t n, real *restrict dst) {
+    int64_t c = 0;
+    for (; 2 * c + 2 * VL <= n; c += VL) {
+        const vec a = FN(vload)(src + 2 * c), b = FN(vload)(src + 2 * c + VL);
+        FN(vstore)(dst + c, __builtin_shuffle(a, b, FN(even)) + __builtin_shuffle(a, b, FN(odd)));
+    }
+    for (; 2 * c < n; c++) dst[c] = src[2 * c] + (2 * c + 1 < n ? src[2 * c + 1] : 0);
 }
 
 /* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions */
@@ -311,101 +374,115 @@ static inline FN(span) FN(level_span)(int l, int64_t i0, int64_t i1, int64_t j0,
     return s;
 }
 
-/* Kt_l (D, cl) = transpose of k[l] rows [c0, c0 + cl), for every level. */
-static void FN(load_keys)(const hkt_params *p, const ws_layout *ws, real *base,
-                          int64_t b, int64_t h, int64_t j0, int64_t j1) {
+/* Transposes key rows [j0, j1) of every level into kt[l] (D, ld[l]) at column
+ * offset (j0 >> l) - base_col[l]: the score GEMM's B operand, (D, keys). */
+static void FN(load_keys)(const hkt_params *p, int64_t b, int64_t h, int64_t j0, int64_t j1,
+                          real *const *kt, const int64_t *ld, const int64_t *base_col) {
     for (int l = 0; l < p->L; l++) {
         FN(span) sp = FN(level_span)(l, 0, 1, j0, j1);
         const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
         FN(transpose)(sp.cl, p->D, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
-                      base + ws->kt + ws->ktoff[l], sp.cl);
+                      kt[l] + sp.c0 - base_col[l], ld[l]);
     }
 }
 
 /* S (nq, BK) = scale * sum_l w[l] * upsample(G_l), with G_l = q[l] k[l]^T over the
- * tile (kept in the workspace for the backward's dw).  Coarse levels are folded
- * from the coarsest down (E_l = w_l G_l + up2(E_{l+1})), so each level costs one
- * pass over its own grid.  Then masking: invisible entries become -inf, a float
- * mask is added. */
+ * tile (kept in the workspace for the backward's dw).  kt[l] points at the tile's
+ * first transposed key column of level l, with leading dimension ktld[l].
+ *
+ * Coarse levels are folded from the coarsest down, E_l = scale w_l G_l + up2(E_{l+1}),
+ * so each level costs one pass over its own grid; up2 duplicates rows and columns.
+ * Tiles start at multiples of 64, so a level's first row and column inside a tile
+ * are even whenever it has more than one: the parent of (a, c) is (a >> 1, c >> 1).
+ * Then masking: invisible entries become -inf, a float mask is added. */
 static HKT_HOT void FN(tile_scores)(const hkt_params *p, const ws_layout *ws, real *base,
-                                    int64_t b, int64_t h, int64_t i0, int64_t i1,
-                                    int64_t j0, int64_t j1) {
+                                    int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0, int64_t j1,
+                                    const real *const *kt, const int64_t *ktld) {
     const int64_t D = p->D, nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
-    real *S = base + ws->s;
+    real *S = base + ws->s, *tmp = base + ws->tmp;
     const real scale = (real)p->scale;
     for (int l = 0; l < L; l++) {
         FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
         const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-        FN(gemm)(sp.rl, sp.cl, D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
-                 base + ws->kt + ws->ktoff[l], sp.cl, base + ws->g + ws->goff[l], sp.cl, 0);
+        FN(gemm)(0, sp.rl, sp.cl, D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2], kt[l], ktld[l],
+                 base + ws->g + ws->goff[l], sp.cl, 0);
     }
-    const real *E1 = NULL;
-    int64_t e1_ld = 0, e1_r0 = 0, e1_c0 = 0;
-    for (int l = L - 1; l >= 1; l--) {
+    const real *up = NULL; /* E_{l+1}, row length up_cl */
+    int64_t up_cl = 0;
+    for (int l = L - 1; l >= 0; l--) {
         FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
         const real *G = base + ws->g + ws->goff[l];
-        real *E = base + ws->e + ws->goff[l];
+        real *E = l ? base + ws->e + ws->goff[l] : S;
+        const int64_t lde = l ? sp.cl : BK;
         const real wl = scale * FN(weight)(p, h, l);
-        if (l == L - 1) {
-            for (int64_t x = 0; x < sp.rl * sp.cl; x++) E[x] = wl * G[x];
-        } else {
-            FN(span) up = FN(level_span)(l + 1, i0, i1, j0, j1);
-            const real *Eu = base + ws->e + ws->goff[l + 1];
-            for (int64_t a = 0; a < sp.rl; a++) {
-                const real *eu = Eu + (((sp.r0 + a) >> 1) - up.r0) * up.cl;
-                for (int64_t c = 0; c < sp.cl; c++)
-                    E[a * sp.cl + c] = wl * G[a * sp.cl + c] + eu[((sp.c0 + c) >> 1) - up.c0];
+        for (int64_t a = 0; a < sp.rl; a++) {
+            const real *g = G + a * sp.cl;
+            real *e = E + a * lde;
+            if (!up) {
+                for (int64_t c = 0; c < sp.cl; c++) e[c] = wl * g[c];
+                continue;
             }
+            if (a % 2 == 0) FN(expand2)(up + (a >> 1) * up_cl, sp.cl, tmp);
+            for (int64_t c = 0; c < sp.cl; c++) e[c] = wl * g[c] + tmp[c];
         }
-        E1 = E;
-        e1_ld = sp.cl;
-        e1_r0 = sp.r0;
-        e1_c0 = sp.c0;
+        up = E;
+        up_cl = sp.cl;
     }
-    {
-        const real *G0 = base + ws->g + ws->goff[0];
-        const real w0 = scale * FN(weight)(p, h, 0);
+    if (p->causal && j1 - 1 > i0) {
+        /* on the diagonal: key j > i is hidden */
         for (int64_t r = 0; r < nq; r++) {
             real *srow = S + r * BK;
-            const real *g = G0 + r * nk;
-            if (E1) {
-                const real *e = E1 + (((i0 + r) >> 1) - e1_r0) * e1_ld;
-                const int64_t off = (j0 >> 1) - e1_c0; /* 0: tiles start on even keys */
-                for (int64_t c = 0; c < nk; c++) srow[c] = w0 * g[c] + e[((j0 + c) >> 1) - (j0 >> 1) + off];
-            } else {
-                for (int64_t c = 0; c < nk; c++) srow[c] = w0 * g[c];
-            }
+            for (int64_t c = i0 + r - j0 + 1 > 0 ? i0 + r - j0 + 1 : 0; c < nk; c++) srow[c] = -INFINITY;
         }
     }
-    /* A tile wholly below the diagonal with no mask needs no per-entry test. */
-    if (p->mask_kind == HKT_MASK_NONE && (!p->causal || j1 - 1 <= i0)) return;
+    if (p->mask_kind == HKT_MASK_NONE) return;
+    const int64_t ms3 = p->mask_stride[3];
     for (int64_t r = 0; r < nq; r++) {
-        const int64_t i = i0 + r;
         real *srow = S + r * BK;
-        const int64_t mrow = b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2];
-        for (int64_t c = 0; c < nk; c++) {
-            const int64_t j = j0 + c;
-            const int64_t mi = mrow + j * p->mask_stride[3];
-            if (p->causal && j > i) srow[c] = -INFINITY;
-            else if (p->mask_kind == HKT_MASK_BOOL && !((const unsigned char *)p->mask)[mi])
-                srow[c] = -INFINITY;
-            else if (p->mask_kind == HKT_MASK_FLOAT) srow[c] += ((const real *)p->mask)[mi];
+        const int64_t mrow = b * p->mask_stride[0] + h * p->mask_stride[1] + (i0 + r) * p->mask_stride[2] + j0 * ms3;
+        if (p->mask_kind == HKT_MASK_BOOL) {
+            const unsigned char *m = (const unsigned char *)p->mask + mrow;
+            for (int64_t c = 0; c < nk; c++) srow[c] = m[c * ms3] ? srow[c] : -INFINITY;
+        } else {
+            const real *m = (const real *)p->mask + mrow;
+            for (int64_t c = 0; c < nk; c++) srow[c] += m[c * ms3];
         }
     }
 }
 
-/* forward: one task per (b, h, query tile); each task owns its out rows. */
-static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, real *base,
+/* Per-thread state at the head of each workspace block. */
+typedef struct { int64_t cached_bh; } FN(thread_state);
+#define WS_HEADER 64
+
+/* forward: one task per (b, h, query tile); each task owns its out rows.  The
+ * transposed keys of the current (b, h) stay in the thread's workspace, so each
+ * key tile is transposed once per thread, not once per query tile. */
+static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, char *block,
                                      int64_t b, int64_t h, int64_t qt) {
     const int64_t T = p->T, S = p->S, Dv = p->Dv;
     const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
     const int use_dropout = p->dropout_p > 0;
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
     const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
-    real *Sbuf = base + ws->s, *m = base + ws->m, *lsum = base + ws->lsum;
+    FN(thread_state) *state = (FN(thread_state) *)block;
+    real *base = (real *)(block + WS_HEADER);
+    real *Sbuf = base + ws->s, *m = base + ws->m, *lsum = base + ws->lsum, *ready = base + ws->ready;
     real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
     const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
+    real *ktall[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
+    const real *kt[HKT_MAX_LEVELS];
+    for (int l = 0; l < p->L; l++) {
+        ktall[l] = base + ws->ktall + ws->ktalloff[l];
+        ktld[l] = ktall_ld(p, l);
+        zero[l] = 0;
+    }
+    const int64_t nkt = (S + BK - 1) / BK;
+    if (state->cached_bh != b * p->H + h) {
+        state->cached_bh = b * p->H + h;
+        for (int64_t x = 0; x < nkt; x++) ready[x] = 0;
+    }
 
     for (int64_t r = 0; r < nq; r++) {
         m[r] = -INFINITY;
@@ -416,8 +493,12 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, r
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
     for (int64_t j0 = 0; j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
-        FN(load_keys)(p, ws, base, b, h, j0, j1);
-        FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1);
+        if (!ready[j0 / BK]) {
+            FN(load_keys)(p, b, h, j0, j1, ktall, ktld, zero);
+            ready[j0 / BK] = 1;
+        }
+        for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
+        FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
         /* online softmax: rescale what out holds so far, then add this tile's P @ V */
         for (int64_t r = 0; r < nq; r++) {
             real *srow = Sbuf + r * BK;
@@ -444,7 +525,7 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, r
                     srow[c] = keep_entry(sm, th, rowidx + (uint64_t)c) ? srow[c] * kf : 0;
             }
         }
-        FN(gemm)(nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
+        FN(gemm)(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
     }
     real *lse = (real *)p->lse + (b * p->H + h) * T + i0;
     for (int64_t r = 0; r < nq; r++) {
@@ -464,15 +545,16 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, r
 static void FN(forward)(const hkt_params *p) {
     const ws_layout ws = layout(p, 0);
     const size_t wsb = hkt_workspace_bytes(p, 0);
-    const int64_t nqt = (p->T + BQ - 1) / BQ, ntask = p->B * p->H * nqt;
+    const int64_t nqt = (p->T + BQ - 1) / BQ, nbh = p->B * p->H, ntask = nbh * nqt;
     const int nt = num_threads(p);
-    (void)nt;
-    /* Causal tiles further down cost more: hand them out first. */
+    for (int x = 0; x < nt; x++) ((FN(thread_state) *)((char *)p->workspace + (size_t)x * wsb))->cached_bh = -1;
+    /* (b, h)-major so a thread's cached keys stay useful; within a (b, h) the
+     * costlier causal tiles further down go first. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t t = 0; t < ntask; t++) {
-        const int64_t qt = nqt - 1 - t / (p->B * p->H), bh = t % (p->B * p->H);
-        real *base = (real *)((char *)p->workspace + (size_t)thread_id() * wsb);
-        FN(forward_task)(p, &ws, base, bh / p->H, bh % p->H, qt);
+        const int64_t bh = t / nqt, qt = nqt - 1 - t % nqt;
+        char *block = (char *)p->workspace + (size_t)thread_id() * wsb;
+        FN(forward_task)(p, &ws, block, bh / p->H, bh % p->H, qt);
     }
 }
 
@@ -484,7 +566,7 @@ static void FN(forward)(const hkt_params *p) {
  * backward: dv = Pdrop^T dO; dP = dO v^T; dS = P * (dP * keep/(1-p) - rowsum(dO * out))
  *           dq_l = scale w_l sum2^l(dS) k_l; dk_l = scale w_l sum2^l(dS)^T q_l;
  *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T) */
-static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, real *base,
+static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, char *block,
                                       int64_t b, int64_t h) {
     const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv;
     const int L = p->L;
@@ -492,13 +574,17 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
     const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
     const real scale = (real)p->scale;
-    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt, *Pt = base + ws->pt;
-    real *delta = base + ws->delta, *dwacc = base + ws->dwacc;
+    real *base = (real *)(block + WS_HEADER);
+    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt, *Pd = base + ws->pt;
+    real *delta = base + ws->delta, *dwacc = base + ws->dwacc, *tmp = base + ws->tmp;
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
     const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
     const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
     const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
     real *dvb = (real *)p->dv + b * p->dv_stride[0] + h * p->dv_stride[1];
+    real *ktile[HKT_MAX_LEVELS];
+    const real *kt[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS], col0[HKT_MAX_LEVELS];
 
     /* overwrite semantics: clear this (b, h)'s gradient rows first */
     for (int l = 0; l < L; l++) {
@@ -508,6 +594,8 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
         for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
         for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
         dwacc[l] = 0;
+        ktile[l] = base + ws->kt + ws->ktoff[l];
+        kt[l] = ktile[l];
     }
     for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
     /* rowsum(dO * out): the softmax backward's per-row term */
@@ -516,53 +604,71 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
 
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
-        FN(load_keys)(p, ws, base, b, h, j0, j1);
+        for (int l = 0; l < L; l++) {
+            FN(span) sp = FN(level_span)(l, 0, 1, j0, j1);
+            ktld[l] = sp.cl;
+            col0[l] = sp.c0;
+        }
+        FN(load_keys)(p, b, h, j0, j1, ktile, ktld, col0);
         FN(transpose)(nk, Dv, vb + j0 * p->v_stride[2], p->v_stride[2], Vt, BK);
         /* causal: query tiles that end before j0 see none of these keys */
         for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < T; i0 += BQ) {
             const int64_t i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
             const real *dorows = dob + i0 * p->dout_stride[2];
-            FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1);
+            FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
             for (int64_t r = 0; r < nq; r++) FN(exp_shift)(Sb + r * BK, nk, lse[i0 + r]);  /* P */
-            FN(gemm)(nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0);        /* dP = dO V^T */
+            FN(gemm)(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0);     /* dP = dO V^T */
+            const real *Pv = Sb; /* the P that weighed v: dropped or not */
             if (use_dropout) {
-                /* dv takes the dropped P; dS uses dP through the same mask */
                 for (int64_t r = 0; r < nq; r++) {
                     const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
                     const real di = delta[i0 + r];
-                    real *srow = Sb + r * BK, *dprow = dP + r * BK;
+                    real *srow = Sb + r * BK, *dprow = dP + r * BK, *pdrow = Pd + r * BK;
                     for (int64_t c = 0; c < nk; c++) {
                         const real f = keep_entry(sm, th, rowidx + (uint64_t)c) ? kf : 0;
-                        Pt[c * BQ + r] = srow[c] * f;
+                        pdrow[c] = srow[c] * f;
                         dprow[c] = scale * srow[c] * (dprow[c] * f - di);
                     }
                 }
+                Pv = Pd;
             } else {
-                FN(transpose)(nq, nk, Sb, BK, Pt, BQ);
                 for (int64_t r = 0; r < nq; r++) {
                     const real di = delta[i0 + r];
-                    real *srow = Sb + r * BK, *dprow = dP + r * BK;
+                    const real *srow = Sb + r * BK;
+                    real *dprow = dP + r * BK;
                     for (int64_t c = 0; c < nk; c++) dprow[c] = scale * srow[c] * (dprow[c] - di);
                 }
             }
-            FN(gemm)(nk, Dv, nq, 1, Pt, BQ, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2],
+            FN(gemm)(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2],
                      p->dv_stride[2], 1);                                                  /* dv += P^T dO */
-            /* per level: block-sum dS (already times scale), then dq, dk, dw of that level */
+            /* per level: dS (already times scale) summed over 2^l blocks, level by
+             * level from the one below; then dq, dk, dw of that level */
+            const real *dsl_prev = dP;
+            int64_t ld_prev = BK, rl_prev = nq, cl_prev = nk;
             for (int l = 0; l < L; l++) {
                 FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
                 const real *G = base + ws->g + ws->goff[l];
-                real *dsl = dP;
+                const real *dsl = dP;
                 int64_t ldsl = BK;
                 if (l > 0) {
-                    dsl = base + ws->dsl + ws->goff[l];
-                    ldsl = sp.cl;
-                    for (int64_t x = 0; x < sp.rl * sp.cl; x++) dsl[x] = 0;
-                    for (int64_t r = 0; r < nq; r++) {
-                        real *drow = dsl + (((i0 + r) >> l) - sp.r0) * sp.cl;
-                        const real *dprow = dP + r * BK;
-                        for (int64_t c = 0; c < nk; c++) drow[((j0 + c) >> l) - sp.c0] += dprow[c];
+                    real *out = base + ws->dsl + ws->goff[l];
+                    for (int64_t a = 0; a < sp.rl; a++) {
+                        const real *r0 = dsl_prev + 2 * a * ld_prev;
+                        if (2 * a + 1 < rl_prev) {
+                            const real *r1 = r0 + ld_prev;
+                            for (int64_t c = 0; c < cl_prev; c++) tmp[c] = r0[c] + r1[c];
+                            FN(pairsum)(tmp, cl_prev, out + a * sp.cl);
+                        } else {
+                            FN(pairsum)(r0, cl_prev, out + a * sp.cl);
+                        }
                     }
+                    dsl = out;
+                    ldsl = sp.cl;
                 }
+                dsl_prev = dsl;
+                ld_prev = ldsl;
+                rl_prev = sp.rl;
+                cl_prev = sp.cl;
                 real dws = 0;
                 for (int64_t a = 0; a < sp.rl; a++) dws += FN(dot)(sp.cl, dsl + a * ldsl, G + a * sp.cl);
                 dwacc[l] += dws;
@@ -571,11 +677,9 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
                 const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
                 real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
                 real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
-                real *dslt = base + ws->dslt + ws->goff[l];
-                FN(gemm)(sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                FN(gemm)(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
                          dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
-                FN(transpose)(sp.rl, sp.cl, dsl, ldsl, dslt, sp.rl);
-                FN(gemm)(sp.cl, D, sp.rl, wl, dslt, sp.rl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
+                FN(gemm)(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
                          dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
             }
         }
@@ -592,8 +696,8 @@ static void FN(backward)(const hkt_params *p) {
     (void)nt;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t t = 0; t < ntask; t++) {
-        real *base = (real *)((char *)p->workspace + (size_t)thread_id() * wsb);
-        FN(backward_task)(p, &ws, base, t / p->H, t % p->H);
+        char *block = (char *)p->workspace + (size_t)thread_id() * wsb;
+        FN(backward_task)(p, &ws, block, t / p->H, t % p->H);
     }
     /* dw[h, l] = sum_b dw_partial[b, h, l] (and over h when w is shared) */
     real *dw = (real *)p->dw;
