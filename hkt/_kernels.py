@@ -23,38 +23,53 @@ def _lastdim_contiguous(x: Tensor) -> Tensor:
     return x
 
 
-def _mask_arg(mask: Optional[Tensor]) -> Optional[Tensor]:
-    return None if mask is None else mask.detach()
+def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    if mask is None:
+        return None
+    mask = mask.detach()
+    return mask if mask.dtype == torch.bool else mask.to(dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The kernels run in float32 or float64; bfloat16 inputs are computed in float32."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def _upcast(xs: Sequence[Tensor]) -> List[Tensor]:
+    return [_lastdim_contiguous(x.to(compute_dtype(x.dtype))) for x in xs]
 
 
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
              is_causal: bool, dropout_p: float, scale: float, seed: int) -> Tuple[Tensor, Tensor]:
-    """Returns (out (B, H, T, Dv), lse (B, H, T))."""
-    q = [_lastdim_contiguous(x) for x in q]
-    k = [_lastdim_contiguous(x) for x in k]
-    v = _lastdim_contiguous(v)
+    """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype)."""
+    in_dtype = q[0].dtype
+    q, k = _upcast(q), _upcast(k)
+    v, w = _upcast([v, w])
     B, H, T, _ = q[0].shape
     out = torch.empty((B, H, T, v.shape[-1]), dtype=q[0].dtype, device=q[0].device)
     lse = torch.empty((B, H, T), dtype=q[0].dtype, device=q[0].device)
-    _C.forward(q, k, v, w.detach(), out, lse, _mask_arg(attn_mask), bool(is_causal), float(scale),
+    _C.forward(q, k, v, w, out, lse, _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale),
                float(dropout_p), int(seed), torch.get_num_threads())
-    return out, lse
+    return out.to(in_dtype), lse
 
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
               lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
               seed: int) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor]:
-    """Returns (dq per level, dk per level, dv, dw)."""
-    q = [_lastdim_contiguous(x) for x in q]
-    k = [_lastdim_contiguous(x) for x in k]
-    v = _lastdim_contiguous(v)
+    """Returns (dq per level, dk per level, dv, dw), in the inputs' dtype."""
+    in_dtype = q[0].dtype
+    q, k = _upcast(q), _upcast(k)
+    v, w, dout, out = _upcast([v, w, dout, out])
     dq = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in q]
     dk = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in k]
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    _C.backward(_lastdim_contiguous(dout), q, k, v, w.detach(), out.detach().contiguous(), lse.detach().contiguous(),
-                dq, dk, dv, dw, _mask_arg(attn_mask), bool(is_causal), float(scale), float(dropout_p), int(seed),
+    _C.backward(dout, q, k, v, w, out.contiguous(), lse.detach().contiguous(), dq, dk, dv, dw,
+                _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale), float(dropout_p), int(seed),
                 torch.get_num_threads())
+    if in_dtype != q[0].dtype:
+        dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
+        dv, dw = dv.to(in_dtype), dw.to(in_dtype)
     return dq, dk, dv, dw
 
 

@@ -70,8 +70,11 @@ def hkt_attention(
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks,
         shapes (``q[l]`` must have ceil(T/2^l) rows), mixed dtypes or devices,
-        dtypes other than float32/float64, a non-finite scale or a dropout_p
-        outside [0, 1].
+        dtypes other than float32/float64/bfloat16, a non-finite scale or a
+        dropout_p outside [0, 1].
+
+    float32 and float64 run in their own precision; bfloat16 inputs are computed
+    in float32 (upcast on entry, results rounded back to bfloat16).
     """
     _check_levels(q, "q")
     _check_levels(k, "k")
@@ -79,8 +82,8 @@ def hkt_attention(
         raise ValueError(f"k: expected {len(q)} levels like q, got {len(k)}")
     _check_tensor(v, "v", (4,))
     _check_tensor(w, "w", (1, 2))
-    if q[0].dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"q[0]: dtype must be float32 or float64, got {q[0].dtype}")
+    if q[0].dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        raise TypeError(f"q[0]: dtype must be float32, float64 or bfloat16, got {q[0].dtype}")
     device = q[0].device
     for name, x in [(f"q[{l}]", x) for l, x in enumerate(q)] + [(f"k[{l}]", x) for l, x in enumerate(k)] + [
             ("v", v), ("w", w)]:

@@ -33,7 +33,7 @@ def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, at
 def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
     B, H, T, _ = q[0].shape
     out = q[0].new_empty((B, H, T, v.shape[-1]))
-    lse = q[0].new_empty((B, H, T))
+    lse = q[0].new_empty((B, H, T), dtype=_kernels.compute_dtype(q[0].dtype))
     return out, lse
 
 

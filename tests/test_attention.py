@@ -275,3 +275,17 @@ def test_dropout_same_seed_same_result_and_expectation():
 def test_dropout_one_drops_everything():
     q, k, v, w = sample_inputs(1, 1, 5, 5, 2, 2, 1)
     assert (hkt.hkt_attention(q, k, v, w, dropout_p=1.0) == 0).all()
+
+
+def test_bfloat16_computes_in_float32():
+    q, k, v, w = sample_inputs(1, 2, 45, 38, 8, 8, 3, dtype=torch.bfloat16, requires_grad=True)
+    out = hkt.hkt_attention(q, k, v, w, is_causal=True)
+    assert out.dtype == torch.bfloat16
+    up = [[x.detach().double().requires_grad_() for x in xs] for xs in (q, k)]
+    v64, w64 = [x.detach().double().requires_grad_() for x in (v, w)]
+    ref = reference(up[0], up[1], v64, w64, is_causal=True)
+    # only the final rounding to bfloat16 (8 bits of mantissa) separates the two
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    for a, b in zip(grads(out, [*q, *k, v, w]), grads(ref, [*up[0], *up[1], v64, w64])):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,203 @@
+"""HKT attention against torch's SDPA (and the plain-PyTorch reference) on the CPU.
+
+Checks every kernel against the float64 reference first (and stops if one is off),
+then times forward and forward+backward at each T, interleaving the candidates so
+they see the same machine state, and reports medians, ratios to SDPA, GFLOP/s, the
+fitted exponent of time against T, and the extra peak memory of a long sequence.
+
+    python benchmarks/bench_attention.py                 # the README table
+    python benchmarks/bench_attention.py --quick         # a smoke run
+
+Writes benchmarks/out/attention.json and attention.png.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import hkt
+from hkt.benchmark import attention_callables, max_error, score_flops, time_interleaved
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def check_correctness():
+    """Largest relative error of output and gradients against the float64 reference."""
+    worst = {}
+    for L in (1, 2, 3):
+        for causal in (False, True):
+            e64 = max_error(L, is_causal=causal, T=97, S=97, D=13)
+            e32 = max_error(L, is_causal=causal, T=130, S=130, D=64, dtype=torch.float32)
+            worst[f"L={L} causal={causal}"] = {"float64": e64, "float32": e32}
+            if e64 > 1e-9 or e32 > 1e-3:
+                raise SystemExit(f"kernel disagrees with the reference: L={L} causal={causal} "
+                                 f"float64 {e64:.2e} float32 {e32:.2e}")
+    return worst
+
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import sys, json, torch, hkt
+    import torch.nn.functional as F
+    from hkt.benchmark import make_inputs
+    kind, T, H, D, L = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    torch.set_num_threads(int(sys.argv[6]))
+
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+
+    q, k, v, w = make_inputs(1, H, T, T, D, L)
+    run = ((lambda: F.scaled_dot_product_attention(q[0], k[0], v, is_causal=True)) if kind == "sdpa"
+           else (lambda: hkt.hkt_attention(q, k, v, w, is_causal=True)))
+    small = make_inputs(1, 1, 64, 64, D, L)
+    hkt.hkt_attention(*small, is_causal=True).sum().backward()  # load everything once
+    before = rss("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS
+    out = run()
+    out.backward(torch.ones_like(out))
+    peak = rss("VmHWM:")
+    leaves = [q[0], k[0], v] if kind == "sdpa" else [*q, *k, v, w]
+    kept = out.numel() * out.element_size() + sum(x.grad.numel() * x.grad.element_size() for x in leaves)
+    print(json.dumps({"peak_minus_before": peak - before, "outputs_and_grads": kept,
+                      "extra": peak - before - kept}))
+""")
+
+
+def extra_memory(kind, T, H, D, L, threads):
+    res = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, kind, str(T), str(H), str(D), str(L), str(threads)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def fit_exponent(Ts, times):
+    xs = [math.log(t) for t in Ts]
+    ys = [math.log(t) for t in times]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--reference-max-T", type=int, default=2048, help="largest T the O(T^2)-memory reference runs at")
+    ap.add_argument("--memory-T", type=int, default=16384)
+    ap.add_argument("--bf16-T", type=int, nargs="*", default=[1024, 2048])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.T, args.repeats, args.memory_T, args.reference_max_T, args.bf16_T = [256, 512], 3, 2048, 512, [256]
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    H, D = args.heads, args.dim
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
+          f"{args.threads} threads, float32, B=1 H={H} D={D}")
+    errors = check_correctness()
+    print("correctness vs float64 reference (max relative error, output and all gradients): "
+          + ", ".join(f"{k}: {v['float64']:.1e} (f64) {v['float32']:.1e} (f32)" for k, v in errors.items()))
+
+    rows = []
+    for causal in (False, True):
+        for T in args.T:
+            ref = T <= args.reference_max_T
+            for backward in (False, True):
+                fns = attention_callables(1, H, T, D, (1, 2, 3), is_causal=causal, backward=backward,
+                                          include_reference=ref)
+                med = time_interleaved(fns, repeats=args.repeats)
+                for name, sec in med.items():
+                    L = 1 if name == "sdpa" else int(name.split("=")[1])
+                    flops = score_flops(1, H, T, D, L, is_causal=causal, backward=backward)
+                    rows.append({"name": name, "T": T, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
+                                 "ms": sec * 1e3, "x_sdpa": sec / med["sdpa"], "gflops": flops / sec / 1e9})
+
+    print()
+    print(f"{'pass':8s} {'causal':6s} {'T':>5s} | " + " | ".join(f"{n:>22s}" for n in
+                                                          ["sdpa", "hkt L=1", "hkt L=2", "hkt L=3", "reference L=3"]))
+    print(f"{'':8s} {'':6s} {'':>5s} | " + " | ".join(f"{'ms  (x SDPA)  GF/s':>22s}" for _ in range(5)))
+    for p in ("fwd", "fwd+bwd"):
+        for causal in (False, True):
+            for T in args.T:
+                cells = []
+                for n in ["sdpa", "hkt L=1", "hkt L=2", "hkt L=3", "reference L=3"]:
+                    r = [x for x in rows if x["name"] == n and x["T"] == T and x["causal"] == causal and x["pass"] == p]
+                    cells.append(f"{r[0]['ms']:8.1f} ({r[0]['x_sdpa']:4.2f}) {r[0]['gflops']:5.0f}" if r else f"{'-':>22s}")
+                print(f"{p:8s} {str(causal):6s} {T:5d} | " + " | ".join(cells))
+
+    exponents = {}
+    for n in ["sdpa", "hkt L=1", "hkt L=2", "hkt L=3"]:
+        for causal in (False, True):
+            pts = [(x["T"], x["ms"]) for x in rows if x["name"] == n and x["causal"] == causal and x["pass"] == "fwd+bwd"]
+            if len(pts) >= 2:
+                exponents[f"{n} causal={causal}"] = fit_exponent(*zip(*pts))
+    print("\nfitted exponent of fwd+bwd time against T: " + ", ".join(f"{k}: {v:.2f}" for k, v in exponents.items()))
+
+    bf16 = []
+    for T in args.bf16_T:
+        for backward in (False, True):
+            med = time_interleaved(attention_callables(1, H, T, D, (1, 3), backward=backward, dtype=torch.bfloat16),
+                                   repeats=args.repeats)
+            for name, sec in med.items():
+                bf16.append({"name": name, "T": T, "pass": "fwd+bwd" if backward else "fwd", "ms": sec * 1e3,
+                             "x_sdpa": sec / med["sdpa"]})
+    print("\nbfloat16 inputs (hkt computes in float32; SDPA in its bfloat16 kernel), not causal:")
+    for r in bf16:
+        print(f"  {r['pass']:8s} T={r['T']:5d} {r['name']:8s} {r['ms']:8.1f} ms  ({r['x_sdpa']:.2f}x SDPA bf16)")
+
+    memory = {kind: extra_memory(kind, args.memory_T, H, D, 3, args.threads) for kind in ("hkt", "sdpa")}
+    print(f"extra peak memory, causal fwd+bwd at T={args.memory_T} (beyond inputs, output and gradients): "
+          f"hkt L=3 {memory['hkt']['extra'] / 2**20:.1f} MB, sdpa {memory['sdpa']['extra'] / 2**20:.1f} MB")
+
+    ref_ratio = {}
+    for causal in (False, True):
+        r = [x for x in rows if x["name"] == "reference L=3" and x["causal"] == causal and x["pass"] == "fwd+bwd"]
+        h = [x for x in rows if x["name"] == "hkt L=3" and x["causal"] == causal and x["pass"] == "fwd+bwd"]
+        for a in r:
+            b = [x for x in h if x["T"] == a["T"]][0]
+            ref_ratio[f"T={a['T']} causal={causal}"] = a["ms"] / b["ms"]
+    print("reference / hkt L=3, fwd+bwd: " + ", ".join(f"{k}: {v:.1f}x" for k, v in ref_ratio.items()))
+
+    result = {"config": {"heads": H, "dim": D, "threads": args.threads, "T": args.T, "torch": torch.__version__,
+                         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+              "errors": errors, "rows": rows, "exponents": exponents, "memory": memory,
+              "reference_over_hkt": ref_ratio, "bfloat16": bf16}
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+        for ax, causal in zip(axes, (False, True)):
+            for n in ["sdpa", "hkt L=1", "hkt L=2", "hkt L=3", "reference L=3"]:
+                pts = [(x["T"], x["ms"]) for x in rows if x["name"] == n and x["causal"] == causal and x["pass"] == "fwd+bwd"]
+                if pts:
+                    ax.loglog(*zip(*pts), marker="o", label=n, base=2)
+            ax.set_title(f"forward+backward, causal={causal}")
+            ax.set_xlabel("T")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("ms")
+        axes[0].legend()
+        fig.suptitle(f"HKT vs SDPA, B=1 H={H} D={D} float32, {args.threads} threads")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "attention.png"), dpi=110)
+        print(f"wrote {args.out}/attention.json and attention.png")
+    except ImportError:
+        print(f"wrote {args.out}/attention.json (matplotlib missing: no plot)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
