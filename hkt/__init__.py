@@ -7,6 +7,7 @@ See HKT_SPEC.md for the exact math.
 """
 from . import reference
 from .functional import hkt_attention
+from .modules import MultiheadHKT, swap_attention
 
-__all__ = ["hkt_attention", "reference"]
+__all__ = ["hkt_attention", "reference", "MultiheadHKT", "swap_attention"]
 __version__ = "0.1.0"

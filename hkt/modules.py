@@ -1,0 +1,554 @@
+"""The nn.Module: hkt.MultiheadHKT, a drop-in nn.MultiheadAttention, and
+hkt.swap_attention, which puts it into an existing model.
+
+Shapes below: B batch, T query length, S key length, E embed_dim, H heads,
+hd = E / H, L levels, K downsample_kernel.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from .functional import hkt_attention
+from .reference import combined_scores
+
+__all__ = ["MultiheadHKT", "swap_attention"]
+
+
+def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
+    """Trainable causal depthwise downsampling, stride 2 (HKT_SPEC.md section 2).
+
+        out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]    (x = 0 before the start)
+
+    Args:
+        x: (B, n, C).
+        taps: (K, C).
+
+    Returns:
+        (B, ceil(n / 2), C); row p depends only on rows <= 2p of ``x``.
+    """
+    K = taps.shape[0]
+    m = (x.shape[1] + 1) // 2
+    # K - 1 zero rows in front turn index 2p - r into 2p + (K - 1 - r) >= 0; the
+    # last index read, 2(m - 1), is < n, so no padding is needed at the end.
+    xp = F.pad(x, (0, 0, K - 1, 0))
+    out = None
+    for r in range(K):
+        start = K - 1 - r
+        term = xp[:, start:start + 2 * m - 1:2] * taps[r]
+        out = term if out is None else out + term
+    return out
+
+
+def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """bool (True = may attend) -> additive float (0 / -inf)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+class MultiheadHKT(nn.Module):
+    r"""Multi-head Hierarchical Kernel Transformer attention, a drop-in
+    replacement for :class:`torch.nn.MultiheadAttention`.
+
+    Constructor, ``forward`` arguments, mask conventions (bool mask: True = NOT
+    allowed; float mask: added), batched and unbatched shapes and return values
+    are those of ``nn.MultiheadAttention``.  The attention itself is
+    :func:`hkt.hkt_attention` with ``L = levels``:
+
+    * level 0 is standard multi-head attention: ``in_proj_weight`` /
+      ``in_proj_bias`` (or ``q_proj_weight``, ``k_proj_weight``,
+      ``v_proj_weight`` when ``kdim`` or ``vdim`` differ from ``embed_dim``),
+      ``bias_k``, ``bias_v`` and ``out_proj`` carry MHA's names and shapes, so
+      an MHA ``state_dict`` loads into ``levels=1`` with ``strict=True`` and
+      ``levels=1`` computes exactly what MHA computes;
+    * level l >= 1 downsamples the previous level's input with
+      :func:`causal_downsample` (separate taps for the query stream,
+      ``q_downsample`` (L-1, K, E), and the key stream, ``k_downsample``
+      (L-1, K, kdim)) and projects it with its own query and key projections
+      ``coarse_q_proj_weight`` (L-1, E, E), ``coarse_k_proj_weight``
+      (L-1, E, kdim) and biases ``coarse_q_proj_bias``, ``coarse_k_proj_bias``
+      (L-1, E) (absent when ``bias=False``).  Values stay at full resolution
+      (level 0's value projection only);
+    * level weights are ``w = softmax(level_logits, -1)`` with
+      ``level_logits`` (the spec's theta) of shape (num_heads, levels).
+
+    ``levels=1`` registers no coarse parameters and no ``level_logits``.
+
+    ``add_bias_kv`` / ``add_zero_attn`` append one key/value slot each to level
+    0 exactly as MHA does (S' = S + 1 or S + 2).  For the coarse levels the key
+    stream's *input* is extended by the same number of zero tokens before
+    downsampling, so level l has ceil(S' / 2^l) keys as the op requires, every
+    real key's coarse features are unchanged (the slots come after them and the
+    downsampling is causal), and a coarse block made only of appended slots gets
+    the projection bias alone.  Appended slots are visible to every query, as in
+    MHA, also under ``is_causal`` (MHA pads its causal mask with an allowed
+    column).
+
+    Differences from ``nn.MultiheadAttention``:
+
+    * ``is_causal=True`` applies causal masking (key j visible to query i only
+      when j <= i), combined with ``attn_mask`` if given; MHA treats it as a
+      hint that ``attn_mask`` is causal and requires the mask.
+    * The returned weights are the combined HKT probabilities *before*
+      dropout; MHA returns them after dropout (the same in eval mode).  The
+      output always comes from :func:`hkt.hkt_attention`; ``need_weights=True``
+      additionally materialises the (B, H, T, S) probabilities in plain torch,
+      so pass ``need_weights=False`` when you do not need them.
+    * A query row whose keys are all masked gives zeros, not NaN.
+    * Only float32 and float64 are supported (those of :func:`hkt.hkt_attention`).
+    * ``_qkv_same_embed_dim`` is always False (the packed-projection flag is
+      ``_packed_in_proj``): ``nn.TransformerEncoderLayer`` /
+      ``nn.TransformerEncoder`` read it to decide on their fused fast path,
+      which would silently compute plain MHA from ``in_proj_weight``; False is
+      the documented way (a module with kdim != embed_dim) to turn it off.
+    """
+
+    # Read by the fused fast paths of nn.TransformerEncoderLayer/Encoder (and by
+    # nothing in this module): False makes them run this module's forward.
+    _qkv_same_embed_dim = False
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
+                 vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None, *,
+                 levels: int = 3, downsample_kernel: int = 2) -> None:
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
+                             f"and num_heads={num_heads}")
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+            raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
+        if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
+            raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        self.add_zero_attn = add_zero_attn
+        self.levels = levels
+        self.downsample_kernel = downsample_kernel
+
+        # Level 0: nn.MultiheadAttention's parameters, names and shapes.
+        if self._packed_in_proj:
+            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory_kwargs))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory_kwargs))
+            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory_kwargs))
+            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory_kwargs))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory_kwargs))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory_kwargs)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
+        else:
+            self.bias_k = self.bias_v = None
+
+        # Levels 1 .. L-1.
+        Lc, K = levels - 1, downsample_kernel
+        if Lc > 0:
+            self.q_downsample = nn.Parameter(torch.empty((Lc, K, embed_dim), **factory_kwargs))
+            self.k_downsample = nn.Parameter(torch.empty((Lc, K, self.kdim), **factory_kwargs))
+            self.coarse_q_proj_weight = nn.Parameter(torch.empty((Lc, embed_dim, embed_dim), **factory_kwargs))
+            self.coarse_k_proj_weight = nn.Parameter(torch.empty((Lc, embed_dim, self.kdim), **factory_kwargs))
+            if bias:
+                self.coarse_q_proj_bias = nn.Parameter(torch.empty((Lc, embed_dim), **factory_kwargs))
+                self.coarse_k_proj_bias = nn.Parameter(torch.empty((Lc, embed_dim), **factory_kwargs))
+            else:
+                self.register_parameter("coarse_q_proj_bias", None)
+                self.register_parameter("coarse_k_proj_bias", None)
+            self.level_logits = nn.Parameter(torch.empty((num_heads, levels), **factory_kwargs))
+        else:
+            for name in ("q_downsample", "k_downsample", "coarse_q_proj_weight", "coarse_k_proj_weight",
+                         "coarse_q_proj_bias", "coarse_k_proj_bias", "level_logits"):
+                self.register_parameter(name, None)
+
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        """Init for training from scratch.  Level 0 as nn.MultiheadAttention
+        (xavier_uniform projections, zero biases, xavier_normal bias_k/v);
+        downsampling taps 1/K (with K = 2, level l starts as the mean of the
+        2^l inputs ending at position 2^l p: a causal average pool); each coarse projection
+        xavier_uniform with zero bias; level_logits zero (equal level weights)."""
+        if self._packed_in_proj:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            nn.init.xavier_normal_(self.bias_v)
+        if self.levels > 1:
+            nn.init.constant_(self.q_downsample, 1.0 / self.downsample_kernel)
+            nn.init.constant_(self.k_downsample, 1.0 / self.downsample_kernel)
+            for l in range(self.levels - 1):
+                nn.init.xavier_uniform_(self.coarse_q_proj_weight[l])
+                nn.init.xavier_uniform_(self.coarse_k_proj_weight[l])
+            if self.coarse_q_proj_bias is not None:
+                nn.init.constant_(self.coarse_q_proj_bias, 0.0)
+                nn.init.constant_(self.coarse_k_proj_bias, 0.0)
+            nn.init.constant_(self.level_logits, 0.0)
+
+    def extra_repr(self) -> str:
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, levels={self.levels}, " \
+            f"downsample_kernel={self.downsample_kernel}"
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        if self.dropout:
+            s += f", dropout={self.dropout}"
+        if self.bias_k is not None:
+            s += ", add_bias_kv=True"
+        if self.add_zero_attn:
+            s += ", add_zero_attn=True"
+        if self.batch_first:
+            s += ", batch_first=True"
+        return s
+
+    def level_weights(self) -> Tensor:
+        """The convex level weights w = softmax(level_logits), (num_heads, levels)."""
+        if self.level_logits is None:
+            w = self.out_proj.weight
+            return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
+        return torch.softmax(self.level_logits, dim=-1)
+
+    def _level0_weights(self):
+        E = self.embed_dim
+        if self._packed_in_proj:
+            wq, wk, wv = self.in_proj_weight[:E], self.in_proj_weight[E:2 * E], self.in_proj_weight[2 * E:]
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        if self.in_proj_bias is None:
+            bq = bk = bv = None
+        else:
+            bq, bk, bv = self.in_proj_bias.chunk(3)
+        return wq, wk, wv, bq, bk, bv
+
+    @classmethod
+    def from_mha(cls, mha: nn.MultiheadAttention, levels: int = 3, downsample_kernel: int = 2, *,
+                 level0_weight: float = 0.5) -> "MultiheadHKT":
+        """A MultiheadHKT whose output equals ``mha``'s (to float rounding) before any training.
+
+        Same options, device, dtype and training mode as ``mha``; level 0 gets a
+        copy of ``mha``'s parameters.  The coarse levels start switched off but
+        trainable:
+
+        * ``coarse_q_proj_weight`` and ``coarse_q_proj_bias`` are zero, so every
+          coarse score is 0.  They still get gradients at once (the gradient of
+          a level-l query is ``scale * w_l * dS_l @ k_l`` with nonzero keys);
+          the key projections and taps get theirs from the second step on,
+          once the coarse queries are nonzero.
+        * ``coarse_k_proj_weight`` / ``_bias`` copy level 0's key projection and
+          the taps are 1/K, so a coarse key starts as the causal block average of
+          the pretrained keys, a meaningful target for the coarse queries rather
+          than a random one.
+        * ``level_logits`` give level 0 the weight ``w0 = level0_weight`` in every
+          head and split the rest evenly; level 0's query projection (weight rows
+          and bias) is scaled by ``1 / w0`` (w0 as computed in the module's dtype)
+          so ``w0 * <q0 / w0, k0>`` is MHA's score.  The price: level 0's
+          effective step size is w0 times MHA's under Adam-like optimisers, and
+          weight decay acts on a query projection 1/w0 as large.  A larger
+          ``level0_weight`` keeps level 0 closer to MHA but gives the coarse
+          levels less weight (the weights themselves stay trainable).
+
+        With ``levels=1`` the result is an exact copy of ``mha``.
+
+        Args:
+            mha: the source ``nn.MultiheadAttention`` (not modified).
+            levels, downsample_kernel: as in the constructor.
+            level0_weight: w0 in (0, 1), default 0.5; ignored when levels == 1.
+
+        Raises:
+            TypeError if ``mha`` is not an ``nn.MultiheadAttention``;
+            ValueError for ``level0_weight`` outside (0, 1).
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise TypeError(f"mha: expected an nn.MultiheadAttention, got {type(mha).__name__}")
+        if not 0.0 < level0_weight < 1.0:
+            raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight}")
+        ref = mha.out_proj.weight
+        new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+                  add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
+                  vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
+                  levels=levels, downsample_kernel=downsample_kernel)
+        with torch.no_grad():
+            if mha._qkv_same_embed_dim:
+                if new._packed_in_proj:
+                    new.in_proj_weight.copy_(mha.in_proj_weight)
+                else:  # cannot happen: same kdim/vdim; kept for safety
+                    raise AssertionError("packed MHA but unpacked MultiheadHKT")
+            else:
+                new.q_proj_weight.copy_(mha.q_proj_weight)
+                new.k_proj_weight.copy_(mha.k_proj_weight)
+                new.v_proj_weight.copy_(mha.v_proj_weight)
+            if mha.in_proj_bias is not None:
+                new.in_proj_bias.copy_(mha.in_proj_bias)
+            new.out_proj.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                new.out_proj.bias.copy_(mha.out_proj.bias)
+            if mha.bias_k is not None:
+                new.bias_k.copy_(mha.bias_k)
+                new.bias_v.copy_(mha.bias_v)
+            if levels > 1:
+                # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives softmax weight w0 to level 0.
+                new.level_logits.zero_()
+                new.level_logits[:, 0] = math.log(level0_weight * (levels - 1) / (1.0 - level0_weight))
+                w0 = torch.softmax(new.level_logits, dim=-1)[:, 0]  # (H,), in the module's dtype
+                inv = (1.0 / w0).repeat_interleave(new.head_dim)  # (E,): one factor per query row
+                wq, wk, _, bq, bk, _ = new._level0_weights()
+                wq.mul_(inv[:, None])
+                if bq is not None:
+                    bq.mul_(inv)
+                new.coarse_q_proj_weight.zero_()
+                new.coarse_k_proj_weight.copy_(wk.unsqueeze(0).expand_as(new.coarse_k_proj_weight))
+                if bq is not None:
+                    new.coarse_q_proj_bias.zero_()
+                    new.coarse_k_proj_bias.copy_(bk.unsqueeze(0).expand_as(new.coarse_k_proj_bias))
+                new.q_downsample.fill_(1.0 / downsample_kernel)
+                new.k_downsample.fill_(1.0 / downsample_kernel)
+        new.train(mha.training)
+        return new
+
+    def _build_mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool,
+                    B: int, T: int, S: int, n_extra: int, unbatched: bool, dtype: torch.dtype,
+                    device: torch.device):
+        """MHA's masks -> (mask for hkt_attention, is_causal for hkt_attention).
+
+        The returned mask is None, bool (True = may attend) when no float mask
+        was given, or float (additive); it broadcasts to (B, H, T, S + n_extra).
+        """
+        H = self.num_heads
+        masks = []
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+                raise TypeError(f"attn_mask: only bool and floating point masks are supported, got {attn_mask.dtype}")
+            if attn_mask.dim() == 2:
+                if tuple(attn_mask.shape) != (T, S):
+                    raise ValueError(f"attn_mask: 2-D shape must be (T, S) = {(T, S)}, got {tuple(attn_mask.shape)}")
+                m = attn_mask.reshape(1, 1, T, S)
+            elif attn_mask.dim() == 3:
+                want = (H, T, S) if unbatched else (B * H, T, S)
+                if tuple(attn_mask.shape) != want:
+                    raise ValueError(f"attn_mask: 3-D shape must be {want}, got {tuple(attn_mask.shape)}")
+                m = attn_mask.reshape(1 if unbatched else B, H, T, S)
+            else:
+                raise ValueError(f"attn_mask: expected 2 or 3 dimensions, got shape {tuple(attn_mask.shape)}")
+            masks.append(m)
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
+                raise TypeError("key_padding_mask: only bool and floating point masks are supported, got "
+                                f"{key_padding_mask.dtype}")
+            want = (S,) if unbatched else (B, S)
+            if tuple(key_padding_mask.shape) != want:
+                raise ValueError(f"key_padding_mask: shape must be {want}, got {tuple(key_padding_mask.shape)}")
+            masks.append(key_padding_mask.reshape(-1, 1, 1, S))
+        use_float = any(m.is_floating_point() for m in masks)
+        # MHA conventions -> hkt_attention's: bool True = may attend; float added.
+        conv = []
+        for m in masks:
+            if m.dtype == torch.bool:
+                m = ~m
+                if use_float:
+                    m = _to_float_mask(m, dtype)
+            else:
+                m = m.to(dtype)
+            conv.append(m)
+        if n_extra and conv:  # appended key slots are never masked (MHA pads with 0 / False)
+            conv = [F.pad(m, (0, n_extra), value=0.0) if use_float else F.pad(m, (0, n_extra), value=True)
+                    for m in conv]
+        if is_causal and n_extra:
+            # The kernel's causal rule would hide the appended slots from queries i < S + slot.
+            vis = torch.ones((T, S + n_extra), dtype=torch.bool, device=device)
+            vis[:, :S].tril_()
+            conv.append(_to_float_mask(vis, dtype) if use_float else vis)
+            is_causal = False
+        mask = None
+        for m in conv:
+            if mask is None:
+                mask = m
+            else:
+                mask = mask + m if use_float else mask & m
+        return mask, is_causal
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
+                need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        r"""As ``nn.MultiheadAttention.forward``.
+
+        Args:
+            query: (T, E) unbatched, (T, B, E), or (B, T, E) with ``batch_first``.
+            key: (S, kdim), (S, B, kdim) or (B, S, kdim).
+            value: (S, vdim), (S, B, vdim) or (B, S, vdim).
+            key_padding_mask: (B, S), or (S,) unbatched; bool (True = ignore
+                that key) or float (added).
+            need_weights: also return the attention probabilities.
+            attn_mask: (T, S) or (B * num_heads, T, S) ((num_heads, T, S)
+                unbatched); bool (True = NOT allowed) or float (added).
+            average_attn_weights: average the returned weights over heads.
+            is_causal: key j visible to query i only when j <= i (with
+                ``attn_mask`` as well, if given).  Appended ``bias_k`` /
+                zero-attention slots stay visible.
+
+        Returns:
+            (attn_output, attn_weights): attn_output shaped like ``query`` with
+            E features; attn_weights None unless ``need_weights``, else
+            (B, T, S') averaged or (B, H, T, S') per head ((T, S') / (H, T, S')
+            unbatched), S' = S + [add_bias_kv] + [add_zero_attn], before dropout.
+        """
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise ValueError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
+                             "around nn.MultiheadAttention creates them in eval mode with a key padding mask; set "
+                             "its use_nested_tensor = False (hkt.swap_attention does this)")
+        if query.dim() not in (2, 3):
+            raise ValueError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {tuple(query.shape)}")
+        unbatched = query.dim() == 2
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
+                             f"{value.dim()}-D")
+        # Keep `query is key is value` through the reshape: self-attention then takes
+        # one packed projection.
+        same_kv, same_qk = key is value, query is key
+        if unbatched:
+            query = query.unsqueeze(0)
+            key = query if same_qk else key.unsqueeze(0)
+            value = key if same_kv else value.unsqueeze(0)
+        elif not self.batch_first:
+            query = query.transpose(0, 1)
+            key = query if same_qk else key.transpose(0, 1)
+            value = key if same_kv else value.transpose(0, 1)
+        # Now (B, T, E), (B, S, kdim), (B, S, vdim).
+        B, T, E = query.shape
+        S = key.shape[1]
+        if E != self.embed_dim:
+            raise ValueError(f"query: expected {self.embed_dim} features (embed_dim), got {E}")
+        if key.shape[2] != self.kdim:
+            raise ValueError(f"key: expected {self.kdim} features (kdim), got {key.shape[2]}")
+        if value.shape[2] != self.vdim:
+            raise ValueError(f"value: expected {self.vdim} features (vdim), got {value.shape[2]}")
+        if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
+            raise ValueError(f"key, value: batch and length must match each other and query's batch {B}; got "
+                             f"key {tuple(key.shape)}, value {tuple(value.shape)} (batch-first view)")
+        H, hd, L = self.num_heads, self.head_dim, self.levels
+
+        wq, wk, wv, bq, bk, bv = self._level0_weights()
+        if self._packed_in_proj and query is key and key is value:
+            q0, k0, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        else:
+            q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+        n_extra = 0
+        if self.bias_k is not None:
+            k0 = torch.cat([k0, self.bias_k.expand(B, 1, E)], dim=1)
+            v = torch.cat([v, self.bias_v.expand(B, 1, E)], dim=1)
+            n_extra += 1
+        if self.add_zero_attn:
+            k0 = torch.cat([k0, k0.new_zeros(B, 1, E)], dim=1)
+            v = torch.cat([v, v.new_zeros(B, 1, E)], dim=1)
+            n_extra += 1
+
+        def heads(x):  # (B, n, E) -> (B, H, n, hd)
+            return x.unflatten(-1, (H, hd)).transpose(1, 2)
+
+        qs, ks = [heads(q0)], [heads(k0)]
+        xq = query
+        xk = F.pad(key, (0, 0, 0, n_extra)) if n_extra else key  # appended slots: zero inputs
+        cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
+        for l in range(1, L):
+            xq = causal_downsample(xq, self.q_downsample[l - 1])
+            xk = causal_downsample(xk, self.k_downsample[l - 1])
+            qs.append(heads(F.linear(xq, self.coarse_q_proj_weight[l - 1], None if cqb is None else cqb[l - 1])))
+            ks.append(heads(F.linear(xk, self.coarse_k_proj_weight[l - 1], None if ckb is None else ckb[l - 1])))
+        w = self.level_weights()
+
+        mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,
+                                        q0.dtype, q0.device)
+        out = hkt_attention(qs, ks, heads(v), w, attn_mask=mask, is_causal=causal,
+                            dropout_p=self.dropout if self.training else 0.0)
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))
+
+        weights = None
+        if need_weights:
+            weights = self._probs(qs, ks, w, mask, causal)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        if unbatched:
+            out = out.squeeze(0)
+            weights = None if weights is None else weights.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
+
+    @staticmethod
+    def _probs(qs, ks, w, mask: Optional[Tensor], is_causal: bool) -> Tensor:
+        """The combined HKT probabilities (B, H, T, S) in plain torch (O(T*S) memory)."""
+        score = combined_scores(qs, ks, w)
+        T, S = score.shape[-2:]
+        visible = None
+        if is_causal:
+            visible = torch.ones((T, S), dtype=torch.bool, device=score.device).tril()
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                visible = mask if visible is None else visible & mask
+            else:
+                score = score + mask
+        if visible is not None:
+            score = score.masked_fill(~visible, float("-inf"))
+        # A row with nothing visible gives zeros (as the kernel does), without NaN gradients.
+        row_any = (score > float("-inf")).any(dim=-1, keepdim=True)
+        return torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1) * row_any
+
+
+def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
+    """Replaces every ``nn.MultiheadAttention`` inside ``model`` (recursively, in
+    place) by ``MultiheadHKT.from_mha(mha, levels, **kw)``, so the model's
+    output is unchanged until it trains.
+
+    Device, dtype and training mode of each attention are kept; a module shared
+    at several places is replaced by one shared MultiheadHKT.  Every
+    ``nn.TransformerEncoder`` that now holds a MultiheadHKT gets
+    ``use_nested_tensor = False``: it chose its nested-tensor fast path at
+    construction, from the old attention, and that path would hand nested
+    tensors to the new one.
+
+    Args:
+        model: any module (not modified other than the replacements).
+        levels: levels of the new modules.
+        **kw: passed to :meth:`MultiheadHKT.from_mha` (``downsample_kernel``,
+            ``level0_weight``).
+
+    Returns:
+        ``model``; if ``model`` itself is an ``nn.MultiheadAttention``, the new
+        MultiheadHKT (it cannot be replaced in place).
+    """
+    if isinstance(model, nn.MultiheadAttention):
+        return MultiheadHKT.from_mha(model, levels, **kw)
+    done = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                if id(child) not in done:
+                    done[id(child)] = MultiheadHKT.from_mha(child, levels, **kw)
+                setattr(parent, name, done[id(child)])
+    for m in model.modules():
+        if isinstance(m, nn.TransformerEncoder) and any(isinstance(x, MultiheadHKT) for x in m.modules()):
+            m.use_nested_tensor = False
+    return model
