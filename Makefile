@@ -26,6 +26,7 @@ demo: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_attention.py
+	$(BIN)/python benchmarks/bench_module.py
 
 clean:
 	rm -rf build *.egg-info hkt/*.so

@@ -1,0 +1,94 @@
+"""MultiheadHKT against nn.MultiheadAttention: one training step (forward, backward,
+AdamW step), self-attention, need_weights=False for both.
+
+Checks first that levels=1 reproduces nn.MultiheadAttention and that from_mha
+keeps the output, then times the candidates interleaved (medians).
+
+    python benchmarks/bench_module.py            # T=1024, E=256, 4 heads, batch 8
+    python benchmarks/bench_module.py --quick
+
+Writes benchmarks/out/module.json.
+"""
+import argparse
+import json
+import os
+import platform
+
+import torch
+from torch import nn
+
+import hkt
+from hkt.benchmark import time_interleaved
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def check(E, H):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    x = torch.randn(2, 37, E, dtype=torch.float64)
+    mask = nn.Transformer.generate_square_subsequent_mask(37, dtype=torch.float64)
+    ref = mha(x, x, x, attn_mask=mask, need_weights=False)[0]
+    errs = {}
+    for L in (1, 2, 3):
+        m = hkt.MultiheadHKT.from_mha(mha, levels=L)
+        errs[f"from_mha levels={L}"] = (m(x, x, x, attn_mask=mask, need_weights=False)[0] - ref).abs().max().item()
+    if max(errs.values()) > 1e-10:
+        raise SystemExit(f"MultiheadHKT disagrees with nn.MultiheadAttention: {errs}")
+    return errs
+
+
+def step_fn(module, x, causal):
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    T = x.shape[1]
+    mask = nn.Transformer.generate_square_subsequent_mask(T) if causal else None
+
+    def step():
+        out = module(x, x, x, attn_mask=mask, need_weights=False, is_causal=causal)[0]
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, default=1024)
+    ap.add_argument("--embed", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.T, args.batch, args.repeats = 256, 2, 3
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    errs = check(args.embed, args.heads)
+    print("check: " + ", ".join(f"{k} max |diff| {v:.1e}" for k, v in errs.items()))
+    E, H, B, T = args.embed, args.heads, args.batch, args.T
+    print(f"training step (fwd+bwd+AdamW), self-attention, T={T} E={E} heads={H} batch={B}, float32, "
+          f"{args.threads} threads")
+    result = {"config": vars(args), "check": errs, "rows": []}
+    for causal in (False, True):
+        torch.manual_seed(0)
+        x = torch.randn(B, T, E)
+        mods = {"nn.MultiheadAttention": nn.MultiheadAttention(E, H, batch_first=True)}
+        for L in (1, 2, 3):
+            mods[f"MultiheadHKT levels={L}"] = hkt.MultiheadHKT(E, H, batch_first=True, levels=L)
+        med = time_interleaved({n: step_fn(m, x, causal) for n, m in mods.items()}, repeats=args.repeats)
+        base = med["nn.MultiheadAttention"]
+        for name, sec in med.items():
+            print(f"  causal={str(causal):5s} {name:24s} {sec * 1e3:8.1f} ms  {sec / base:5.2f}x")
+            result["rows"].append({"name": name, "causal": causal, "ms": sec * 1e3, "x_mha": sec / base})
+    result["machine"] = platform.processor() or platform.machine()
+    with open(os.path.join(args.out, "module.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}/module.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
