@@ -7,8 +7,8 @@
 Nothing here downloads: missing files raise FileNotFoundError saying where to put them.
 Token id 0 is padding in every task.
 """
-#from .cifar import load_cifar10
-#from .imdb import load_imdb
+from .cifar import load_cifar10
+from .imdb import load_imdb
 from .listops import ListOps, generate_listops, evaluate_listops, LISTOPS_VOCAB
 
 __all__ = ["ListOps", "generate_listops", "evaluate_listops", "LISTOPS_VOCAB", "load_cifar10", "load_imdb"]

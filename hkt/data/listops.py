@@ -66,7 +66,7 @@ def _gen(rng: random.Random, depth: int, max_depth: int, max_args: int, value_p:
 
 
 def generate_listops(n: int, max_len: int = 128, *, min_len: int = None, seed: int = 0, max_depth: int = None,
-                     max_args: int = None, value_p: float = 0.25) -> Tuple[Tensor, Tensor]:
+                     max_args: int = None, value_p: float = None) -> Tuple[Tensor, Tensor]:
     """Generates ``n`` ListOps examples.
 
     Args:
@@ -75,9 +75,10 @@ def generate_listops(n: int, max_len: int = 128, *, min_len: int = None, seed: i
         min_len: shortest accepted expression (default ``max_len // 4``); trees
             outside [min_len, max_len] are redrawn.
         seed: the only source of randomness.
-        max_depth, max_args: tree shape (defaults grow with ``max_len``: 10 and
-            10 at max_len >= 1000 as in LRA, smaller for short sequences).
-        value_p: probability that a non-maximal-depth node is a digit.
+        max_depth, max_args, value_p: tree shape: depth limit, most arguments
+            of one operator, probability that a non-root node is a digit.  The
+            defaults depend on ``max_len`` so that most drawn trees fit: LRA's
+            10, 10, 0.25 at max_len >= 1000; 6, 5, 0.4 from 256; 5, 5, 0.5 below.
 
     Returns:
         tokens (n, max_len) int64 and labels (n,) int64 in 0..9.
@@ -90,15 +91,21 @@ def generate_listops(n: int, max_len: int = 128, *, min_len: int = None, seed: i
         min_len = max(3, max_len // 4)
     if not 1 <= min_len <= max_len:
         raise ValueError(f"min_len: must be in [1, max_len={max_len}], got {min_len}")
-    if max_depth is None:
-        max_depth = 10 if max_len >= 1000 else (8 if max_len >= 256 else 6)
-    if max_args is None:
-        max_args = 10 if max_len >= 1000 else (7 if max_len >= 256 else 5)
+    shape = (10, 10, 0.25) if max_len >= 1000 else ((6, 5, 0.4) if max_len >= 256 else (5, 5, 0.5))
+    max_depth = shape[0] if max_depth is None else max_depth
+    max_args = shape[1] if max_args is None else max_args
+    value_p = shape[2] if value_p is None else value_p
+    if max_args < 2:
+        raise ValueError(f"max_args: must be >= 2, got {max_args}")
     rng = random.Random(seed)
     tokens = torch.zeros(n, max_len, dtype=torch.int64)
     labels = torch.zeros(n, dtype=torch.int64)
-    made = 0
+    made, tries = 0, 0
     while made < n:
+        tries += 1
+        if tries > 1000 * (n + 10):
+            raise ValueError(f"no expression of length in [{min_len}, {max_len}] after {tries} draws: "
+                             f"adjust min_len, max_depth, max_args or value_p")
         out: List[int] = []
         try:
             value = _gen(rng, 0, max_depth, max_args, value_p, out, max_len + 1)

@@ -1,0 +1,24 @@
+"""The paper's experiments at a size a laptop runs.
+
+    python -m hkt.experiments.train --task listops --attention hkt --seed 0 --out run.json
+    python -m hkt.experiments.reproduce --task listops --seeds 0 1 2 --out results/listops.json
+    python -m hkt.experiments.demo           # a 2-3 minute HKT vs standard ListOps run
+
+One small Transformer classifier (token + position embeddings,
+``nn.TransformerEncoder``, mean pooling, a linear head) is trained with standard
+attention or, after :func:`hkt.swap_attention`, with HKT; nothing else differs
+(same initialisation, data order and optimiser for a given seed).
+
+``from hkt.experiments import train_classifier, build_model, ...`` works; the
+submodule is imported on first use, so that ``python -m hkt.experiments.train``
+runs its module exactly once.
+"""
+import importlib
+
+__all__ = ["TASKS", "Classifier", "build_model", "load_task", "evaluate", "train_classifier"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        return getattr(importlib.import_module(".train", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
