@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: install test demo bench clean
 
-$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
 install: $(BIN)/.installed
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	HKT_TEST_CUDA_EMULATION=1 $(BIN)/python -m pytest -q tests
 
 demo: install
 	$(BIN)/python -m hkt.demo

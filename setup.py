@@ -2,10 +2,22 @@
 
 DEBUG=1 builds -O0 -g.  HKT_NO_OPENMP=1 builds single-threaded (for compilers
 without OpenMP).
+
+HKT_CUDA=1 also builds the CUDA kernels (csrc/hkt_attention_cuda.cu) when nvcc
+is found (on PATH, or $CUDA_HOME/bin/nvcc); without nvcc it warns and builds
+the CPU-only extension.  HKT_CUDA_ARCHS="80 90" picks the GPU architectures
+(SASS for each, plus PTX of the last for newer GPUs).  The extension links the
+toolkit's shared libcudart with an rpath to its directory, so that toolkit (or
+a libcudart of the same major version on the loader path) must be present where
+the extension is imported.
 """
 import os
+import shutil
+import subprocess
+import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 debug = os.environ.get("DEBUG", "0") == "1"
 openmp = os.environ.get("HKT_NO_OPENMP", "0") != "1"
@@ -17,15 +29,95 @@ if openmp:
     cflags.append("-fopenmp")
     ldflags.append("-fopenmp")
 
+CUDA_SOURCE = "csrc/hkt_attention_cuda.cu"
+
+
+def find_cuda():
+    """(nvcc, cuda_home) or None.  nvcc may be a wrapper script outside the toolkit
+    (e.g. /usr/local/bin/nvcc), so the toolkit is looked for in $CUDA_HOME /
+    $CUDA_PATH, next to nvcc, then /usr/local/cuda."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = None
+    for home in homes:
+        if home and os.path.isfile(os.path.join(home, "bin", "nvcc")):
+            nvcc = os.path.join(home, "bin", "nvcc")
+            break
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    homes += [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
+    for home in homes:
+        if home and cuda_lib_dir(home):
+            return nvcc, home
+    return None
+
+
+def cuda_lib_dir(home):
+    for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+        d = os.path.join(home, sub)
+        if os.path.exists(os.path.join(d, "libcudart.so")):
+            return d
+    return None
+
+
+def gencode_flags():
+    archs = os.environ.get("HKT_CUDA_ARCHS", "80 90").replace(";", " ").replace(",", " ").split()
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    return flags
+
+
+class build_ext_cuda(build_ext):
+    """Compiles the .cu with nvcc into an object the C linker adds to hkt._C."""
+
+    nvcc = None
+
+    def build_extension(self, ext):
+        if self.nvcc:
+            os.makedirs(self.build_temp, exist_ok=True)
+            obj = os.path.join(self.build_temp, "hkt_attention_cuda.o")
+            cmd = [self.nvcc, "-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc", "-DHKT_WITH_CUDA",
+                   *(["-O0", "-g", "-lineinfo"] if debug else ["-O3"]), *gencode_flags(),
+                   "-c", CUDA_SOURCE, "-o", obj]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            ext.extra_objects = [*ext.extra_objects, obj]
+        super().build_extension(ext)
+
+
+define_macros, libraries, library_dirs, rpath = [], [], [], []
+cmdclass = {}
+if os.environ.get("HKT_CUDA", "0") == "1":
+    found = find_cuda()
+    if found is None:
+        print("warning: HKT_CUDA=1 but nvcc (and a CUDA toolkit with libcudart) was not found; "
+              "building hkt._C for the CPU only", file=sys.stderr)
+    else:
+        nvcc, home = found
+        build_ext_cuda.nvcc = nvcc
+        cmdclass["build_ext"] = build_ext_cuda
+        define_macros.append(("HKT_WITH_CUDA", None))
+        # nvcc's host code needs the C++ runtime; the C linker does not add it
+        libraries += ["cudart", "stdc++"]
+        library_dirs.append(cuda_lib_dir(home))
+        rpath.append(cuda_lib_dir(home))
+
 setup(
     ext_modules=[
         Extension(
             "hkt._C",
             sources=["csrc/hkt_attention.c", "csrc/hkt_module.c"],
             include_dirs=["csrc"],
-            depends=["csrc/hkt.h", "csrc/dlpack.h"],
+            depends=["csrc/hkt.h", "csrc/dlpack.h"] + ([CUDA_SOURCE] if cmdclass else []),
+            define_macros=define_macros,
+            libraries=libraries,
+            library_dirs=library_dirs,
+            runtime_library_dirs=rpath,
             extra_compile_args=cflags,
             extra_link_args=ldflags,
         )
     ],
+    cmdclass=cmdclass,
 )

@@ -17,12 +17,20 @@
  * Forward writes out and lse (log-sum-exp per query row, +inf for a row with no
  * visible key).  Backward OVERWRITES dq[l], dk[l], dv and dw (it does not
  * accumulate into what the caller passes).
+ *
+ * The _cuda functions (built with HKT_WITH_CUDA, hkt_attention_cuda.cu) compute
+ * the same thing with every pointer on CUDA device device_id; they ignore
+ * workspace, dw_partial and num_threads and allocate their own device scratch.
  */
 #ifndef HKT_H
 #define HKT_H
 
 #include <stddef.h>
 #include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 #define HKT_MAX_LEVELS 24
 
@@ -75,6 +83,8 @@ typedef struct {
     /* workspace: num_threads blocks of hkt_workspace_bytes(p, backward) */
     void *workspace;
     int num_threads;
+
+    int device_id;             /* CUDA only: the device every array is on */
 } hkt_params;
 
 /* Bytes of per-thread workspace the forward (backward = 0) or backward needs. */
@@ -95,8 +105,14 @@ void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
                           int64_t B, int64_t H, int64_t T, int64_t S);
 
 #ifdef HKT_WITH_CUDA
-void hkt_forward_cuda(const hkt_params *p);
-void hkt_backward_cuda(const hkt_params *p);
+/* Same contract as the _cpu pair, on device pointers; synchronous (they return
+ * after the device has finished).  Return 0, or -1 with a message in err. */
+int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen);
+int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen);
+#endif
+
+#ifdef __cplusplus
+}
 #endif
 
 #endif

@@ -132,7 +132,14 @@ static int check_real(const DLTensor *t, const char *name, const DLTensor *ref) 
     return check_device(t, name, ref);
 }
 
+static int is_empty(const DLTensor *t) {
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 1;
+    return 0;
+}
+
 static int check_strides(const DLTensor *t, const char *name) {
+    if (is_empty(t)) return 0; /* nothing is read, strides are arbitrary */
     for (int d = 0; d < t->ndim; d++)
         if (t->shape[d] > 1 && stride_of(t, d) < 0) {
             PyErr_Format(PyExc_ValueError, "%s: negative strides are not supported", name);
@@ -149,6 +156,7 @@ static int check_strides(const DLTensor *t, const char *name) {
 
 /* Outputs are written by several threads: they must not overlap themselves. */
 static int check_contiguous(const DLTensor *t, const char *name) {
+    if (is_empty(t)) return 0; /* nothing is written, strides are arbitrary */
     int64_t s = 1;
     for (int d = t->ndim - 1; d >= 0; d--) {
         if (t->shape[d] > 1 && stride_of(t, d) != s) {
@@ -364,8 +372,27 @@ done:
     return rc;
 }
 
-/* Runs fn over p with a freshly allocated per-thread workspace, GIL released. */
+/* Runs the kernel over p, GIL released: on the CPU with a freshly allocated
+ * per-thread workspace; on CUDA without one (those kernels keep their own
+ * device scratch, a host buffer would be of no use to them). */
 static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
+#ifdef HKT_WITH_CUDA
+    if (q0->device.device_type == kDLCUDA) {
+        char err[256] = "unknown error";
+        int rc;
+        p->device_id = (int)q0->device.device_id;
+        Py_BEGIN_ALLOW_THREADS
+        rc = backward ? hkt_backward_cuda(p, err, sizeof err) : hkt_forward_cuda(p, err, sizeof err);
+        Py_END_ALLOW_THREADS
+        if (rc) {
+            PyErr_Format(PyExc_RuntimeError, "hkt CUDA %s: %s", backward ? "backward" : "forward", err);
+            return -1;
+        }
+        return 0;
+    }
+#else
+    (void)q0;
+#endif
     size_t per = hkt_workspace_bytes(p, backward);
     size_t extra = backward ? hkt_dw_partial_bytes(p) : 0;
     char *mem = PyMem_RawMalloc(per * (size_t)p->num_threads + extra + 64);
@@ -375,19 +402,9 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
     }
     p->workspace = mem;
     p->dw_partial = backward ? mem + per * (size_t)p->num_threads : NULL;
-    int on_cuda = q0->device.device_type == kDLCUDA;
     Py_BEGIN_ALLOW_THREADS
-#ifdef HKT_WITH_CUDA
-    if (on_cuda) {
-        if (backward) hkt_backward_cuda(p);
-        else hkt_forward_cuda(p);
-    } else
-#endif
-    {
-        (void)on_cuda;
-        if (backward) hkt_backward_cpu(p);
-        else hkt_forward_cpu(p);
-    }
+    if (backward) hkt_backward_cpu(p);
+    else hkt_forward_cpu(p);
     Py_END_ALLOW_THREADS
     PyMem_RawFree(mem);
     return 0;

@@ -5,6 +5,8 @@ destination-passing kernels expect, and hand everything over through DLPack.
 """
 from typing import List, Optional, Sequence, Tuple
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,11 @@ def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return mask if mask.dtype == torch.bool else mask.to(dtype)
 
 
+def _on_device(x: Tensor):
+    # torch only exports CUDA tensors of the current device through DLPack
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernels run in float32 or float64; bfloat16 inputs are computed in float32."""
     return torch.float32 if dtype == torch.bfloat16 else dtype
@@ -48,8 +55,9 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     B, H, T, _ = q[0].shape
     out = torch.empty((B, H, T, v.shape[-1]), dtype=q[0].dtype, device=q[0].device)
     lse = torch.empty((B, H, T), dtype=q[0].dtype, device=q[0].device)
-    _C.forward(q, k, v, w, out, lse, _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale),
-               float(dropout_p), int(seed), torch.get_num_threads())
+    with _on_device(out):
+        _C.forward(q, k, v, w, out, lse, _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale),
+                   float(dropout_p), int(seed), torch.get_num_threads())
     return out.to(in_dtype), lse
 
 
@@ -64,9 +72,10 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dk = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in k]
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    _C.backward(dout, q, k, v, w, out.contiguous(), lse.detach().contiguous(), dq, dk, dv, dw,
-                _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale), float(dropout_p), int(seed),
-                torch.get_num_threads())
+    with _on_device(dv):
+        _C.backward(dout, q, k, v, w, out.contiguous(), lse.detach().contiguous(), dq, dk, dv, dw,
+                    _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale), float(dropout_p), int(seed),
+                    torch.get_num_threads())
     if in_dtype != q[0].dtype:
         dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
         dv, dw = dv.to(in_dtype), dw.to(in_dtype)

@@ -289,3 +289,11 @@ def test_bfloat16_computes_in_float32():
     for a, b in zip(grads(out, [*q, *k, v, w]), grads(ref, [*up[0], *up[1], v64, w64])):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.double(), b, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_query_length():
+    q, k, v, w = sample_inputs(2, 3, 0, 9, 4, 5, 3, requires_grad=True)
+    out = hkt.hkt_attention(q, k, v, w, is_causal=True)
+    assert out.shape == (2, 3, 0, 5)
+    out.sum().backward()
+    assert (v.grad == 0).all() and (w.grad == 0).all()

@@ -1,0 +1,475 @@
+/*
+ * HKT attention on CUDA: forward and backward, float32 and float64.
+ *
+ * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H, ceil(S/2^l), D),
+ * v (B, H, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
+ * Forward writes out and lse (+inf for a row with no visible key); backward
+ * OVERWRITES dq[l], dk[l], dv and dw.  Same contract, field for field, as
+ * hkt_attention.c; every pointer in hkt_params is a device pointer on
+ * p->device_id.
+ *
+ * Written to be plainly right rather than fast (the CPU file is the fast one):
+ *
+ *   forward   one warp per query row i; its 32 lanes take 32 keys at a time,
+ *             each lane computes its key's full score, the warp runs the online
+ *             softmax (max and sum by shuffles), and lane e owns out[i][e]
+ *             (e = lane, lane + 32, ...).  Nothing of size T x S is stored.
+ *   backward  every gradient row is owned by exactly one warp, so there are no
+ *             atomics and the result does not depend on scheduling:
+ *               delta  one warp per row: delta[i] = rowsum(dO * out)
+ *               dq     one warp per block of G = 2^(L-1) query rows, which holds
+ *                      every level's dq rows of that block (level blocks nest);
+ *                      lanes over keys, P recomputed from lse
+ *               dk, dv the same per block of G key rows, lanes over queries
+ *               dw     per-(b, h, query block) partials, reduced in a fixed
+ *                      order by one small kernel.
+ *
+ * Unlike the CPU kernels, the score of every (i, j) is computed from all L
+ * levels (T*S*D*L multiply-adds, not the T*S*D*sum 4^-l of the spec): sharing
+ * a coarse level's product across its 2^l x 2^l block would need a tiled
+ * kernel, which this file leaves for later.
+ *
+ * Allocation: the spec's "kernels never allocate" is kept by the kernels
+ * themselves; the host entry points below cudaMalloc the backward's scratch
+ * (delta, B*H*T reals, and the dw partials, B*H*ceil(T/G)*L reals, both
+ * O(B*H*T)) and free it before returning, because the binding's workspace is
+ * host memory and cannot be used here.
+ *
+ * Streams: the kernels run on the legacy default stream.  The entry points
+ * synchronize the whole device before launching (inputs may come from a
+ * non-blocking torch stream, which the default stream does not wait for) and
+ * after (so outputs are complete when the caller sees them, on any stream).
+ */
+#include "hkt.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#define WARPS 4               /* warps per block */
+#define THREADS (32 * WARPS)
+#define MAX_BLOCKS (1 << 16)  /* the kernels loop over tasks, so any count works */
+#define FULL 0xffffffffu
+
+/* Everything a kernel reads, passed by value (__grid_constant__: read in place,
+ * not copied per thread). */
+typedef struct {
+    hkt_params p;
+    uint64_t seed_mixed, threshold; /* dropout, as keep_entry wants them */
+    void *delta;                    /* backward: (B, H, T) */
+    void *dw_part;                  /* backward: (B, H, nqb, L) */
+    int64_t G;                      /* rows (keys) per dq (dk) task: 2^(L-1) */
+    int64_t nqb, nkb;               /* query / key blocks of G per (b, h) */
+} cuda_args;
+
+static_assert(sizeof(cuda_args) <= 4000, "kernel arguments must stay under 4 KiB");
+
+/* ---- dropout: the CPU file's counter-based generator, bit for bit, so both
+ * devices drop the same entries for the same seed ---- */
+__host__ __device__ static inline uint64_t mix64(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+static uint64_t keep_threshold(double p) {
+    if (p <= 0.0) return 0;
+    if (p >= 1.0) return (uint64_t)1 << 53;
+    return (uint64_t)(p * 9007199254740992.0); /* p * 2^53 */
+}
+
+__device__ static inline bool keep_entry(uint64_t seed_mixed, uint64_t threshold, uint64_t index) {
+    return (mix64(seed_mixed + index * 0x9e3779b97f4a7c15ULL) >> 11) >= threshold;
+}
+
+/* ---- small device helpers ---- */
+__device__ static inline float dev_exp(float x) { return expf(x); }
+__device__ static inline double dev_exp(double x) { return exp(x); }
+__device__ static inline float dev_log(float x) { return logf(x); }
+__device__ static inline double dev_log(double x) { return log(x); }
+
+/* Butterfly reductions: every lane ends with the same, bitwise identical value
+ * (each step adds the same pair on both sides), so branches on it stay uniform. */
+template <typename real>
+__device__ static inline real warp_sum(real x) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL, x, o);
+    return x;
+}
+
+template <typename real>
+__device__ static inline real warp_max(real x) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const real y = __shfl_xor_sync(FULL, x, o);
+        x = y > x ? y : x;
+    }
+    return x;
+}
+
+__device__ static inline int64_t warp_index() { return ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ static inline int64_t warp_count() { return ((int64_t)gridDim.x * blockDim.x) >> 5; }
+
+template <typename real>
+__device__ static inline real weight(const hkt_params &p, int64_t h, int l) {
+    return ((const real *)p.w)[h * p.w_stride[0] + l * p.w_stride[1]];
+}
+
+template <typename real>
+__device__ static inline real dot(const real *x, const real *y, int64_t n) {
+    real acc = 0;
+    for (int64_t e = 0; e < n; e++) acc += x[e] * y[e];
+    return acc;
+}
+
+/* The score of (i, j) as the CPU's tile_scores builds it: levels folded from the
+ * coarsest down, s = scale w_0 g_0 + (scale w_1 g_1 + (...)), then causal and
+ * mask (bool: invisible -> -inf; float: added).  g[l] = <q[l][i>>l], k[l][j>>l]>
+ * is stored when g is not null (the backward's dw needs it). */
+template <typename real>
+__device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64_t i, int64_t j, real *g) {
+    const real scale = (real)p.scale;
+    real s = 0;
+    for (int l = p.L - 1; l >= 0; l--) {
+        const real *qr = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1] + (i >> l) * p.q_stride[l][2];
+        const real *kr = (const real *)p.k[l] + b * p.k_stride[l][0] + h * p.k_stride[l][1] + (j >> l) * p.k_stride[l][2];
+        const real gl = dot(qr, kr, p.D);
+        if (g) g[l] = gl;
+        const real wl = scale * weight<real>(p, h, l);
+        s = l == p.L - 1 ? wl * gl : wl * gl + s;
+    }
+    if (p.causal && j > i) s = -INFINITY;
+    if (p.mask_kind != HKT_MASK_NONE) {
+        const int64_t at = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];
+        if (p.mask_kind == HKT_MASK_BOOL) s = ((const unsigned char *)p.mask)[at] ? s : (real)-INFINITY;
+        else s += ((const real *)p.mask)[at];
+    }
+    return s;
+}
+
+/* ---- forward: one warp per query row r = (b*H + h)*T + i ---- */
+template <typename real>
+__global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    __shared__ real pbuf[WARPS][32];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int64_t T = p.T, S = p.S, Dv = p.Dv;
+    const bool use_dropout = p.dropout_p > 0;
+    const real kf = p.dropout_p < 1 ? (real)(1.0 / (1.0 - p.dropout_p)) : (real)0;
+    for (int64_t r = warp_index(); r < p.B * p.H * T; r += warp_count()) {
+        const int64_t bh = r / T, i = r % T, b = bh / p.H, h = bh % p.H;
+        real *orow = (real *)p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+        const real *vb = (const real *)p.v + b * p.v_stride[0] + h * p.v_stride[1];
+        for (int64_t e = lane; e < Dv; e += 32) orow[e] = 0;
+        real m = -INFINITY, lsum = 0;
+        const int64_t jend = p.causal ? (i + 1 < S ? i + 1 : S) : S;
+        for (int64_t j0 = 0; j0 < jend; j0 += 32) {
+            const int64_t j = j0 + lane;
+            const real s = j < jend ? score_of<real>(p, b, h, i, j, nullptr) : (real)-INFINITY;
+            const real mx = warp_max(s);
+            if (mx == -INFINITY) continue; /* nothing visible among these keys */
+            /* online softmax: rescale what out holds so far, then add these keys' P @ V */
+            const real mnew = mx > m ? mx : m;
+            const real alpha = m == -INFINITY ? (real)0 : dev_exp(m - mnew);
+            real pe = dev_exp(s - mnew);
+            lsum = lsum * alpha + warp_sum(pe);
+            m = mnew;
+            if (use_dropout)
+                pe = j < jend && keep_entry(a.seed_mixed, a.threshold, (uint64_t)(r * S + j)) ? pe * kf : (real)0;
+            pbuf[wib][lane] = pe;
+            __syncwarp();
+            const int64_t nk = jend - j0 < 32 ? jend - j0 : 32;
+            for (int64_t e = lane; e < Dv; e += 32) {
+                real acc = 0;
+                for (int64_t c = 0; c < nk; c++) acc += pbuf[wib][c] * vb[(j0 + c) * p.v_stride[2] + e];
+                orow[e] = orow[e] * alpha + acc;
+            }
+            __syncwarp();
+        }
+        if (lsum > 0) {
+            const real inv = 1 / lsum;
+            for (int64_t e = lane; e < Dv; e += 32) orow[e] *= inv;
+            if (lane == 0) ((real *)p.lse)[r] = m + dev_log(lsum);
+        } else {
+            /* no visible key: zeros, and +inf so the backward's P is exactly 0 */
+            for (int64_t e = lane; e < Dv; e += 32) orow[e] = 0;
+            if (lane == 0) ((real *)p.lse)[r] = INFINITY;
+        }
+    }
+}
+
+/* ---- backward ----
+ * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
+ * backward: dv = Pdrop^T dO; dP = dO v^T; dS = scale P (dP keep/(1-p) - rowsum(dO * out))
+ *           dq_l = w_l sum2^l(dS) k_l; dk_l = w_l sum2^l(dS)^T q_l; dw_l = sum(sum2^l(dS) * q_l k_l^T)
+ * (dS here already carries the scale, as in the CPU file). */
+
+/* delta[r] = <dO[r], out[r]>, one warp per row */
+template <typename real>
+__global__ void __launch_bounds__(THREADS) delta_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    const int lane = threadIdx.x & 31;
+    for (int64_t r = warp_index(); r < p.B * p.H * p.T; r += warp_count()) {
+        const int64_t bh = r / p.T, i = r % p.T, b = bh / p.H, h = bh % p.H;
+        const real *dorow = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + i * p.dout_stride[2];
+        const real *orow = (const real *)p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
+        real acc = 0;
+        for (int64_t e = lane; e < p.Dv; e += 32) acc += dorow[e] * orow[e];
+        acc = warp_sum(acc);
+        if (lane == 0) ((real *)a.delta)[r] = acc;
+    }
+}
+
+/* dS and dropped P of (i, j), recomputed from the forward's lse */
+template <typename real>
+__device__ static inline void ds_of(const cuda_args &a, int64_t b, int64_t h, int64_t i, int64_t j, real *g,
+                                    real *ds, real *pdrop) {
+    const hkt_params &p = a.p;
+    const int64_t r = (b * p.H + h) * p.T + i;
+    const real s = score_of<real>(p, b, h, i, j, g);
+    const real P = dev_exp(s - ((const real *)p.lse)[r]);
+    const real *dorow = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + i * p.dout_stride[2];
+    const real *vrow = (const real *)p.v + b * p.v_stride[0] + h * p.v_stride[1] + j * p.v_stride[2];
+    const real dp = dot(dorow, vrow, p.Dv);
+    real f = 1;
+    if (p.dropout_p > 0) {
+        const real kf = p.dropout_p < 1 ? (real)(1.0 / (1.0 - p.dropout_p)) : (real)0;
+        f = keep_entry(a.seed_mixed, a.threshold, (uint64_t)(r * p.S + j)) ? kf : (real)0;
+    }
+    *pdrop = P * f;
+    *ds = (real)p.scale * P * (dp * f - ((const real *)a.delta)[r]);
+}
+
+/* dq of every level for the query rows [i_lo, i_hi) of one (b, h), and that
+ * block's dw partial: one warp per (b, h, block of G rows). */
+template <typename real>
+__global__ void __launch_bounds__(THREADS) dq_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    __shared__ real dsbuf[WARPS][32];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int L = p.L;
+    const int64_t T = p.T, S = p.S, D = p.D;
+    real g[HKT_MAX_LEVELS], dwacc[HKT_MAX_LEVELS];
+    for (int64_t task = warp_index(); task < p.B * p.H * a.nqb; task += warp_count()) {
+        const int64_t bh = task / a.nqb, blk = task % a.nqb, b = bh / p.H, h = bh % p.H;
+        const int64_t i_lo = blk * a.G, i_hi = i_lo + a.G < T ? i_lo + a.G : T;
+        for (int l = 0; l < L; l++) {
+            real *dq = (real *)p.dq[l] + b * p.dq_stride[l][0] + h * p.dq_stride[l][1];
+            for (int64_t row = i_lo >> l; row <= (i_hi - 1) >> l; row++)
+                for (int64_t d = lane; d < D; d += 32) dq[row * p.dq_stride[l][2] + d] = 0;
+            dwacc[l] = 0;
+        }
+        for (int64_t i = i_lo; i < i_hi; i++) {
+            const int64_t jend = p.causal ? (i + 1 < S ? i + 1 : S) : S;
+            for (int64_t j0 = 0; j0 < jend; j0 += 32) {
+                const int64_t j = j0 + lane;
+                real ds = 0, pdrop = 0;
+                if (j < jend) {
+                    ds_of<real>(a, b, h, i, j, g, &ds, &pdrop);
+                    for (int l = 0; l < L; l++) dwacc[l] += ds * g[l];
+                }
+                dsbuf[wib][lane] = ds;
+                __syncwarp();
+                const int64_t nk = jend - j0 < 32 ? jend - j0 : 32;
+                for (int l = 0; l < L; l++) {
+                    const real wl = weight<real>(p, h, l);
+                    const real *kb = (const real *)p.k[l] + b * p.k_stride[l][0] + h * p.k_stride[l][1];
+                    real *dqrow = (real *)p.dq[l] + b * p.dq_stride[l][0] + h * p.dq_stride[l][1] +
+                                  (i >> l) * p.dq_stride[l][2];
+                    for (int64_t d = lane; d < D; d += 32) {
+                        real acc = 0;
+                        for (int64_t c = 0; c < nk; c++) acc += dsbuf[wib][c] * kb[((j0 + c) >> l) * p.k_stride[l][2] + d];
+                        dqrow[d] += wl * acc;
+                    }
+                }
+                __syncwarp();
+            }
+        }
+        for (int l = 0; l < L; l++) {
+            const real x = warp_sum(dwacc[l]);
+            if (lane == 0) ((real *)a.dw_part)[task * L + l] = x;
+        }
+    }
+}
+
+/* dk of every level and dv for the key rows [j_lo, j_hi) of one (b, h): one
+ * warp per (b, h, block of G keys), lanes over queries. */
+template <typename real>
+__global__ void __launch_bounds__(THREADS) dkv_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    __shared__ real dsbuf[WARPS][32], pdbuf[WARPS][32];
+    const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const int L = p.L;
+    const int64_t T = p.T, S = p.S, D = p.D, Dv = p.Dv;
+    for (int64_t task = warp_index(); task < p.B * p.H * a.nkb; task += warp_count()) {
+        const int64_t bh = task / a.nkb, blk = task % a.nkb, b = bh / p.H, h = bh % p.H;
+        const int64_t j_lo = blk * a.G, j_hi = j_lo + a.G < S ? j_lo + a.G : S;
+        const real *dob = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
+        real *dvb = (real *)p.dv + b * p.dv_stride[0] + h * p.dv_stride[1];
+        for (int l = 0; l < L; l++) {
+            real *dk = (real *)p.dk[l] + b * p.dk_stride[l][0] + h * p.dk_stride[l][1];
+            for (int64_t row = j_lo >> l; row <= (j_hi - 1) >> l; row++)
+                for (int64_t d = lane; d < D; d += 32) dk[row * p.dk_stride[l][2] + d] = 0;
+        }
+        for (int64_t j = j_lo; j < j_hi; j++)
+            for (int64_t e = lane; e < Dv; e += 32) dvb[j * p.dv_stride[2] + e] = 0;
+        for (int64_t j = j_lo; j < j_hi; j++) {
+            /* causal: only queries i >= j see key j */
+            for (int64_t i0 = p.causal ? j : 0; i0 < T; i0 += 32) {
+                const int64_t i = i0 + lane;
+                real ds = 0, pdrop = 0;
+                if (i < T) ds_of<real>(a, b, h, i, j, (real *)nullptr, &ds, &pdrop);
+                dsbuf[wib][lane] = ds;
+                pdbuf[wib][lane] = pdrop;
+                __syncwarp();
+                const int64_t nq = T - i0 < 32 ? T - i0 : 32;
+                real *dvrow = dvb + j * p.dv_stride[2];
+                for (int64_t e = lane; e < Dv; e += 32) {
+                    real acc = 0;
+                    for (int64_t c = 0; c < nq; c++) acc += pdbuf[wib][c] * dob[(i0 + c) * p.dout_stride[2] + e];
+                    dvrow[e] += acc;
+                }
+                for (int l = 0; l < L; l++) {
+                    const real wl = weight<real>(p, h, l);
+                    const real *qb = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1];
+                    real *dkrow = (real *)p.dk[l] + b * p.dk_stride[l][0] + h * p.dk_stride[l][1] +
+                                  (j >> l) * p.dk_stride[l][2];
+                    for (int64_t d = lane; d < D; d += 32) {
+                        real acc = 0;
+                        for (int64_t c = 0; c < nq; c++) acc += dsbuf[wib][c] * qb[((i0 + c) >> l) * p.q_stride[l][2] + d];
+                        dkrow[d] += wl * acc;
+                    }
+                }
+                __syncwarp();
+            }
+        }
+    }
+}
+
+/* dw[h, l] = sum over b and query blocks of dw_part (and over h when w is
+ * shared), in a fixed order: one thread per dw entry. */
+template <typename real>
+__global__ void dw_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    const int64_t L = p.L, nw = p.w_per_head ? p.H * L : L;
+    const real *part = (const real *)a.dw_part;
+    for (int64_t x = threadIdx.x; x < nw; x += blockDim.x) {
+        const int64_t l = x % L, h0 = p.w_per_head ? x / L : 0, h1 = p.w_per_head ? h0 + 1 : p.H;
+        real acc = 0;
+        for (int64_t b = 0; b < p.B; b++)
+            for (int64_t h = h0; h < h1; h++)
+                for (int64_t blk = 0; blk < a.nqb; blk++) acc += part[((b * p.H + h) * a.nqb + blk) * L + l];
+        ((real *)p.dw)[x] = acc;
+    }
+}
+
+/* ---- host side ---- */
+static unsigned blocks_for(int64_t warps) {
+    const int64_t n = (warps + WARPS - 1) / WARPS;
+    return (unsigned)(n < MAX_BLOCKS ? n : MAX_BLOCKS);
+}
+
+static cuda_args make_args(const hkt_params *p) {
+    cuda_args a;
+    memset(&a, 0, sizeof a);
+    a.p = *p;
+    a.seed_mixed = mix64(p->seed);
+    a.threshold = keep_threshold(p->dropout_p);
+    a.G = (int64_t)1 << (p->L - 1);
+    a.nqb = (p->T + a.G - 1) / a.G;
+    a.nkb = (p->S + a.G - 1) / a.G;
+    return a;
+}
+
+template <typename real>
+static cudaError_t forward_launch(const cuda_args &a, const char **what) {
+    const int64_t rows = a.p.B * a.p.H * a.p.T;
+    *what = "forward kernel launch";
+    if (rows > 0) forward_kernel<real><<<blocks_for(rows), THREADS>>>(a);
+    return cudaGetLastError();
+}
+
+template <typename real>
+static cudaError_t backward_launch(const cuda_args &a, const char **what) {
+    const hkt_params &p = a.p;
+    const int64_t rows = p.B * p.H * p.T, qtasks = p.B * p.H * a.nqb, ktasks = p.B * p.H * a.nkb;
+    cudaError_t e;
+    *what = "backward delta kernel launch";
+    if (rows > 0) delta_kernel<real><<<blocks_for(rows), THREADS>>>(a);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    *what = "backward dq kernel launch";
+    if (qtasks > 0) dq_kernel<real><<<blocks_for(qtasks), THREADS>>>(a);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    *what = "backward dk/dv kernel launch";
+    if (ktasks > 0) dkv_kernel<real><<<blocks_for(ktasks), THREADS>>>(a);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    *what = "backward dw kernel launch";
+    if ((p.w_per_head ? p.H : 1) * p.L > 0) dw_kernel<real><<<1, 256>>>(a);
+    return cudaGetLastError();
+}
+
+static int report(cudaError_t e, const char *what, char *err, size_t errlen) {
+    if (e == cudaSuccess) return 0;
+    if (err && errlen) snprintf(err, errlen, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+    return -1;
+}
+
+/* Selects p's device and waits for all earlier work on it; *prev gets the
+ * caller's device, restored by leave_device. */
+static cudaError_t enter_device(const hkt_params *p, int *prev, const char **what) {
+    cudaError_t e;
+    *what = "cudaGetDevice";
+    if ((e = cudaGetDevice(prev)) != cudaSuccess) return e;
+    *what = "cudaSetDevice";
+    if ((e = cudaSetDevice(p->device_id)) != cudaSuccess) return e;
+    *what = "cudaDeviceSynchronize before the kernels (an earlier asynchronous error)";
+    return cudaDeviceSynchronize();
+}
+
+static void leave_device(int prev) {
+    if (prev >= 0) cudaSetDevice(prev);
+}
+
+extern "C" int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen) {
+    const char *what = "";
+    int prev = -1;
+    cudaError_t e = enter_device(p, &prev, &what);
+    if (e == cudaSuccess) {
+        const cuda_args a = make_args(p);
+        e = p->dtype == HKT_FLOAT64 ? forward_launch<double>(a, &what) : forward_launch<float>(a, &what);
+    }
+    if (e == cudaSuccess) {
+        what = "forward kernel";
+        e = cudaDeviceSynchronize();
+    }
+    leave_device(prev);
+    return report(e, what, err, errlen);
+}
+
+extern "C" int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen) {
+    const char *what = "";
+    int prev = -1;
+    void *scratch = NULL;
+    cudaError_t e = enter_device(p, &prev, &what);
+    if (e == cudaSuccess) {
+        cuda_args a = make_args(p);
+        const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
+        const size_t ndelta = (size_t)(p->B * p->H * p->T), npart = (size_t)(p->B * p->H * a.nqb * p->L);
+        what = "cudaMalloc of the backward's scratch";
+        if (ndelta + npart > 0) e = cudaMalloc(&scratch, (ndelta + npart) * elem);
+        if (e == cudaSuccess) {
+            a.delta = scratch;
+            a.dw_part = (char *)scratch + ndelta * elem;
+            e = p->dtype == HKT_FLOAT64 ? backward_launch<double>(a, &what) : backward_launch<float>(a, &what);
+        }
+    }
+    if (e == cudaSuccess) {
+        what = "backward kernels";
+        e = cudaDeviceSynchronize();
+    }
+    if (scratch) cudaFree(scratch);
+    leave_device(prev);
+    return report(e, what, err, errlen);
+}
