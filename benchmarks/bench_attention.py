@@ -8,7 +8,7 @@ fitted exponent of time against T, and the extra peak memory of a long sequence.
     python benchmarks/bench_attention.py                 # the README table
     python benchmarks/bench_attention.py --quick         # a smoke run
 
-Writes benchmarks/out/attention.json and attention.png.
+Writes benchmarks/results/attention.json and attention.png.
 """
 import argparse
 import json
@@ -58,11 +58,12 @@ MEMORY_SCRIPT = textwrap.dedent("""
            else (lambda: hkt.hkt_attention(q, k, v, w, is_causal=True)))
     small = make_inputs(1, 1, 64, 64, D, L)
     hkt.hkt_attention(*small, is_causal=True).sum().backward()  # load everything once
+    grad_out = torch.ones(1, H, T, D)  # the upstream gradient is the caller's, not ours
     before = rss("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
     out = run()
-    out.backward(torch.ones_like(out))
+    out.backward(grad_out)
     peak = rss("VmHWM:")
     leaves = [q[0], k[0], v] if kind == "sdpa" else [*q, *k, v, w]
     kept = out.numel() * out.element_size() + sum(x.grad.numel() * x.grad.element_size() for x in leaves)
@@ -95,7 +96,7 @@ def main(argv=None):
     ap.add_argument("--memory-T", type=int, default=16384)
     ap.add_argument("--bf16-T", type=int, nargs="*", default=[1024, 2048])
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.repeats, args.memory_T, args.reference_max_T, args.bf16_T = [256, 512], 3, 2048, 512, [256]
@@ -157,7 +158,7 @@ def main(argv=None):
         print(f"  {r['pass']:8s} T={r['T']:5d} {r['name']:8s} {r['ms']:8.1f} ms  ({r['x_sdpa']:.2f}x SDPA bf16)")
 
     memory = {kind: extra_memory(kind, args.memory_T, H, D, 3, args.threads) for kind in ("hkt", "sdpa")}
-    print(f"extra peak memory, causal fwd+bwd at T={args.memory_T} (beyond inputs, output and gradients): "
+    print(f"extra peak memory, causal fwd+bwd at T={args.memory_T} (beyond inputs, output, upstream and input gradients): "
           f"hkt L=3 {memory['hkt']['extra'] / 2**20:.1f} MB, sdpa {memory['sdpa']['extra'] / 2**20:.1f} MB")
 
     ref_ratio = {}

@@ -7,7 +7,7 @@ keeps the output, then times the candidates interleaved (medians).
     python benchmarks/bench_module.py            # T=1024, E=256, 4 heads, batch 8
     python benchmarks/bench_module.py --quick
 
-Writes benchmarks/out/module.json.
+Writes benchmarks/results/module.json.
 """
 import argparse
 import json
@@ -60,7 +60,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(HERE, "out"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.batch, args.repeats = 256, 2, 3
