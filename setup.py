@@ -110,7 +110,7 @@ setup(
             "hkt._C",
             sources=["csrc/hkt_attention.c", "csrc/hkt_module.c"],
             include_dirs=["csrc"],
-            depends=["csrc/hkt.h", "csrc/dlpack.h"] + ([CUDA_SOURCE] if cmdclass else []),
+            depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h"] + ([CUDA_SOURCE] if cmdclass else []),
             define_macros=define_macros,
             libraries=libraries,
             library_dirs=library_dirs,

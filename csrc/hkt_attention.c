@@ -17,6 +17,7 @@
 #ifndef HKT_REAL
 
 #include "hkt.h"
+#include "hkt_dropout.h"
 
 #include <math.h>
 #include <string.h>
@@ -51,27 +52,6 @@ static int thread_id(void) {
 #else
     return 0;
 #endif
-}
-
-/* ---- dropout: a counter-based generator, so forward and backward (and any
- * thread order) see the same decision for entry (b, h, i, j). ---- */
-static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
-
-static uint64_t keep_threshold(double p) {
-    if (p <= 0.0) return 0;
-    if (p >= 1.0) return (uint64_t)1 << 53;
-    return (uint64_t)(p * 9007199254740992.0); /* p * 2^53 */
-}
-
-static inline int keep_entry(uint64_t seed_mixed, uint64_t threshold, uint64_t index) {
-    return (mix64(seed_mixed + index * 0x9e3779b97f4a7c15ULL) >> 11) >= threshold;
 }
 
 int hkt_dropout_keep(uint64_t seed, double p, int64_t T, int64_t S, int64_t bh,

@@ -41,6 +41,7 @@
  * after (so outputs are complete when the caller sees them, on any stream).
  */
 #include "hkt.h"
+#include "hkt_dropout.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -65,26 +66,7 @@ typedef struct {
 
 static_assert(sizeof(cuda_args) <= 4000, "kernel arguments must stay under 4 KiB");
 
-/* ---- dropout: the CPU file's counter-based generator, bit for bit, so both
- * devices drop the same entries for the same seed ---- */
-__host__ __device__ static inline uint64_t mix64(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
-
-static uint64_t keep_threshold(double p) {
-    if (p <= 0.0) return 0;
-    if (p >= 1.0) return (uint64_t)1 << 53;
-    return (uint64_t)(p * 9007199254740992.0); /* p * 2^53 */
-}
-
-__device__ static inline bool keep_entry(uint64_t seed_mixed, uint64_t threshold, uint64_t index) {
-    return (mix64(seed_mixed + index * 0x9e3779b97f4a7c15ULL) >> 11) >= threshold;
-}
+/* dropout: hkt_dropout.h, shared with the CPU kernels */
 
 /* ---- small device helpers ---- */
 __device__ static inline float dev_exp(float x) { return expf(x); }

@@ -29,6 +29,7 @@ from hkt._kernels import dropout_keep_mask
 from hkt.reference import hkt_attention_reference as reference
 
 from conftest import sample_inputs
+from test_attention import MASKS, make_mask
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _C.has_cuda),
                                reason="needs a CUDA GPU and hkt built with HKT_CUDA=1")
@@ -43,24 +44,6 @@ SIZES = [
     (1, 2, 97, 97, 40, 33, 2),
     (1, 1, 130, 257, 64, 64, 1),
 ]
-MASKS = [None, "bool", "float", "bool4d"]
-
-
-def make_mask(kind, B, H, T, S, dtype, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    if kind is None:
-        return None
-    if kind == "bool":
-        return torch.rand(T, S, generator=g) > 0.3
-    if kind == "bool4d":  # whole rows masked out too
-        m = torch.rand(B, 1, T, S, generator=g) > 0.5
-        m[:, :, ::5] = False
-        return m
-    m = torch.randn(1, H, T, S, generator=g, dtype=dtype)
-    m[..., ::3, 1::2] = float("-inf")
-    return m
-
-
 def leaves_on(tensors, device, dtype=None):
     return [x.detach().to(device=device, dtype=dtype or x.dtype).requires_grad_() for x in tensors]
 
