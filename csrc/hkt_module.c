@@ -33,10 +33,25 @@ static void release_all(held *hd) {
 }
 
 static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
+    if (PyCapsule_CheckExact(obj)) {
+        /* an unconsumed capsule, e.g. from torch.utils.dlpack.to_dlpack: the
+         * cheapest way in; its creator still owns it */
+        if (!PyCapsule_IsValid(obj, "dltensor")) {
+            PyErr_Format(PyExc_TypeError, "%s: a DLPack capsule must be an unconsumed 'dltensor'", name);
+            return NULL;
+        }
+        if (hd->n >= MAX_HELD) {
+            PyErr_SetString(PyExc_ValueError, "too many arrays in one call");
+            return NULL;
+        }
+        Py_INCREF(obj);
+        hd->caps[hd->n++] = obj;
+        return &((DLManagedTensor *)PyCapsule_GetPointer(obj, "dltensor"))->dl_tensor;
+    }
     if (obj == Py_None || !PyObject_HasAttrString(obj, "__dlpack__")) {
         PyErr_Format(PyExc_TypeError,
                      "%s: expected a tensor or array that supports DLPack "
-                     "(torch.Tensor, numpy.ndarray), got %.100s",
+                     "(torch.Tensor, numpy.ndarray) or a DLPack capsule, got %.100s",
                      name, Py_TYPE(obj)->tp_name);
         return NULL;
     }

@@ -10,11 +10,25 @@ import contextlib
 import torch
 from torch import Tensor
 
+from torch.utils.dlpack import to_dlpack
+
 from . import _C
 
 __all__ = ["_forward", "_backward", "dropout_keep_mask", "has_cuda"]
 
 has_cuda = bool(_C.has_cuda)
+
+
+def _dl(x: Optional[Tensor]):
+    # CPU tensors go over as bare capsules (Tensor.__dlpack__ costs microseconds of
+    # Python checks per array); CUDA ones through __dlpack__, which syncs streams.
+    if x is None or x.is_cuda:
+        return x
+    return to_dlpack(x)
+
+
+def _dls(xs: Sequence[Tensor]) -> List:
+    return [_dl(x) for x in xs]
 
 
 def _lastdim_contiguous(x: Tensor) -> Tensor:
@@ -56,8 +70,8 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     out = torch.empty((B, H, T, v.shape[-1]), dtype=q[0].dtype, device=q[0].device)
     lse = torch.empty((B, H, T), dtype=q[0].dtype, device=q[0].device)
     with _on_device(out):
-        _C.forward(q, k, v, w, out, lse, _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale),
-                   float(dropout_p), int(seed), torch.get_num_threads())
+        _C.forward(_dls(q), _dls(k), _dl(v), _dl(w), _dl(out), _dl(lse), _dl(_mask_arg(attn_mask, q[0].dtype)),
+                   bool(is_causal), float(scale), float(dropout_p), int(seed), torch.get_num_threads())
     return out.to(in_dtype), lse
 
 
@@ -73,9 +87,10 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     with _on_device(dv):
-        _C.backward(dout, q, k, v, w, out.contiguous(), lse.detach().contiguous(), dq, dk, dv, dw,
-                    _mask_arg(attn_mask, q[0].dtype), bool(is_causal), float(scale), float(dropout_p), int(seed),
-                    torch.get_num_threads())
+        _C.backward(_dl(dout), _dls(q), _dls(k), _dl(v), _dl(w), _dl(out.contiguous()),
+                    _dl(lse.detach().contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw),
+                    _dl(_mask_arg(attn_mask, q[0].dtype)), bool(is_causal), float(scale), float(dropout_p),
+                    int(seed), torch.get_num_threads())
     if in_dtype != q[0].dtype:
         dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
         dv, dw = dv.to(in_dtype), dw.to(in_dtype)
@@ -85,5 +100,5 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
 def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: int) -> Tensor:
     """The kernels' dropout pattern for ``seed`` as a bool tensor (B, H, T, S), True = kept."""
     keep = torch.empty((B, H, T, S), dtype=torch.bool)
-    _C.dropout_mask(keep, int(seed), float(dropout_p))
+    _C.dropout_mask(_dl(keep), int(seed), float(dropout_p))
     return keep

@@ -125,3 +125,16 @@ def test_interpreter_survives_bad_input():
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"survived {len(CASES)}"
+
+
+def test_extension_takes_capsules_and_rejects_consumed_ones():
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+    q, k, v, w = base()
+    out, lse = torch.empty(2, 3, 10, 5, dtype=torch.float64), torch.empty(2, 3, 10, dtype=torch.float64)
+    _C.forward([to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v), to_dlpack(w),
+               to_dlpack(out), to_dlpack(lse))
+    torch.testing.assert_close(out, hkt.hkt_attention(q, k, v, w), rtol=0, atol=0)
+    used = to_dlpack(v)
+    from_dlpack(used)  # consumes it: the capsule is renamed "used_dltensor"
+    with pytest.raises(TypeError, match="^v: a DLPack capsule must be an unconsumed"):
+        _C.forward(q, k, used, w, out, lse)
