@@ -83,6 +83,9 @@ typedef struct {
     /* workspace: num_threads blocks of hkt_workspace_bytes(p, backward) */
     void *workspace;
     int num_threads;
+    /* forward: largest total bytes of per-thread transposed-key caches
+     * (negative: the default, 64 MiB); past it keys are transposed per tile */
+    int64_t key_cache_bytes;
 
     int device_id;             /* CUDA only: the device every array is on */
 } hkt_params;

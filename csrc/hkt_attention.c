@@ -29,6 +29,7 @@
  * level with 2^l <= 64 and lies inside one block of any coarser level. */
 #define BQ 64
 #define BK 64
+#define HKT_KEY_CACHE_BYTES ((size_t)64 << 20)
 
 /* Compile the hot loops for several ISAs and pick one at load time, so one
  * build runs anywhere and still uses AVX2/AVX-512 where present. */
@@ -75,6 +76,7 @@ typedef struct {
     /* offsets in reals, after the per-thread header */
     int64_t s, dp, g, e, dsl, pt, kt, ktall, ready, tmp, vt, delta, dwacc, m, lsum, total;
     int64_t goff[HKT_MAX_LEVELS], ktoff[HKT_MAX_LEVELS], ktalloff[HKT_MAX_LEVELS];
+    int keys_cached; /* forward: whole (b, h) of transposed keys kept per thread */
 } ws_layout;
 
 /* Row length of a level's transposed keys: padded so rows 4 KiB apart do not all
@@ -96,12 +98,17 @@ static ws_layout layout(const hkt_params *p, int backward) {
         ktall += p->D * ktall_ld(p, l);
     }
     g = round16(g);
+    /* Caching a (b, h)'s transposed keys costs D * S * 4/3 reals per thread; past
+     * this budget the forward transposes each key tile where it uses it. */
+    const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
+    const size_t budget = p->key_cache_bytes < 0 ? HKT_KEY_CACHE_BYTES : (size_t)p->key_cache_bytes;
+    w.keys_cached = (size_t)ktall * elem * (size_t)(p->num_threads > 0 ? p->num_threads : 1) <= budget;
     w.s = at;    at += BQ * BK;
     w.g = at;    at += g;
     w.e = at;    at += g;
     w.tmp = at;  at += BK > BQ ? BK : BQ;
+    w.kt = at;   at += round16(kt);
     if (backward) {
-        w.kt = at;    at += round16(kt);
         w.dp = at;    at += BQ * BK;
         w.pt = at;    at += BQ * BK;
         w.dsl = at;   at += g;
@@ -110,7 +117,7 @@ static ws_layout layout(const hkt_params *p, int backward) {
         w.dwacc = at; at += round16(p->L);
     } else {
         /* the transposed keys of one (b, h), all levels, and which tiles are in */
-        w.ktall = at; at += round16(ktall);
+        w.ktall = at; at += w.keys_cached ? round16(ktall) : 0;
         w.ready = at; at += round16((p->S + BK - 1) / BK);
         w.m = at;     at += BQ;
         w.lsum = at;  at += BQ;
@@ -366,6 +373,22 @@ static void FN(load_keys)(const hkt_params *p, int64_t b, int64_t h, int64_t j0,
     }
 }
 
+/* Transposes one key tile of every level into the workspace's kt region
+ * (D, cl) each, and points kt[l] / ktld[l] at it. */
+static void FN(load_key_tile)(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                              int64_t j0, int64_t j1, const real **kt, int64_t *ktld) {
+    real *buf[HKT_MAX_LEVELS];
+    int64_t col0[HKT_MAX_LEVELS];
+    for (int l = 0; l < p->L; l++) {
+        FN(span) sp = FN(level_span)(l, 0, 1, j0, j1);
+        buf[l] = base + ws->kt + ws->ktoff[l];
+        ktld[l] = sp.cl;
+        col0[l] = sp.c0;
+        kt[l] = buf[l];
+    }
+    FN(load_keys)(p, b, h, j0, j1, buf, ktld, col0);
+}
+
 /* S (nq, BK) = scale * sum_l w[l] * upsample(G_l), with G_l = q[l] k[l]^T over the
  * tile (kept in the workspace for the backward's dw).  kt[l] points at the tile's
  * first transposed key column of level l, with leading dimension ktld[l].
@@ -473,12 +496,18 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
     for (int64_t j0 = 0; j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
-        if (!ready[j0 / BK]) {
-            FN(load_keys)(p, b, h, j0, j1, ktall, ktld, zero);
-            ready[j0 / BK] = 1;
+        if (ws->keys_cached) {
+            if (!ready[j0 / BK]) {
+                FN(load_keys)(p, b, h, j0, j1, ktall, ktld, zero);
+                ready[j0 / BK] = 1;
+            }
+            for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
+            FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+        } else {
+            int64_t tld[HKT_MAX_LEVELS];
+            FN(load_key_tile)(p, ws, base, b, h, j0, j1, kt, tld);
+            FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, tld);
         }
-        for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
-        FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
         /* online softmax: rescale what out holds so far, then add this tile's P @ V */
         for (int64_t r = 0; r < nq; r++) {
             real *srow = Sbuf + r * BK;
@@ -562,9 +591,8 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
     const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
     const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
     real *dvb = (real *)p->dv + b * p->dv_stride[0] + h * p->dv_stride[1];
-    real *ktile[HKT_MAX_LEVELS];
     const real *kt[HKT_MAX_LEVELS];
-    int64_t ktld[HKT_MAX_LEVELS], col0[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS];
 
     /* overwrite semantics: clear this (b, h)'s gradient rows first */
     for (int l = 0; l < L; l++) {
@@ -574,8 +602,6 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
         for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
         for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
         dwacc[l] = 0;
-        ktile[l] = base + ws->kt + ws->ktoff[l];
-        kt[l] = ktile[l];
     }
     for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
     /* rowsum(dO * out): the softmax backward's per-row term */
@@ -584,12 +610,7 @@ static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, 
 
     for (int64_t j0 = 0; j0 < S; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
-        for (int l = 0; l < L; l++) {
-            FN(span) sp = FN(level_span)(l, 0, 1, j0, j1);
-            ktld[l] = sp.cl;
-            col0[l] = sp.c0;
-        }
-        FN(load_keys)(p, b, h, j0, j1, ktile, ktld, col0);
+        FN(load_key_tile)(p, ws, base, b, h, j0, j1, kt, ktld);
         FN(transpose)(nk, Dv, vb + j0 * p->v_stride[2], p->v_stride[2], Vt, BK);
         /* causal: query tiles that end before j0 see none of these keys */
         for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < T; i0 += BQ) {

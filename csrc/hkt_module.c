@@ -11,6 +11,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "dlpack.h"
@@ -379,6 +380,9 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     p->dropout_p = dropout_p;
     p->seed = (uint64_t)seed;
     p->num_threads = num_threads > 0 ? num_threads : hkt_default_threads();
+    /* a knob for tests and tuning, not API: HKT_KEY_CACHE_BYTES=0 forces per-tile key transposes */
+    const char *cache = getenv("HKT_KEY_CACHE_BYTES");
+    p->key_cache_bytes = cache ? strtoll(cache, NULL, 10) : -1;
     *q0_out = q0;
     rc = 0;
 done:

@@ -297,3 +297,14 @@ def test_empty_query_length():
     assert out.shape == (2, 3, 0, 5)
     out.sum().backward()
     assert (v.grad == 0).all() and (w.grad == 0).all()
+
+
+def test_forward_without_key_cache(monkeypatch):
+    # past the key-cache budget the forward transposes keys per tile: same result
+    q, k, v, w = sample_inputs(2, 2, 150, 200, 7, 5, 3, dtype=torch.float32)
+    cached = hkt.hkt_attention(q, k, v, w, is_causal=True)
+    monkeypatch.setenv("HKT_KEY_CACHE_BYTES", "0")
+    per_tile = hkt.hkt_attention(q, k, v, w, is_causal=True)
+    assert torch.equal(cached, per_tile)
+    q, k, v, w = sample_inputs(1, 2, 97, 130, 13, 7, 3)
+    torch.testing.assert_close(hkt.hkt_attention(q, k, v, w), reference(q, k, v, w), rtol=1e-10, atol=1e-10)
