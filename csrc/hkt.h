@@ -78,7 +78,7 @@ typedef struct {
     void *dv;
     int64_t dv_stride[3];
     void *dw;                  /* (H, L) or (L,), contiguous, like w */
-    void *dw_partial;          /* workspace (B, H, L) reals */
+    void *dw_partial;          /* workspace: hkt_dw_partial_bytes (delta and dw partials) */
 
     /* workspace: num_threads blocks of hkt_workspace_bytes(p, backward) */
     void *workspace;
@@ -92,7 +92,7 @@ typedef struct {
 
 /* Bytes of per-thread workspace the forward (backward = 0) or backward needs. */
 size_t hkt_workspace_bytes(const hkt_params *p, int backward);
-/* Bytes of dw_partial the backward needs (B * H * L reals). */
+/* Bytes of dw_partial the backward needs: B*H*T + B*H*ceil(S/64)*L reals. */
 size_t hkt_dw_partial_bytes(const hkt_params *p);
 /* Threads OpenMP would use by default (1 without OpenMP). */
 int hkt_default_threads(void);

@@ -74,7 +74,7 @@ static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
 typedef struct {
     /* offsets in reals, after the per-thread header */
-    int64_t s, dp, g, e, dsl, pt, kt, ktall, ready, tmp, vt, delta, dwacc, m, lsum, total;
+    int64_t s, dp, g, e, dsl, pt, kt, ktall, ready, tmp, vt, dwacc, m, lsum, total;
     int64_t goff[HKT_MAX_LEVELS], ktoff[HKT_MAX_LEVELS], ktalloff[HKT_MAX_LEVELS];
     int keys_cached; /* forward: whole (b, h) of transposed keys kept per thread */
 } ws_layout;
@@ -113,7 +113,6 @@ static ws_layout layout(const hkt_params *p, int backward) {
         w.pt = at;    at += BQ * BK;
         w.dsl = at;   at += g;
         w.vt = at;    at += round16(p->Dv * BK);
-        w.delta = at; at += round16(p->T);
         w.dwacc = at; at += round16(p->L);
     } else {
         /* the transposed keys of one (b, h), all levels, and which tiles are in */
@@ -132,13 +131,17 @@ size_t hkt_workspace_bytes(const hkt_params *p, int backward) {
 }
 
 size_t hkt_dw_partial_bytes(const hkt_params *p) {
+    /* delta (B, H, T), then dw partials (B, H, key tiles, L) */
     size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
-    return (size_t)(p->B * p->H * p->L) * elem;
+    int64_t nkt = (p->S + BK - 1) / BK;
+    return (size_t)(p->B * p->H * (p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;
 }
-
 static int num_threads(const hkt_params *p) {
     return p->num_threads > 0 ? p->num_threads : 1;
 }
+
+/* which side of the backward a pass computes */
+enum { WANT_KV = 1, WANT_Q = 2 };
 
 #define CAT2(a, b) a##_##b
 #define CAT(a, b) CAT2(a, b)
@@ -567,148 +570,219 @@ static void FN(forward)(const hkt_params *p) {
     }
 }
 
-/* backward: one task per (b, h), which owns every gradient row of that (b, h), so
- * accumulation needs no atomics and is deterministic; dw goes through dw_partial
- * and is reduced in a fixed order at the end.
+/* backward of one (query tile, key tile) pair.
  *
  * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
  * backward: dv = Pdrop^T dO; dP = dO v^T; dS = P * (dP * keep/(1-p) - rowsum(dO * out))
  *           dq_l = scale w_l sum2^l(dS) k_l; dk_l = scale w_l sum2^l(dS)^T q_l;
- *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T) */
-static HKT_HOT void FN(backward_task)(const hkt_params *p, const ws_layout *ws, char *block,
-                                      int64_t b, int64_t h) {
-    const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv;
+ *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T)
+ *
+ * want_kv adds to dv, dk and dwacc (the key side), want_q to dq (the query side);
+ * kt/ktld are the key tile's transposed keys, Vt (Dv, BK) its transposed values.
+ * All gradients accumulate: the caller orders the pairs. */
+
+static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                      int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
+                                      const int64_t *ktld, int want, real *dwacc) {
+    const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv, nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
-    const int use_dropout = p->dropout_p > 0;
-    const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
-    const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
     const real scale = (real)p->scale;
-    real *base = (real *)(block + WS_HEADER);
-    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt, *Pd = base + ws->pt;
-    real *delta = base + ws->delta, *dwacc = base + ws->dwacc, *tmp = base + ws->tmp;
+    real *Sb = base + ws->s, *dP = base + ws->dp, *Vt = base + ws->vt, *Pd = base + ws->pt, *tmp = base + ws->tmp;
+    const real *delta = (const real *)p->dw_partial + (b * p->H + h) * T; /* shared (B, H, T) */
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
-    const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
-    const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
-    const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
+    const real *dorows = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
     real *dvb = (real *)p->dv + b * p->dv_stride[0] + h * p->dv_stride[1];
+
+    FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+    for (int64_t r = 0; r < nq; r++) FN(exp_shift)(Sb + r * BK, nk, lse[i0 + r]);  /* P */
+    FN(gemm)(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0);     /* dP = dO V^T */
+    const real *Pv = Sb; /* the P that weighed v: dropped or not */
+    if (p->dropout_p > 0) {
+        const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
+        const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
+        for (int64_t r = 0; r < nq; r++) {
+            const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
+            const real di = delta[i0 + r];
+            real *srow = Sb + r * BK, *dprow = dP + r * BK, *pdrow = Pd + r * BK;
+            for (int64_t c = 0; c < nk; c++) {
+                const real f = keep_entry(sm, th, rowidx + (uint64_t)c) ? kf : 0;
+                pdrow[c] = srow[c] * f;
+                dprow[c] = scale * srow[c] * (dprow[c] * f - di);
+            }
+        }
+        Pv = Pd;
+    } else {
+        for (int64_t r = 0; r < nq; r++) {
+            const real di = delta[i0 + r];
+            const real *srow = Sb + r * BK;
+            real *dprow = dP + r * BK;
+            for (int64_t c = 0; c < nk; c++) dprow[c] = scale * srow[c] * (dprow[c] - di);
+        }
+    }
+    if (want & WANT_KV)
+        FN(gemm)(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2],
+                 p->dv_stride[2], 1);                                                  /* dv += P^T dO */
+    /* per level: dS (already times scale) summed over 2^l blocks, level by level
+     * from the one below; then that level's dq, or dk and dw */
+    const real *dsl_prev = dP;
+    int64_t ld_prev = BK, rl_prev = nq, cl_prev = nk;
+    for (int l = 0; l < L; l++) {
+        FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
+        const real *dsl = dP;
+        int64_t ldsl = BK;
+        if (l > 0) {
+            real *out = base + ws->dsl + ws->goff[l];
+            for (int64_t a = 0; a < sp.rl; a++) {
+                const real *r0 = dsl_prev + 2 * a * ld_prev;
+                if (2 * a + 1 < rl_prev) {
+                    const real *r1 = r0 + ld_prev;
+                    for (int64_t c = 0; c < cl_prev; c++) tmp[c] = r0[c] + r1[c];
+                    FN(pairsum)(tmp, cl_prev, out + a * sp.cl);
+                } else {
+                    FN(pairsum)(r0, cl_prev, out + a * sp.cl);
+                }
+            }
+            dsl = out;
+            ldsl = sp.cl;
+        }
+        dsl_prev = dsl;
+        ld_prev = ldsl;
+        rl_prev = sp.rl;
+        cl_prev = sp.cl;
+        const real wl = FN(weight)(p, h, l);
+        if (want & WANT_Q) {
+            const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
+            real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
+            FN(gemm)(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                     dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
+        }
+        if (want & WANT_KV) {
+            const real *G = base + ws->g + ws->goff[l];
+            real dws = 0;
+            for (int64_t a = 0; a < sp.rl; a++) dws += FN(dot)(sp.cl, dsl + a * ldsl, G + a * sp.cl);
+            dwacc[l] += dws;
+            const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+            real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
+            FN(gemm)(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
+                     dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
+        }
+    }
+}
+
+/* Loads key tile j0 (transposed keys of every level, transposed values). */
+static void FN(backward_keys)(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                              int64_t j0, int64_t j1, const real **kt, int64_t *ktld) {
+    const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
+    FN(load_key_tile)(p, ws, base, b, h, j0, j1, kt, ktld);
+    FN(transpose)(j1 - j0, p->Dv, vb + j0 * p->v_stride[2], p->v_stride[2], base + ws->vt, BK);
+}
+
+/* Key tiles [kt0, kt1) against every query tile that sees them, in key-major
+ * order, for the given sides; the key side's dw partials go to dw_partial. */
+static void FN(backward_keys_range)(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                    int64_t kt0, int64_t kt1, int want) {
     const real *kt[HKT_MAX_LEVELS];
     int64_t ktld[HKT_MAX_LEVELS];
+    real *dwacc = base + ws->dwacc;
+    const int64_t nkt = (p->S + BK - 1) / BK;
+    real *dwp = (real *)p->dw_partial + p->B * p->H * p->T + ((b * p->H + h) * nkt) * p->L;
+    for (int64_t t = kt0; t < kt1; t++) {
+        const int64_t j0 = t * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+        FN(backward_keys)(p, ws, base, b, h, j0, j1, kt, ktld);
+        for (int l = 0; l < p->L; l++) dwacc[l] = 0;
+        /* causal: query tiles that end before j0 see none of these keys */
+        for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < p->T; i0 += BQ)
+            FN(backward_pair)(p, ws, base, b, h, i0, i0 + BQ < p->T ? i0 + BQ : p->T, j0, j1, kt, ktld, want, dwacc);
+        if (want & WANT_KV)
+            for (int l = 0; l < p->L; l++) dwp[t * p->L + l] = dwacc[l];
+    }
+}
 
-    /* overwrite semantics: clear this (b, h)'s gradient rows first */
-    for (int l = 0; l < L; l++) {
-        const int64_t Tl = ((T - 1) >> l) + 1, Sl = S > 0 ? ((S - 1) >> l) + 1 : 0;
+/* dq of query tiles [qt0, qt1) in the same key-major order as the one-pass
+ * schedule, so both schedules add every gradient in the same order. */
+static void FN(backward_queries_range)(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                       int64_t qt0, int64_t qt1) {
+    const real *kt[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS];
+    const int64_t iend = qt1 * BQ < p->T ? qt1 * BQ : p->T;
+    const int64_t jend = p->causal ? (iend < p->S ? iend : p->S) : p->S;
+    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+        const int64_t j1 = j0 + BK < p->S ? j0 + BK : p->S;
+        FN(backward_keys)(p, ws, base, b, h, j0, j1, kt, ktld);
+        for (int64_t q = qt0; q < qt1; q++) {
+            const int64_t i0 = q * BQ, i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
+            if (p->causal && i1 - 1 < j0) continue;
+            FN(backward_pair)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, WANT_Q, NULL);
+        }
+    }
+}
+
+/* Zeroes (b, h)'s gradient rows (the backward overwrites) and fills
+ * delta = rowsum(dO * out), the softmax backward's per-row term. */
+static void FN(backward_prepare)(const hkt_params *p, int64_t b, int64_t h) {
+    const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv;
+    for (int l = 0; l < p->L; l++) {
+        const int64_t Tl = T > 0 ? ((T - 1) >> l) + 1 : 0, Sl = S > 0 ? ((S - 1) >> l) + 1 : 0;
         real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
         real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
         for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
         for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
-        dwacc[l] = 0;
     }
+    real *dvb = (real *)p->dv + b * p->dv_stride[0] + h * p->dv_stride[1];
     for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
-    /* rowsum(dO * out): the softmax backward's per-row term */
-    for (int64_t i = 0; i < T; i++)
-        delta[i] = FN(dot)(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
-
-    for (int64_t j0 = 0; j0 < S; j0 += BK) {
-        const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
-        FN(load_key_tile)(p, ws, base, b, h, j0, j1, kt, ktld);
-        FN(transpose)(nk, Dv, vb + j0 * p->v_stride[2], p->v_stride[2], Vt, BK);
-        /* causal: query tiles that end before j0 see none of these keys */
-        for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < T; i0 += BQ) {
-            const int64_t i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
-            const real *dorows = dob + i0 * p->dout_stride[2];
-            FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
-            for (int64_t r = 0; r < nq; r++) FN(exp_shift)(Sb + r * BK, nk, lse[i0 + r]);  /* P */
-            FN(gemm)(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0);     /* dP = dO V^T */
-            const real *Pv = Sb; /* the P that weighed v: dropped or not */
-            if (use_dropout) {
-                for (int64_t r = 0; r < nq; r++) {
-                    const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
-                    const real di = delta[i0 + r];
-                    real *srow = Sb + r * BK, *dprow = dP + r * BK, *pdrow = Pd + r * BK;
-                    for (int64_t c = 0; c < nk; c++) {
-                        const real f = keep_entry(sm, th, rowidx + (uint64_t)c) ? kf : 0;
-                        pdrow[c] = srow[c] * f;
-                        dprow[c] = scale * srow[c] * (dprow[c] * f - di);
-                    }
-                }
-                Pv = Pd;
-            } else {
-                for (int64_t r = 0; r < nq; r++) {
-                    const real di = delta[i0 + r];
-                    const real *srow = Sb + r * BK;
-                    real *dprow = dP + r * BK;
-                    for (int64_t c = 0; c < nk; c++) dprow[c] = scale * srow[c] * (dprow[c] - di);
-                }
-            }
-            FN(gemm)(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2],
-                     p->dv_stride[2], 1);                                                  /* dv += P^T dO */
-            /* per level: dS (already times scale) summed over 2^l blocks, level by
-             * level from the one below; then dq, dk, dw of that level */
-            const real *dsl_prev = dP;
-            int64_t ld_prev = BK, rl_prev = nq, cl_prev = nk;
-            for (int l = 0; l < L; l++) {
-                FN(span) sp = FN(level_span)(l, i0, i1, j0, j1);
-                const real *G = base + ws->g + ws->goff[l];
-                const real *dsl = dP;
-                int64_t ldsl = BK;
-                if (l > 0) {
-                    real *out = base + ws->dsl + ws->goff[l];
-                    for (int64_t a = 0; a < sp.rl; a++) {
-                        const real *r0 = dsl_prev + 2 * a * ld_prev;
-                        if (2 * a + 1 < rl_prev) {
-                            const real *r1 = r0 + ld_prev;
-                            for (int64_t c = 0; c < cl_prev; c++) tmp[c] = r0[c] + r1[c];
-                            FN(pairsum)(tmp, cl_prev, out + a * sp.cl);
-                        } else {
-                            FN(pairsum)(r0, cl_prev, out + a * sp.cl);
-                        }
-                    }
-                    dsl = out;
-                    ldsl = sp.cl;
-                }
-                dsl_prev = dsl;
-                ld_prev = ldsl;
-                rl_prev = sp.rl;
-                cl_prev = sp.cl;
-                real dws = 0;
-                for (int64_t a = 0; a < sp.rl; a++) dws += FN(dot)(sp.cl, dsl + a * ldsl, G + a * sp.cl);
-                dwacc[l] += dws;
-                const real wl = FN(weight)(p, h, l);
-                const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-                const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
-                real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
-                real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
-                FN(gemm)(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
-                         dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
-                FN(gemm)(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
-                         dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
-            }
-        }
-    }
-    real *dwp = (real *)p->dw_partial + (b * p->H + h) * L;
-    for (int l = 0; l < L; l++) dwp[l] = dwacc[l];
+    const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
+    const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
+    real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
+    for (int64_t i = 0; i < T; i++) delta[i] = FN(dot)(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
 }
 
+/* Two schedules, bitwise equal results:
+ *  - one task per (b, h), owning all its gradient rows (no atomics): used when
+ *    there are at least as many (b, h) as threads;
+ *  - otherwise two passes, each over chunks of one (b, h): key chunks write dk,
+ *    dv and dw partials, query chunks write dq.  A chunk spans 2^(L-1) rows
+ *    (at least one 64-row tile), so no coarse-level row is shared between chunks;
+ *    scores are recomputed in both passes, the price of using every thread.
+ * dw is reduced from per-(b, h, key tile) partials in a fixed order. */
 static void FN(backward)(const hkt_params *p) {
     const ws_layout ws = layout(p, 1);
     const size_t wsb = hkt_workspace_bytes(p, 1);
-    const int64_t ntask = p->B * p->H;
+    const int64_t nbh = p->B * p->H, nkt = (p->S + BK - 1) / BK, nqt = (p->T + BQ - 1) / BQ;
     const int nt = num_threads(p);
-    (void)nt;
+    const int64_t span = ((int64_t)1 << (p->L - 1)) > BK ? ((int64_t)1 << (p->L - 1)) / BK : 1; /* tiles per chunk */
+    const int64_t nkc = (nkt + span - 1) / span, nqc = (nqt + span - 1) / span;
+#define BASE ((real *)((char *)p->workspace + (size_t)thread_id() * wsb + WS_HEADER))
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t t = 0; t < nbh; t++) FN(backward_prepare)(p, t / p->H, t % p->H);
+    if (nbh >= nt) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t t = 0; t < ntask; t++) {
-        char *block = (char *)p->workspace + (size_t)thread_id() * wsb;
-        FN(backward_task)(p, &ws, block, t / p->H, t % p->H);
+        for (int64_t t = 0; t < nbh; t++)
+            FN(backward_keys_range)(p, &ws, BASE, t / p->H, t % p->H, 0, nkt, WANT_KV | WANT_Q);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < nbh * nkc; t++) {
+            const int64_t bh = t / nkc, c = t % nkc;
+            FN(backward_keys_range)(p, &ws, BASE, bh / p->H, bh % p->H, c * span,
+                                    (c + 1) * span < nkt ? (c + 1) * span : nkt, WANT_KV);
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < nbh * nqc; t++) {
+            const int64_t bh = t / nqc, c = nqc - 1 - t % nqc; /* causal: costlier chunks first */
+            FN(backward_queries_range)(p, &ws, BASE, bh / p->H, bh % p->H, c * span,
+                                       (c + 1) * span < nqt ? (c + 1) * span : nqt);
+        }
     }
-    /* dw[h, l] = sum_b dw_partial[b, h, l] (and over h when w is shared) */
+#undef BASE
+    /* dw[h, l] = sum over b and key tiles of the partials (and over h when w is shared) */
     real *dw = (real *)p->dw;
-    const real *part = (const real *)p->dw_partial;
+    const real *part = (const real *)p->dw_partial + nbh * p->T;
     const int64_t nw = p->w_per_head ? p->H * p->L : p->L;
     for (int64_t x = 0; x < nw; x++) dw[x] = 0;
     for (int64_t b = 0; b < p->B; b++)
         for (int64_t h = 0; h < p->H; h++)
-            for (int l = 0; l < p->L; l++)
-                dw[(p->w_per_head ? h * p->L : 0) + l] += part[(b * p->H + h) * p->L + l];
+            for (int64_t t = 0; t < nkt; t++)
+                for (int l = 0; l < p->L; l++)
+                    dw[(p->w_per_head ? h * p->L : 0) + l] += part[((b * p->H + h) * nkt + t) * p->L + l];
 }
 
 #undef vec

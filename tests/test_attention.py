@@ -308,3 +308,28 @@ def test_forward_without_key_cache(monkeypatch):
     assert torch.equal(cached, per_tile)
     q, k, v, w = sample_inputs(1, 2, 97, 130, 13, 7, 3)
     torch.testing.assert_close(hkt.hkt_attention(q, k, v, w), reference(q, k, v, w), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("L,causal,dropout", [(3, False, 0.0), (3, True, 0.2), (8, True, 0.0), (8, False, 0.3)])
+def test_backward_schedules_agree_bitwise(L, causal, dropout):
+    # one (b, h) and two threads: the two-pass schedule; one thread: the per-(b, h)
+    # one.  Both add every gradient in the same order.
+    q, k, v, w = sample_inputs(1, 1, 300, 333, 9, 6, L, dtype=torch.float32, requires_grad=True)
+    seed = torch.tensor(99)
+    runs = []
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, _ = ops.attention_forward(list(q), list(k), v, w, None, causal, dropout, 0.3, seed)
+            runs.append([out, *grads(out, [*q, *k, v, w])])
+        finally:
+            torch.set_num_threads(old)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    q64, k64 = [[x.detach().double().requires_grad_() for x in xs] for xs in (q, k)]
+    v64, w64 = [x.detach().double().requires_grad_() for x in (v, w)]
+    keep = dropout_keep_mask(99, dropout, 1, 1, 300, 333) if dropout else None
+    ref = reference(q64, k64, v64, w64, is_causal=causal, scale=0.3, dropout_p=dropout, dropout_mask=keep)
+    for a, b in zip(runs[1], [ref, *grads(ref, [*q64, *k64, v64, w64])]):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
