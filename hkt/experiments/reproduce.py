@@ -68,11 +68,13 @@ def main(argv=None) -> Dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_args(ap)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--attentions", nargs="+", choices=["standard", "hkt"], default=["standard", "hkt"],
+                    help="e.g. only standard, for a parameter-matched control with a larger --ff")
     ap.add_argument("--out", required=True, help="summary JSON path")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = reproduce(args.task, args.seeds, **training_kwargs(args))
+    res = reproduce(args.task, args.seeds, attentions=args.attentions, **training_kwargs(args))
     write_json(res, args.out)
     for a, s in res["summary"].items():
         print(f"{a:8s} {100 * s['mean']:.2f} +- {100 * s['std']:.2f} (n={s['n']})", file=sys.stderr)
