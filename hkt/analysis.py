@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .modules import MultiheadHKT, causal_downsample
-from .reference import upsample_level
+from .reference import level_terms, upsample_level
 
 __all__ = [
     "cost_ratio", "count_score_macs", "measured_cost_ratio",
@@ -176,14 +176,7 @@ def level_scores(module: MultiheadHKT, x: Tensor, *, bias: bool = True) -> Level
     projection biases.  O(L * B * H * T^2) memory: for analysis, not training.
     """
     qs, ks = level_queries_keys(module, x, bias=bias)
-    T = qs[0].shape[2]
-    scale = 1.0 / math.sqrt(module.head_dim)
-    w = module.level_weights()  # (H, L)
-    terms = []
-    for l in range(module.levels):
-        g = upsample_level(qs[l] @ ks[l].transpose(-1, -2), l, T, T)
-        terms.append(scale * w[:, l].view(1, -1, 1, 1) * g)
-    levels = torch.stack(terms)
+    levels = torch.stack(level_terms(qs, ks, module.level_weights(), 1.0 / math.sqrt(module.head_dim)))
     return LevelScores(levels, levels.sum(0))
 
 

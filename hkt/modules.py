@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .functional import hkt_attention
-from .reference import combined_scores
+from .reference import attention_probs
 
 __all__ = ["MultiheadHKT", "swap_attention"]
 
@@ -487,7 +487,8 @@ class MultiheadHKT(nn.Module):
 
         weights = None
         if need_weights:
-            weights = self._probs(qs, ks, w, mask, causal)
+            # the combined HKT probabilities, in plain torch (O(T*S) memory, as MHA's weights)
+            weights = attention_probs(qs, ks, w, attn_mask=mask, is_causal=causal)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
         if unbatched:
@@ -496,25 +497,6 @@ class MultiheadHKT(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
-
-    @staticmethod
-    def _probs(qs, ks, w, mask: Optional[Tensor], is_causal: bool) -> Tensor:
-        """The combined HKT probabilities (B, H, T, S) in plain torch (O(T*S) memory)."""
-        score = combined_scores(qs, ks, w)
-        T, S = score.shape[-2:]
-        visible = None
-        if is_causal:
-            visible = torch.ones((T, S), dtype=torch.bool, device=score.device).tril()
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                visible = mask if visible is None else visible & mask
-            else:
-                score = score + mask
-        if visible is not None:
-            score = score.masked_fill(~visible, float("-inf"))
-        # A row with nothing visible gives zeros (as the kernel does), without NaN gradients.
-        row_any = (score > float("-inf")).any(dim=-1, keepdim=True)
-        return torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1) * row_any
 
 
 def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:

@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["hkt_attention_reference", "combined_scores", "upsample_level"]
+__all__ = ["hkt_attention_reference", "attention_probs", "combined_scores", "level_terms", "upsample_level"]
 
 
 def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
@@ -21,20 +21,46 @@ def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
     return g.repeat_interleave(f, dim=-2)[..., :T, :].repeat_interleave(f, dim=-1)[..., :S]
 
 
-def combined_scores(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Optional[float] = None) -> Tensor:
-    """score[i, j] = scale * sum_l w[l] * <q[l][i >> l], k[l][j >> l]>, shape (B, H, T, S)."""
+def level_terms(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Optional[float] = None) -> list:
+    """Each level's contribution scale * w[l] * upsample(q[l] k[l]^T), L tensors (B, H, T, S)."""
     B, H, T, D = q[0].shape
     S = k[0].shape[-2]
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     L = len(q)
     w2 = w.unsqueeze(0).expand(H, L) if w.dim() == 1 else w
-    score = None
-    for l in range(L):
-        g = upsample_level(q[l] @ k[l].transpose(-1, -2), l, T, S)
-        term = scale * w2[:, l].view(1, H, 1, 1) * g
-        score = term if score is None else score + term
+    return [scale * w2[:, l].view(1, H, 1, 1) * upsample_level(q[l] @ k[l].transpose(-1, -2), l, T, S)
+            for l in range(L)]
+
+
+def combined_scores(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Optional[float] = None) -> Tensor:
+    """score[i, j] = scale * sum_l w[l] * <q[l][i >> l], k[l][j >> l]>, shape (B, H, T, S)."""
+    terms = level_terms(q, k, w, scale)
+    score = terms[0]
+    for term in terms[1:]:
+        score = score + term
     return score
+
+
+def attention_probs(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, *, attn_mask: Optional[Tensor] = None,
+                    is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
+    """P (B, H, T, S): the combined scores, masked as :func:`hkt.hkt_attention` masks
+    them, through the softmax.  A row with nothing visible is zeros."""
+    score = combined_scores(q, k, w, scale)
+    T, S = score.shape[-2:]
+    visible = torch.ones(T, S, dtype=torch.bool, device=score.device)
+    if is_causal:
+        visible = torch.tril(visible)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            visible = visible & attn_mask
+        else:
+            score = score + attn_mask
+    score = score.masked_fill(~visible, float("-inf"))
+    # A row with nothing visible gives zeros: softmax a harmless row, then zero it,
+    # so neither the value nor the gradient picks up NaN.
+    row_any = (score > float("-inf")).any(dim=-1, keepdim=True)
+    return torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1) * row_any
 
 
 def hkt_attention_reference(
@@ -57,22 +83,7 @@ def hkt_attention_reference(
     ``hkt._C.dropout_mask``), so results are reproducible.  With
     ``return_probs`` also returns P (B, H, T, S) before dropout.
     """
-    score = combined_scores(q, k, w, scale)
-    T, S = score.shape[-2:]
-    visible = torch.ones(T, S, dtype=torch.bool, device=score.device)
-    if is_causal:
-        visible = torch.tril(visible)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            visible = visible & attn_mask
-        else:
-            score = score + attn_mask
-    score = score.masked_fill(~visible, float("-inf"))
-    # A row with nothing visible gives zeros: softmax a harmless row, then zero it,
-    # so neither the value nor the gradient picks up NaN.
-    row_any = (score > float("-inf")).any(dim=-1, keepdim=True)
-    P = torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1)
-    P = P * row_any
+    P = attention_probs(q, k, w, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     Pd = P
     if dropout_p > 0:
         if dropout_mask is None:
