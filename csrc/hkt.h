@@ -100,10 +100,8 @@ int hkt_default_threads(void);
 void hkt_forward_cpu(const hkt_params *p);
 void hkt_backward_cpu(const hkt_params *p);
 
-/* The dropout decision the kernels make: nonzero if entry (b, h, i, j) is kept. */
-int hkt_dropout_keep(uint64_t seed, double p, int64_t T, int64_t S, int64_t bh,
-                     int64_t i, int64_t j);
-/* Fills keep (B, H, T, S) bytes with hkt_dropout_keep, for tests. */
+/* Fills keep (B, H, T, S) bytes with the kernels' dropout decision (1 = kept;
+ * hkt_dropout.h), for tests. */
 void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
                           int64_t B, int64_t H, int64_t T, int64_t S);
 

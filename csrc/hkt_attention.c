@@ -55,11 +55,6 @@ static int thread_id(void) {
 #endif
 }
 
-int hkt_dropout_keep(uint64_t seed, double p, int64_t T, int64_t S, int64_t bh,
-                     int64_t i, int64_t j) {
-    return keep_entry(mix64(seed), keep_threshold(p), (uint64_t)((bh * T + i) * S + j));
-}
-
 void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
                           int64_t B, int64_t H, int64_t T, int64_t S) {
     uint64_t sm = mix64(seed), th = keep_threshold(p);
