@@ -16,7 +16,17 @@
  *
  * Forward writes out and lse (log-sum-exp per query row, +inf for a row with no
  * visible key).  Backward OVERWRITES dq[l], dk[l], dv and dw (it does not
- * accumulate into what the caller passes).
+ * accumulate into what the caller passes), and dmask when it is not NULL.
+ *
+ * Non-finite values.  An entry whose score is -inf (hidden by the bool mask or
+ * causality, or by a -inf in the float mask) contributes nothing to anything:
+ * its P and its dS are exactly 0, even in a row that holds NaN.  A visible score
+ * that is NaN or +inf (from NaN/inf in q, k, w or the float mask) makes its
+ * row's out and lse NaN, and the row's gradients NaN, as the softmax does in
+ * plain arithmetic.  A row with no visible key gives out = 0 and lse = +inf.
+ * NaN in v (or dout) reaches the rows that see it; whether it also reaches rows
+ * for which that key is hidden is not specified (it does where a hidden key
+ * shares a tile with visible ones, as in any kernel that multiplies P = 0 by v).
  *
  * The _cuda functions (built with HKT_WITH_CUDA, hkt_attention_cuda.cu) compute
  * the same thing with every pointer on CUDA device device_id; they ignore
@@ -78,6 +88,12 @@ typedef struct {
     void *dv;
     int64_t dv_stride[3];
     void *dw;                  /* (H, L) or (L,), contiguous, like w */
+    /* Float masks only, or NULL: the mask's gradient dS (the score's gradient,
+     * before the scale), summed over every dimension d whose dmask_shape[d] is 1
+     * while the full size (B, H, T, S)[d] is larger; C-contiguous, of shape
+     * dmask_shape, each entry either 1 or the full size. */
+    void *dmask;
+    int64_t dmask_shape[4];
     void *dw_partial;          /* workspace: hkt_dw_partial_bytes (delta and dw partials) */
 
     /* workspace: num_threads blocks of hkt_workspace_bytes(p, backward) */

@@ -319,7 +319,9 @@ static inline void FN(transpose)(int64_t rows, int64_t cols, const real *src, in
 static inline float FN(exp_nonpos)(float x) {
     /* Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial
      * (relative error ~2e-7): vectorises, unlike a libm call. */
-    const float xc = x < -87.0f ? -87.0f : (x > 0.0f ? 0.0f : x);
+    /* NaN takes the -87 branch here (no undefined float-to-int cast below) and
+     * comes out as NaN at the end */
+    const float xc = x >= -87.0f ? (x > 0.0f ? 0.0f : x) : -87.0f;
     const float t = xc * 1.44269504088896341f;
     const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
     const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -333,14 +335,32 @@ static inline float FN(exp_nonpos)(float x) {
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : p * scale;
+    return x < -87.0f ? 0.0f : (x == x ? p * scale : x);
 }
 #else
 static inline double FN(exp_nonpos)(double x) { return exp(x); }
 #endif
 
+/* x[c] = exp(x[c] - m).  With m NaN (a row holding a visible NaN or +inf score)
+ * every entry is NaN except hidden ones (-inf), which stay exactly 0: a hidden
+ * key contributes nothing, even to a NaN row. */
 static inline void FN(exp_shift)(real *restrict x, int64_t n, real m) {
+    if (m != m) {
+        for (int64_t c = 0; c < n; c++) x[c] = x[c] == -INFINITY ? 0 : NAN;
+        return;
+    }
     for (int64_t c = 0; c < n; c++) x[c] = FN(exp_nonpos)(x[c] - m);
+}
+
+/* Largest of x[0..n), or NaN if any is NaN (the plain max would skip it). */
+static inline real FN(row_max)(const real *restrict x, int64_t n) {
+    real mx = -INFINITY;
+    int nan = 0;
+    for (int64_t c = 0; c < n; c++) {
+        mx = x[c] > mx ? x[c] : mx;
+        nan |= x[c] != x[c];
+    }
+    return nan ? NAN : mx;
 }
 
 static inline real FN(weight)(const hkt_params *p, int64_t h, int l) {
@@ -509,13 +529,13 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
         /* online softmax: rescale what out holds so far, then add this tile's P @ V */
         for (int64_t r = 0; r < nq; r++) {
             real *srow = Sbuf + r * BK;
-            real mx = -INFINITY;
-            for (int64_t c = 0; c < nk; c++) mx = srow[c] > mx ? srow[c] : mx;
+            const real mx = FN(row_max)(srow, nk);
             if (mx == -INFINITY) { /* nothing visible in this tile */
                 for (int64_t c = 0; c < nk; c++) srow[c] = 0;
                 continue;
             }
-            const real mnew = mx > m[r] ? mx : m[r];
+            /* NaN wins, so a NaN score poisons its row for good */
+            const real mnew = mx > m[r] || mx != mx ? mx : m[r];
             const real alpha = m[r] == -INFINITY ? 0 : FN(exp_nonpos)(m[r] - mnew);
             FN(exp_shift)(srow, nk, mnew);
             real sum = 0;
@@ -541,10 +561,14 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
             const real inv = 1 / lsum[r];
             for (int64_t e = 0; e < Dv; e++) orow[e] *= inv;
             lse[r] = m[r] + HKT_LOG(lsum[r]);
-        } else {
+        } else if (lsum[r] == 0) {
             /* no visible key: zeros, and +inf so the backward's P is exactly 0 */
             for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
             lse[r] = INFINITY;
+        } else {
+            /* a visible NaN or +inf score: the softmax of the row is NaN */
+            for (int64_t e = 0; e < Dv; e++) orow[e] = NAN;
+            lse[r] = NAN;
         }
     }
 }
@@ -570,9 +594,11 @@ static void FN(forward)(const hkt_params *p) {
  * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
  * backward: dv = Pdrop^T dO; dP = dO v^T; dS = P * (dP * keep/(1-p) - rowsum(dO * out))
  *           dq_l = scale w_l sum2^l(dS) k_l; dk_l = scale w_l sum2^l(dS)^T q_l;
- *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T)
+ *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T); dmask = dS
  *
+ * Leaves dS (nq, BK) in the workspace's dp region.
  * want_kv adds to dv, dk and dwacc (the key side), want_q to dq (the query side);
+ * with neither it only computes dS (for the mask's gradient);
  * kt/ktld are the key tile's transposed keys, Vt (Dv, BK) its transposed values.
  * All gradients accumulate: the caller orders the pairs. */
 
@@ -589,9 +615,20 @@ static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, 
     real *dvb = (real *)p->dv + b * p->dv_stride[0] + h * p->dv_stride[1];
 
     FN(tile_scores)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
-    for (int64_t r = 0; r < nq; r++) FN(exp_shift)(Sb + r * BK, nk, lse[i0 + r]);  /* P */
+    /* A row whose lse or delta is not finite (NaN from a visible NaN score, +inf
+     * lse for a row with nothing visible) must still give hidden entries dS = 0,
+     * not 0 * NaN: remember which entries are hidden before the exp. */
+    unsigned char odd_row[BQ], hidden[BQ][BK];
+    for (int64_t r = 0; r < nq; r++) {
+        real *srow = Sb + r * BK;
+        odd_row[r] = !(isfinite(lse[i0 + r]) && isfinite(delta[i0 + r]));
+        if (odd_row[r])
+            for (int64_t c = 0; c < nk; c++) hidden[r][c] = srow[c] == -INFINITY;
+        FN(exp_shift)(srow, nk, lse[i0 + r]);                                      /* P */
+    }
     FN(gemm)(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0);     /* dP = dO V^T */
     const real *Pv = Sb; /* the P that weighed v: dropped or not */
+    /* dS = P * (dP * keep / (1 - p) - delta), before the scale */
     if (p->dropout_p > 0) {
         const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
         const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
@@ -602,7 +639,7 @@ static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, 
             for (int64_t c = 0; c < nk; c++) {
                 const real f = keep_entry(sm, th, rowidx + (uint64_t)c) ? kf : 0;
                 pdrow[c] = srow[c] * f;
-                dprow[c] = scale * srow[c] * (dprow[c] * f - di);
+                dprow[c] = srow[c] * (dprow[c] * f - di);
             }
         }
         Pv = Pd;
@@ -611,13 +648,18 @@ static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, 
             const real di = delta[i0 + r];
             const real *srow = Sb + r * BK;
             real *dprow = dP + r * BK;
-            for (int64_t c = 0; c < nk; c++) dprow[c] = scale * srow[c] * (dprow[c] - di);
+            for (int64_t c = 0; c < nk; c++) dprow[c] = srow[c] * (dprow[c] - di);
         }
     }
+    for (int64_t r = 0; r < nq; r++)
+        if (odd_row[r])
+            for (int64_t c = 0; c < nk; c++)
+                if (hidden[r][c]) dP[r * BK + c] = 0;
+    if (!(want & (WANT_KV | WANT_Q))) return;
     if (want & WANT_KV)
         FN(gemm)(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2],
                  p->dv_stride[2], 1);                                                  /* dv += P^T dO */
-    /* per level: dS (already times scale) summed over 2^l blocks, level by level
+    /* per level: dS summed over 2^l blocks, level by level
      * from the one below; then that level's dq, or dk and dw */
     const real *dsl_prev = dP;
     int64_t ld_prev = BK, rl_prev = nq, cl_prev = nk;
@@ -644,7 +686,7 @@ static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, 
         ld_prev = ldsl;
         rl_prev = sp.rl;
         cl_prev = sp.cl;
-        const real wl = FN(weight)(p, h, l);
+        const real wl = scale * FN(weight)(p, h, l);
         if (want & WANT_Q) {
             const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + h * p->k_stride[l][1];
             real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
@@ -655,7 +697,7 @@ static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, 
             const real *G = base + ws->g + ws->goff[l];
             real dws = 0;
             for (int64_t a = 0; a < sp.rl; a++) dws += FN(dot)(sp.cl, dsl + a * ldsl, G + a * sp.cl);
-            dwacc[l] += dws;
+            dwacc[l] += scale * dws;
             const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
             real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + h * p->dk_stride[l][1];
             FN(gemm)(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
@@ -712,6 +754,51 @@ static void FN(backward_queries_range)(const hkt_params *p, const ws_layout *ws,
     }
 }
 
+/* The float mask's gradient: dmask (dmask_shape; each dim 1 or full) is dS summed
+ * over the dims where it is 1.  A task owns the dmask block (mb, mh, query tile
+ * mqt, key tile mkt) — a whole dim where that dim is summed — and adds every
+ * (b, h, query tile, key tile) pair that lands in it, in a fixed order: no races,
+ * the same bits for any thread count.  Scores are recomputed for this (one more
+ * pass over the pairs, paid only when the mask needs a gradient). */
+static void FN(backward_mask_task)(const hkt_params *p, const ws_layout *ws, real *base, int64_t mb, int64_t mh,
+                                   int64_t mqt, int64_t mkt) {
+    const int64_t *ms = p->dmask_shape;
+    const int own_b = ms[0] == p->B, own_h = ms[1] == p->H, own_i = ms[2] == p->T, own_j = ms[3] == p->S;
+    const int64_t nqt = (p->T + BQ - 1) / BQ, nkt = (p->S + BK - 1) / BK;
+    const int64_t qt0 = own_i ? mqt : 0, qt1 = own_i ? mqt + 1 : nqt;
+    const int64_t kt0 = own_j ? mkt : 0, kt1 = own_j ? mkt + 1 : nkt;
+    real *dm = (real *)p->dmask + (mb * ms[1] + mh) * ms[2] * ms[3];
+    const real *dS = base + ws->dp;
+    const real *kt[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS];
+    /* zero the block first: the backward overwrites */
+    for (int64_t i = own_i ? qt0 * BQ : 0; i < (own_i ? (qt1 * BQ < p->T ? qt1 * BQ : p->T) : 1); i++)
+        for (int64_t j = own_j ? kt0 * BK : 0; j < (own_j ? (kt1 * BK < p->S ? kt1 * BK : p->S) : 1); j++)
+            dm[i * ms[3] + j] = 0;
+    for (int64_t b = own_b ? mb : 0; b < (own_b ? mb + 1 : p->B); b++)
+        for (int64_t h = own_h ? mh : 0; h < (own_h ? mh + 1 : p->H); h++)
+            for (int64_t t = kt0; t < kt1; t++) {
+                const int64_t j0 = t * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+                FN(backward_keys)(p, ws, base, b, h, j0, j1, kt, ktld);
+                for (int64_t q = qt0; q < qt1; q++) {
+                    const int64_t i0 = q * BQ, i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
+                    if (p->causal && i1 - 1 < j0) continue;
+                    FN(backward_pair)(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 0, NULL);
+                    for (int64_t r = 0; r < i1 - i0; r++) {
+                        const real *drow = dS + r * BK;
+                        real *mrow = dm + (own_i ? i0 + r : 0) * ms[3];
+                        if (own_j) {
+                            for (int64_t c = 0; c < j1 - j0; c++) mrow[j0 + c] += drow[c];
+                        } else {
+                            real sum = 0;
+                            for (int64_t c = 0; c < j1 - j0; c++) sum += drow[c];
+                            mrow[0] += sum;
+                        }
+                    }
+                }
+            }
+}
+
 /* Zeroes (b, h)'s gradient rows (the backward overwrites) and fills
  * delta = rowsum(dO * out), the softmax backward's per-row term. */
 static void FN(backward_prepare)(const hkt_params *p, int64_t b, int64_t h) {
@@ -766,6 +853,15 @@ static void FN(backward)(const hkt_params *p) {
             FN(backward_queries_range)(p, &ws, BASE, bh / p->H, bh % p->H, c * span,
                                        (c + 1) * span < nqt ? (c + 1) * span : nqt);
         }
+    }
+    if (p->dmask) {
+        const int64_t *ms = p->dmask_shape;
+        const int64_t mqt = ms[2] == p->T ? nqt : 1, mkt = ms[3] == p->S ? nkt : 1;
+        const int64_t ntask = ms[0] * ms[1] * mqt * mkt;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < ntask; t++)
+            FN(backward_mask_task)(p, &ws, BASE, t / (mkt * mqt) / ms[1], t / (mkt * mqt) % ms[1],
+                                   t / mkt % mqt, t % mkt);
     }
 #undef BASE
     /* dw[h, l] = sum over b and key tiles of the partials (and over h when w is shared) */

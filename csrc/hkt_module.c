@@ -10,6 +10,7 @@
 #include <Python.h>
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,9 +24,18 @@
  * runs the deleter and the producer keeps ownership of the memory. */
 #define MAX_HELD (6 * HKT_MAX_LEVELS + 16)
 
+/* where an array lies in memory, for the overlap check */
+typedef struct {
+    __int128 lo, hi;
+    int output;
+    char name[24];
+} span_t;
+
 typedef struct {
     PyObject *caps[MAX_HELD];
     int n;
+    span_t spans[MAX_HELD];
+    int nspans;
 } held;
 
 static void release_all(held *hd) {
@@ -197,42 +207,141 @@ static int take_4d(const DLTensor *t, const char *name, const DLTensor *ref, con
 
 static int64_t level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 : 0; }
 
-static int sequence_of(PyObject *obj, const char *name, PyObject **fast) {
+/* A private tuple copy of a list/tuple of arrays: converting an item calls back
+ * into Python (__dlpack__), which may change the caller's list; the copy cannot
+ * change under us and keeps every item alive. */
+static int sequence_of(PyObject *obj, const char *name, PyObject **tuple) {
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a list or tuple of arrays, one per level, got %.100s",
                      name, Py_TYPE(obj)->tp_name);
         return -1;
     }
-    *fast = PySequence_Fast(obj, name);
-    return *fast ? 0 : -1;
+    *tuple = PySequence_Tuple(obj);
+    return *tuple ? 0 : -1;
 }
 
-/* Parses and checks everything forward and backward share; fills p. */
-static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyObject *v,
-                       PyObject *w, PyObject *out, PyObject *lse, PyObject *mask,
-                       int causal, PyObject *scale, double dropout_p, unsigned long long seed,
-                       int num_threads, const DLTensor **q0_out) {
-    PyObject *qf = NULL, *kf = NULL;
-    char name[32];
-    int rc = -1;
-    memset(p, 0, sizeof *p);
-    if (sequence_of(qs, "q", &qf) || sequence_of(ks, "k", &kf)) goto done;
-    Py_ssize_t L = PySequence_Fast_GET_SIZE(qf);
-    if (L < 1 || L > HKT_MAX_LEVELS) {
-        PyErr_Format(PyExc_ValueError, "q: expected 1 to %d levels, got %zd", HKT_MAX_LEVELS, L);
-        goto done;
+/* ---- sizes ----
+ * Every count the kernels form (elements of an array, query-key pairs) must fit
+ * in int64 with room to spare; 2^60 is far beyond any array that fits in memory
+ * (stride-0 broadcasting can describe larger ones) and leaves headroom for the
+ * workspace arithmetic. */
+#define HKT_MAX_COUNT ((int64_t)1 << 60)
+#define HKT_MAX_THREADS 1024
+
+static int check_count(const char *name, const char *what, int64_t a, int64_t b, int64_t c, int64_t d) {
+    int64_t n = 1;
+    const int64_t f[4] = {a, b, c, d};
+    for (int x = 0; x < 4; x++)
+        if (f[x] != 0 && n > HKT_MAX_COUNT / f[x]) {
+            PyErr_Format(PyExc_ValueError, "%s: %s = %lld x %lld x %lld x %lld is more than 2^60", name, what,
+                         (long long)a, (long long)b, (long long)c, (long long)d);
+            return -1;
+        } else {
+            n *= f[x];
+        }
+    return 0;
+}
+
+/* ---- overlap ----
+ * Outputs are written while inputs are read (and by several threads): an output
+ * sharing memory with any other array gives wrong values, so it is refused. */
+static void note_span(held *hd, const DLTensor *t, const char *name, int output) {
+    if (hd->nspans >= MAX_HELD || is_empty(t)) return;
+    const __int128 es = (t->dtype.bits * t->dtype.lanes + 7) / 8;
+    __int128 lo = 0, hi = es;
+    for (int d = 0; d < t->ndim; d++) {
+        const __int128 ext = (__int128)(t->shape[d] - 1) * stride_of(t, d) * es;
+        if (ext < 0) lo += ext;
+        else hi += ext;
     }
-    if (PySequence_Fast_GET_SIZE(kf) != L) {
-        PyErr_Format(PyExc_ValueError, "k: expected %zd levels like q, got %zd", L,
-                     PySequence_Fast_GET_SIZE(kf));
-        goto done;
+    span_t *sp = &hd->spans[hd->nspans++];
+    sp->lo = (__int128)(uintptr_t)data_of(t) + lo;
+    sp->hi = (__int128)(uintptr_t)data_of(t) + hi;
+    sp->output = output;
+    snprintf(sp->name, sizeof sp->name, "%s", name);
+}
+
+static int check_overlaps(const held *hd) {
+    for (int a = 0; a < hd->nspans; a++) {
+        if (!hd->spans[a].output) continue;
+        for (int b = 0; b < hd->nspans; b++) {
+            if (a == b || (hd->spans[b].output && b < a)) continue;
+            if (hd->spans[a].lo < hd->spans[b].hi && hd->spans[b].lo < hd->spans[a].hi) {
+                PyErr_Format(PyExc_ValueError, "%s: shares memory with the %s %s; outputs must not overlap "
+                             "any other array", hd->spans[a].name, hd->spans[b].output ? "output" : "input",
+                             hd->spans[b].name);
+                return -1;
+            }
+        }
     }
-    p->L = (int)L;
-    const DLTensor *q0 = import_array(hd, PySequence_Fast_GET_ITEM(qf, 0), "q[0]");
-    if (!q0) goto done;
+    return 0;
+}
+
+/* ---- scalars ---- */
+static int parse_scale(PyObject *scale, int64_t D, double *out) {
+    if (scale == Py_None) {
+        *out = 1.0 / sqrt((double)D);
+        return 0;
+    }
+    if (PyBool_Check(scale) || !(PyFloat_Check(scale) || PyLong_Check(scale))) {
+        PyErr_Format(PyExc_TypeError, "scale: expected a float or None, got %.100s", Py_TYPE(scale)->tp_name);
+        return -1;
+    }
+    *out = PyFloat_AsDouble(scale);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "scale: must be a finite number, got an int beyond the float range");
+        return -1;
+    }
+    if (!isfinite(*out)) {
+        PyErr_Format(PyExc_ValueError, "scale: must be a finite number, got %R", scale);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_dropout(double dropout_p) {
+    if (dropout_p >= 0.0 && dropout_p <= 1.0) return 0;
+    char buf[64]; /* PyErr_Format has no %g */
+    snprintf(buf, sizeof buf, "%g", dropout_p);
+    PyErr_Format(PyExc_ValueError, "dropout_p: must be in [0, 1], got %s", buf);
+    return -1;
+}
+
+/* 1 in a child forked after OpenMP ran: libgomp's thread pool does not survive
+ * fork (its threads are gone, its barrier would wait forever), so such a child
+ * computes on one thread. */
+static volatile int forked_child = 0;
+static void after_fork_in_child(void) { forked_child = 1; }
+
+static int parse_threads(PyObject *obj, int *out) {
+    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "num_threads: expected an int, got %.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    const long long n = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (n == -1 && PyErr_Occurred()) return -1;
+    if (overflow > 0 || n > HKT_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "num_threads: must be at most %d, got %R", HKT_MAX_THREADS, obj);
+        return -1;
+    }
+    *out = n > 0 ? (int)n : hkt_default_threads(); /* <= 0 (or a huge negative): OpenMP's default */
+    if (*out > HKT_MAX_THREADS) *out = HKT_MAX_THREADS;
+    if (forked_child) *out = 1;
+    return 0;
+}
+
+/* ---- arrays ---- */
+
+/* q[0]: the array every other one is checked against (dtype, device). */
+static const DLTensor *take_q0(held *hd, PyObject *obj) {
+    const DLTensor *q0 = import_array(hd, obj, "q[0]");
+    if (!q0) return NULL;
     if (q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) || q0->dtype.lanes != 1) {
         PyErr_Format(PyExc_TypeError, "q[0]: dtype must be float32 or float64, got %s", dtype_name(q0->dtype));
-        goto done;
+        return NULL;
     }
     if (q0->device.device_type != kDLCPU) {
 #ifdef HKT_WITH_CUDA
@@ -248,43 +357,139 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
                          " only; rebuild with HKT_CUDA=1 for CUDA"
 #endif
             );
-            goto done;
+            return NULL;
         }
     }
     if (q0->ndim != 4) {
         PyErr_Format(PyExc_ValueError, "q[0]: expected 4 dimensions (B, H, T, D), got %d", q0->ndim);
+        return NULL;
+    }
+    if (q0->shape[3] < 1) {
+        PyErr_SetString(PyExc_ValueError, "q[0]: head dimension D must be at least 1");
+        return NULL;
+    }
+    return q0;
+}
+
+/* Every level of q and k: shapes (B, H, ceil(n / 2^l), D), fills p's pointers. */
+static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, const DLTensor *q0,
+                       const DLTensor *k0) {
+    char name[32], meaning[64];
+    for (int l = 0; l < p->L; l++) {
+        int64_t wq[4] = {p->B, p->H, level_len(p->T, l), p->D};
+        int64_t wk[4] = {p->B, p->H, level_len(p->S, l), p->D};
+        const DLTensor *t;
+        snprintf(name, sizeof name, "q[%d]", l);
+        snprintf(meaning, sizeof meaning, "= (B, H, ceil(T/%lld), D)", (long long)1 << l);
+        t = l ? import_array(hd, PyTuple_GET_ITEM(qt, l), name) : q0;
+        if (!t || take_4d(t, name, q0, wq, meaning, 0, &p->q[l], p->q_stride[l])) return -1;
+        note_span(hd, t, name, 0);
+        snprintf(name, sizeof name, "k[%d]", l);
+        snprintf(meaning, sizeof meaning, "= (B, H, ceil(S/%lld), D)", (long long)1 << l);
+        t = l ? import_array(hd, PyTuple_GET_ITEM(kt, l), name) : k0;
+        if (!t || take_4d(t, name, q0, wk, meaning, 0, &p->k[l], p->k_stride[l])) return -1;
+        note_span(hd, t, name, 0);
+    }
+    return 0;
+}
+
+static int take_weights(hkt_params *p, held *hd, PyObject *w, const DLTensor *q0) {
+    const DLTensor *wt = import_array(hd, w, "w");
+    if (!wt || check_real(wt, "w", q0)) return -1;
+    if (wt->ndim == 1) {
+        int64_t want[1] = {p->L};
+        if (check_shape(wt, "w", want, 1, "= (L,)")) return -1;
+        p->w_per_head = 0;
+        p->w_stride[0] = 0;
+        p->w_stride[1] = stride_of(wt, 0);
+    } else {
+        int64_t want[2] = {p->H, p->L};
+        if (check_shape(wt, "w", want, 2, "= (H, L) or (L,)")) return -1;
+        p->w_per_head = 1;
+        p->w_stride[0] = stride_of(wt, 0);
+        p->w_stride[1] = stride_of(wt, 1);
+    }
+    p->w = data_of(wt);
+    note_span(hd, wt, "w", 0);
+    return 0;
+}
+
+/* attn_mask: 4-D, each dim 1 (broadcast) or the full (B, H, T, S); bool or q's dtype. */
+static const DLTensor *take_mask(hkt_params *p, held *hd, PyObject *mask, const DLTensor *q0) {
+    const DLTensor *mt = import_array(hd, mask, "attn_mask");
+    if (!mt || check_device(mt, "attn_mask", q0)) return NULL;
+    const int64_t full[4] = {p->B, p->H, p->T, p->S};
+    int ok = mt->ndim == 4;
+    for (int d = 0; ok && d < 4; d++) ok = mt->shape[d] == full[d] || mt->shape[d] == 1;
+    if (!ok) {
+        char got[160], exp[160];
+        format_shape(got, sizeof got, mt->shape, mt->ndim);
+        format_shape(exp, sizeof exp, full, 4);
+        PyErr_Format(PyExc_ValueError, "attn_mask: expected 4 dimensions, each 1 or that of (B, H, T, S) = %s, "
+                     "got %s", exp, got);
+        return NULL;
+    }
+    if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && (mt->dtype.code == kDLBool || mt->dtype.code == kDLUInt)) {
+        p->mask_kind = HKT_MASK_BOOL;
+    } else if (mt->dtype.lanes == 1 && mt->dtype.code == q0->dtype.code && mt->dtype.bits == q0->dtype.bits) {
+        p->mask_kind = HKT_MASK_FLOAT;
+    } else {
+        PyErr_Format(PyExc_TypeError, "attn_mask: dtype must be bool or %s like q[0], got %s",
+                     dtype_name(q0->dtype), dtype_name(mt->dtype));
+        return NULL;
+    }
+    for (int d = 0; d < 4; d++) {
+        p->mask_stride[d] = mt->shape[d] > 1 ? stride_of(mt, d) : 0;
+        if (p->mask_stride[d] < 0) {
+            PyErr_SetString(PyExc_ValueError, "attn_mask: negative strides are not supported");
+            return NULL;
+        }
+    }
+    p->mask = data_of(mt);
+    note_span(hd, mt, "attn_mask", 0);
+    return mt;
+}
+
+/* Parses and checks everything forward and backward share; fills p.  out and lse
+ * are the forward's outputs (output = 1) or the backward's inputs (0). */
+static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyObject *v,
+                       PyObject *w, PyObject *out, PyObject *lse, PyObject *mask,
+                       int causal, PyObject *scale, double dropout_p, unsigned long long seed,
+                       PyObject *num_threads, int output, const DLTensor **q0_out,
+                       const DLTensor **mask_out) {
+    PyObject *qt = NULL, *kt = NULL;
+    int rc = -1;
+    memset(p, 0, sizeof *p);
+    if (sequence_of(qs, "q", &qt) || sequence_of(ks, "k", &kt)) goto done;
+    const Py_ssize_t L = PyTuple_GET_SIZE(qt);
+    if (L < 1 || L > HKT_MAX_LEVELS) {
+        PyErr_Format(PyExc_ValueError, "q: expected 1 to %d levels, got %zd", HKT_MAX_LEVELS, L);
         goto done;
     }
+    if (PyTuple_GET_SIZE(kt) != L) {
+        PyErr_Format(PyExc_ValueError, "k: expected %zd levels like q, got %zd", L, PyTuple_GET_SIZE(kt));
+        goto done;
+    }
+    p->L = (int)L;
+    const DLTensor *q0 = take_q0(hd, PyTuple_GET_ITEM(qt, 0));
+    if (!q0) goto done;
     p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->B = q0->shape[0];
     p->H = q0->shape[1];
     p->T = q0->shape[2];
     p->D = q0->shape[3];
-    if (p->D < 1) {
-        PyErr_SetString(PyExc_ValueError, "q[0]: head dimension D must be at least 1");
-        goto done;
-    }
-    const DLTensor *k0 = import_array(hd, PySequence_Fast_GET_ITEM(kf, 0), "k[0]");
+    const DLTensor *k0 = import_array(hd, PyTuple_GET_ITEM(kt, 0), "k[0]");
     if (!k0) goto done;
     if (k0->ndim != 4) {
         PyErr_Format(PyExc_ValueError, "k[0]: expected 4 dimensions (B, H, S, D), got %d", k0->ndim);
         goto done;
     }
     p->S = k0->shape[2];
-    for (int l = 0; l < p->L; l++) {
-        int64_t wq[4] = {p->B, p->H, level_len(p->T, l), p->D};
-        int64_t wk[4] = {p->B, p->H, level_len(p->S, l), p->D};
-        char meaning[64];
-        const DLTensor *t;
-        snprintf(name, sizeof name, "q[%d]", l);
-        snprintf(meaning, sizeof meaning, "= (B, H, ceil(T/%lld), D)", (long long)1 << l);
-        t = l ? import_array(hd, PySequence_Fast_GET_ITEM(qf, l), name) : q0;
-        if (!t || take_4d(t, name, q0, wq, meaning, 0, &p->q[l], p->q_stride[l])) goto done;
-        snprintf(name, sizeof name, "k[%d]", l);
-        snprintf(meaning, sizeof meaning, "= (B, H, ceil(S/%lld), D)", (long long)1 << l);
-        t = l ? import_array(hd, PySequence_Fast_GET_ITEM(kf, l), name) : k0;
-        if (!t || take_4d(t, name, q0, wk, meaning, 0, &p->k[l], p->k_stride[l])) goto done;
-    }
+    if (check_count("q[0]", "B x H x T x D", p->B, p->H, p->T, p->D) ||
+        check_count("k[0]", "B x H x S x D", p->B, p->H, p->S, p->D) ||
+        check_count("k[0]", "query-key pairs B x H x T x S", p->B, p->H, p->T, p->S))
+        goto done;
+    if (take_levels(p, hd, qt, kt, q0, k0)) goto done;
     const DLTensor *vt = import_array(hd, v, "v");
     if (!vt) goto done;
     if (vt->ndim != 4) {
@@ -294,58 +499,24 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     p->Dv = vt->shape[3];
     {
         int64_t want[4] = {p->B, p->H, p->S, p->Dv};
-        if (take_4d(vt, "v", q0, want, "= (B, H, S, Dv)", 0, &p->v, p->v_stride)) goto done;
+        if (check_count("v", "B x H x S x Dv", p->B, p->H, p->S, p->Dv) ||
+            take_4d(vt, "v", q0, want, "= (B, H, S, Dv)", 0, &p->v, p->v_stride))
+            goto done;
+        note_span(hd, vt, "v", 0);
     }
-    const DLTensor *wt = import_array(hd, w, "w");
-    if (!wt || check_real(wt, "w", q0)) goto done;
-    if (wt->ndim == 1) {
-        int64_t want[1] = {p->L};
-        if (check_shape(wt, "w", want, 1, "= (L,)")) goto done;
-        p->w_per_head = 0;
-        p->w_stride[0] = 0;
-        p->w_stride[1] = stride_of(wt, 0);
-    } else {
-        int64_t want[2] = {p->H, p->L};
-        if (check_shape(wt, "w", want, 2, "= (H, L) or (L,)")) goto done;
-        p->w_per_head = 1;
-        p->w_stride[0] = stride_of(wt, 0);
-        p->w_stride[1] = stride_of(wt, 1);
-    }
-    p->w = data_of(wt);
-
+    if (take_weights(p, hd, w, q0)) goto done;
     p->mask_kind = HKT_MASK_NONE;
-    if (mask != Py_None) {
-        const DLTensor *mt = import_array(hd, mask, "attn_mask");
-        if (!mt) goto done;
-        int64_t want[4] = {p->B, p->H, p->T, p->S};
-        if (check_device(mt, "attn_mask", q0) || check_shape(mt, "attn_mask", want, 4, "= (B, H, T, S)"))
-            goto done;
-        if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && (mt->dtype.code == kDLBool || mt->dtype.code == kDLUInt)) {
-            p->mask_kind = HKT_MASK_BOOL;
-        } else if (mt->dtype.lanes == 1 && mt->dtype.code == q0->dtype.code && mt->dtype.bits == q0->dtype.bits) {
-            p->mask_kind = HKT_MASK_FLOAT;
-        } else {
-            PyErr_Format(PyExc_TypeError, "attn_mask: dtype must be bool or %s like q[0], got %s",
-                         dtype_name(q0->dtype), dtype_name(mt->dtype));
-            goto done;
-        }
-        for (int d = 0; d < 4; d++) {
-            p->mask_stride[d] = mt->shape[d] > 1 ? stride_of(mt, d) : 0;
-            if (p->mask_stride[d] < 0) {
-                PyErr_SetString(PyExc_ValueError, "attn_mask: negative strides are not supported");
-                goto done;
-            }
-        }
-        p->mask = data_of(mt);
-    }
+    *mask_out = NULL;
+    if (mask != Py_None && !(*mask_out = take_mask(p, hd, mask, q0))) goto done;
 
     const DLTensor *ot = import_array(hd, out, "out");
     if (!ot) goto done;
     {
         int64_t want[4] = {p->B, p->H, p->T, p->Dv};
         const void *ptr;
-        if (take_4d(ot, "out", q0, want, "= (B, H, T, Dv)", 1, &ptr, p->out_stride)) goto done;
+        if (take_4d(ot, "out", q0, want, "= (B, H, T, Dv)", output, &ptr, p->out_stride)) goto done;
         p->out = (void *)ptr;
+        note_span(hd, ot, "out", output);
     }
     const DLTensor *lt = import_array(hd, lse, "lse");
     if (!lt) goto done;
@@ -355,39 +526,23 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
             check_contiguous(lt, "lse"))
             goto done;
         p->lse = data_of(lt);
+        note_span(hd, lt, "lse", output);
     }
 
     p->causal = causal;
-    if (scale == Py_None) {
-        p->scale = 1.0 / sqrt((double)p->D);
-    } else {
-        p->scale = PyFloat_AsDouble(scale);
-        if (p->scale == -1.0 && PyErr_Occurred()) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "scale: expected a float or None, got %.100s",
-                         Py_TYPE(scale)->tp_name);
-            goto done;
-        }
-        if (!isfinite(p->scale)) {
-            PyErr_Format(PyExc_ValueError, "scale: must be a finite number, got %R", scale);
-            goto done;
-        }
-    }
-    if (!(dropout_p >= 0.0 && dropout_p <= 1.0)) {
-        PyErr_Format(PyExc_ValueError, "dropout_p: must be in [0, 1], got %g", dropout_p);
+    if (parse_scale(scale, p->D, &p->scale) || check_dropout(dropout_p) ||
+        parse_threads(num_threads, &p->num_threads))
         goto done;
-    }
     p->dropout_p = dropout_p;
     p->seed = (uint64_t)seed;
-    p->num_threads = num_threads > 0 ? num_threads : hkt_default_threads();
     /* a knob for tests and tuning, not API: HKT_KEY_CACHE_BYTES=0 forces per-tile key transposes */
     const char *cache = getenv("HKT_KEY_CACHE_BYTES");
     p->key_cache_bytes = cache ? strtoll(cache, NULL, 10) : -1;
     *q0_out = q0;
     rc = 0;
 done:
-    Py_XDECREF(qf);
-    Py_XDECREF(kf);
+    Py_XDECREF(qt);
+    Py_XDECREF(kt);
     return rc;
 }
 
@@ -412,11 +567,19 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 #else
     (void)q0;
 #endif
-    size_t per = hkt_workspace_bytes(p, backward);
-    size_t extra = backward ? hkt_dw_partial_bytes(p) : 0;
-    char *mem = PyMem_RawMalloc(per * (size_t)p->num_threads + extra + 64);
+    const size_t per = hkt_workspace_bytes(p, backward);
+    const size_t extra = backward ? hkt_dw_partial_bytes(p) : 0;
+    size_t total;
+    char *mem = NULL;
+    if (!__builtin_mul_overflow(per, (size_t)p->num_threads, &total) &&
+        !__builtin_add_overflow(total, extra + 64, &total))
+        mem = PyMem_RawMalloc(total);
     if (!mem) {
-        PyErr_NoMemory();
+        char gib[32]; /* PyErr_Format has no %g */
+        snprintf(gib, sizeof gib, "%.3g", ((double)per * p->num_threads + (double)extra) / 1073741824.0);
+        PyErr_Format(PyExc_MemoryError, "k[0]: (B, H, S, D) = (%lld, %lld, %lld, %lld) needs %s GiB of "
+                     "workspace on %d threads, which could not be allocated", (long long)p->B,
+                     (long long)p->H, (long long)p->S, (long long)p->D, gib, p->num_threads);
         return -1;
     }
     p->workspace = mem;
@@ -434,26 +597,30 @@ PyDoc_STRVAR(forward_doc,
 "        dropout_p=0.0, seed=0, num_threads=0)\n--\n\n"
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
 "(B, H, ceil(S/2^l), D); v (B, H, S, Dv); w (L,) or (H, L).  Writes out\n"
-"(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype.\n"
-"attn_mask: None or (B, H, T, S) bool (True = visible) or float (added), any\n"
-"strides.  num_threads <= 0 uses OpenMP's default.");
+"(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype, sharing\n"
+"memory with no other argument.  attn_mask: None or 4-D, each dimension 1 or\n"
+"that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
+"num_threads <= 0 uses OpenMP's default; at most 1024.");
 
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal",
                              "scale", "dropout_p", "seed", "num_threads", NULL};
-    PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None;
-    int causal = 0, nthreads = 0;
+    PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *nthreads = NULL;
+    int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKi:forward", kwlist, &qs, &ks, &v, &w,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKO:forward", kwlist, &qs, &ks, &v, &w,
                                      &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
-    const DLTensor *q0;
+    const DLTensor *q0, *mt;
+    PyObject *zero = nthreads ? NULL : PyLong_FromLong(0);
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
-                         nthreads, &q0);
+                         nthreads ? nthreads : zero, 1, &q0, &mt);
+    Py_XDECREF(zero);
+    if (rc == 0) rc = check_overlaps(&hd);
     if (rc == 0) rc = run_kernel(&p, 0, q0);
     release_all(&hd);
     if (rc) return NULL;
@@ -463,63 +630,85 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
 /* dq / dk: sequences of L outputs shaped like q / k. */
 static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_params *p,
                       const DLTensor *q0, int is_q, void **ptrs, int64_t (*strides)[3]) {
-    PyObject *fast;
+    PyObject *tuple;
     char name[32];
-    if (sequence_of(seq, base, &fast)) return -1;
-    if (PySequence_Fast_GET_SIZE(fast) != p->L) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, p->L,
-                     PySequence_Fast_GET_SIZE(fast));
-        Py_DECREF(fast);
+    if (sequence_of(seq, base, &tuple)) return -1;
+    if (PyTuple_GET_SIZE(tuple) != p->L) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, p->L, PyTuple_GET_SIZE(tuple));
+        Py_DECREF(tuple);
         return -1;
     }
     for (int l = 0; l < p->L; l++) {
         int64_t want[4] = {p->B, p->H, level_len(is_q ? p->T : p->S, l), p->D};
         const void *ptr;
         snprintf(name, sizeof name, "%s[%d]", base, l);
-        const DLTensor *t = import_array(hd, PySequence_Fast_GET_ITEM(fast, l), name);
+        const DLTensor *t = import_array(hd, PyTuple_GET_ITEM(tuple, l), name);
         if (!t || take_4d(t, name, q0, want, is_q ? "like q" : "like k", 1, &ptr, strides[l])) {
-            Py_DECREF(fast);
+            Py_DECREF(tuple);
             return -1;
         }
         ptrs[l] = (void *)ptr;
+        note_span(hd, t, name, 1);
     }
-    Py_DECREF(fast);
+    Py_DECREF(tuple);
+    return 0;
+}
+
+/* dmask: the float mask's gradient, C-contiguous, shaped like the mask. */
+static int take_dmask(hkt_params *p, held *hd, PyObject *dmask, const DLTensor *mt, const DLTensor *q0) {
+    if (p->mask_kind != HKT_MASK_FLOAT) {
+        PyErr_SetString(PyExc_ValueError, "dmask: only a float attn_mask has a gradient");
+        return -1;
+    }
+    const DLTensor *t = import_array(hd, dmask, "dmask");
+    if (!t || check_real(t, "dmask", q0) || check_shape(t, "dmask", mt->shape, 4, "like attn_mask") ||
+        check_contiguous(t, "dmask"))
+        return -1;
+    p->dmask = data_of(t);
+    for (int d = 0; d < 4; d++) p->dmask_shape[d] = t->shape[d];
+    note_span(hd, t, "dmask", 1);
     return 0;
 }
 
 PyDoc_STRVAR(backward_doc,
 "backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, attn_mask=None,\n"
-"         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0)\n--\n\n"
+"         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0,\n"
+"         dmask=None)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
-"(like v) and dw (like w), all C-contiguous.  dropout_p and seed must be the\n"
-"forward's.");
+"(like v) and dw (like w), all C-contiguous and sharing memory with no other\n"
+"argument.  With a float attn_mask, dmask (shaped like it) receives the mask's\n"
+"gradient, summed over its broadcast dimensions.  dropout_p and seed must be\n"
+"the forward's.");
 
 static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw",
                              "attn_mask", "is_causal", "scale", "dropout_p", "seed",
-                             "num_threads", NULL};
+                             "num_threads", "dmask", NULL};
     PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw;
-    PyObject *mask = Py_None, *scale = Py_None;
-    int causal = 0, nthreads = 0;
+    PyObject *mask = Py_None, *scale = Py_None, *nthreads = NULL, *dmask = Py_None;
+    int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKi:backward", kwlist, &dout, &qs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOO:backward", kwlist, &dout, &qs,
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
-                                     &scale, &dropout_p, &seed, &nthreads))
+                                     &scale, &dropout_p, &seed, &nthreads, &dmask))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
-    const DLTensor *q0, *t;
+    const DLTensor *q0, *mt, *t;
+    PyObject *zero = nthreads ? NULL : PyLong_FromLong(0);
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
-                         nthreads, &q0);
+                         nthreads ? nthreads : zero, 0, &q0, &mt);
+    Py_XDECREF(zero);
     if (rc) goto done;
     rc = -1;
     {
         int64_t want[4] = {p.B, p.H, p.T, p.Dv};
         t = import_array(&hd, dout, "dout");
         if (!t || take_4d(t, "dout", q0, want, "= (B, H, T, Dv)", 0, &p.dout, p.dout_stride)) goto done;
+        note_span(&hd, t, "dout", 0);
     }
     if (take_grads(&hd, dq, "dq", &p, q0, 1, p.dq, p.dq_stride)) goto done;
     if (take_grads(&hd, dk, "dk", &p, q0, 0, p.dk, p.dk_stride)) goto done;
@@ -529,6 +718,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         t = import_array(&hd, dv, "dv");
         if (!t || take_4d(t, "dv", q0, want, "like v", 1, &ptr, p.dv_stride)) goto done;
         p.dv = (void *)ptr;
+        note_span(&hd, t, "dv", 1);
     }
     {
         int64_t want[2] = {p.H, p.L};
@@ -539,7 +729,10 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
             goto done;
         if (check_contiguous(t, "dw")) goto done;
         p.dw = data_of(t);
+        note_span(&hd, t, "dw", 1);
     }
+    if (dmask != Py_None && take_dmask(&p, &hd, dmask, mt, q0)) goto done;
+    if (check_overlaps(&hd)) goto done;
     rc = run_kernel(&p, 1, q0);
 done:
     release_all(&hd);
@@ -571,10 +764,7 @@ static PyObject *py_dropout_mask(PyObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     if (check_contiguous(t, "keep")) goto done;
-    if (!(dp >= 0.0 && dp <= 1.0)) {
-        PyErr_Format(PyExc_ValueError, "dropout_p: must be in [0, 1], got %g", dp);
-        goto done;
-    }
+    if (check_dropout(dp)) goto done;
     hkt_dropout_mask_cpu((unsigned char *)data_of(t), (uint64_t)seed, dp, t->shape[0], t->shape[1],
                          t->shape[2], t->shape[3]);
     rc = 0;
@@ -607,6 +797,9 @@ static int exec_module(PyObject *m) {
 #endif
     if (PyModule_AddObjectRef(m, "has_cuda", cuda) < 0) return -1;
     if (PyModule_AddIntConstant(m, "max_levels", HKT_MAX_LEVELS) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "max_threads", HKT_MAX_THREADS) < 0) return -1;
+    static int atfork_registered = 0;
+    if (!atfork_registered && pthread_atfork(NULL, NULL, after_fork_in_child) == 0) atfork_registered = 1;
     return 0;
 }
 

@@ -77,8 +77,10 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
               lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
-              seed: int) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor]:
-    """Returns (dq per level, dk per level, dv, dw), in the inputs' dtype."""
+              seed: int, mask_grad: bool = False
+              ) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor, Optional[Tensor]]:
+    """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
+    dmask (shaped like the float attn_mask) only with mask_grad, else None."""
     in_dtype = q[0].dtype
     q, k = _upcast(q), _upcast(k)
     v, w, dout, out = _upcast([v, w, dout, out])
@@ -86,15 +88,18 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dk = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in k]
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+    dmask = torch.empty(attn_mask.shape, dtype=q[0].dtype, device=q[0].device) if mask_grad else None
     with _on_device(dv):
         _C.backward(_dl(dout), _dls(q), _dls(k), _dl(v), _dl(w), _dl(out.contiguous()),
                     _dl(lse.detach().contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw),
                     _dl(_mask_arg(attn_mask, q[0].dtype)), bool(is_causal), float(scale), float(dropout_p),
-                    int(seed), torch.get_num_threads())
+                    int(seed), torch.get_num_threads(), _dl(dmask))
     if in_dtype != q[0].dtype:
         dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
         dv, dw = dv.to(in_dtype), dw.to(in_dtype)
-    return dq, dk, dv, dw
+    if dmask is not None:
+        dmask = dmask.to(attn_mask.dtype)
+    return dq, dk, dv, dw, dmask
 
 
 def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: int) -> Tensor:

@@ -64,8 +64,17 @@ def hkt_attention(
 
     Returns:
         (B, H, T, Dv).  A query row with no visible key gives zeros (and zero
-        gradients).  Gradients flow to every ``q[l]``, ``k[l]``, ``v`` and ``w``
-        (not to ``attn_mask``).
+        gradients).  Gradients flow to every ``q[l]``, ``k[l]``, ``v``, ``w``
+        and a float ``attn_mask`` that requires grad (its gradient is the
+        score's, summed over the dimensions it is broadcast along; computing it
+        costs one more pass over the scores in the backward).
+
+    Non-finite values: NaN (or +inf) in ``q``, ``k``, ``w`` or a float mask
+    entry that a query row can see makes that row's output NaN, and the
+    gradients that flow through it NaN, as in plain arithmetic.  A hidden entry
+    (bool mask False, above the diagonal under ``is_causal``, or -inf in a float
+    mask) contributes nothing, even to a NaN row.  NaN in ``v`` reaches every
+    row that sees that key.
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks,
@@ -91,6 +100,8 @@ def hkt_attention(
             raise TypeError(f"{name}: dtype {x.dtype} does not match q[0]'s {q[0].dtype}")
         if x.device != device:
             raise ValueError(f"{name}: is on {x.device} but q[0] is on {device}")
+        if x.layout != torch.strided:
+            raise TypeError(f"{name}: only dense (strided) tensors are supported, got layout {x.layout}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
@@ -102,8 +113,13 @@ def hkt_attention(
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    elif not math.isfinite(scale):
-        raise ValueError(f"scale: must be a finite number, got {scale}")
+    else:
+        try:
+            scale = float(scale)
+        except OverflowError:  # an int beyond float range
+            scale = math.inf
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: must be a finite number, got {scale}")
 
     B, H, T = q[0].shape[:3]
     S = k[0].shape[2]
@@ -112,15 +128,19 @@ def hkt_attention(
             raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}")
         if attn_mask.device != device:
             raise ValueError(f"attn_mask: is on {attn_mask.device} but q[0] is on {device}")
+        if attn_mask.layout != torch.strided:
+            raise TypeError(f"attn_mask: only dense (strided) tensors are supported, got layout {attn_mask.layout}")
         if attn_mask.dtype != torch.bool:
             if not attn_mask.is_floating_point():
                 raise TypeError(f"attn_mask: dtype must be bool or floating point, got {attn_mask.dtype}")
             attn_mask = attn_mask.to(q[0].dtype)
-        try:
-            attn_mask = attn_mask.expand(B, H, T, S)
-        except RuntimeError:
+        # Kept at its own size (a view with leading 1s, never expanded): the
+        # kernels broadcast it, and a float mask's gradient comes back in its shape.
+        full = (B, H, T, S)
+        if attn_mask.dim() > 4 or any(n not in (1, f) for n, f in zip(reversed(attn_mask.shape), reversed(full))):
             raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to "
-                             f"(B, H, T, S) = {(B, H, T, S)}") from None
+                             f"(B, H, T, S) = {full}")
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
 
     if dropout_p > 0:
         seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64)

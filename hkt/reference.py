@@ -57,10 +57,17 @@ def attention_probs(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, *, attn
         else:
             score = score + attn_mask
     score = score.masked_fill(~visible, float("-inf"))
+    # A hidden entry (score -inf: masked, causal, or -inf in a float mask) weighs
+    # nothing and passes no gradient, even in a row that holds NaN (where the
+    # softmax of every entry is NaN).  A NaN score counts as visible, so NaN in
+    # gives NaN out.
+    hidden = score == float("-inf")
+    score = torch.where(hidden, score.detach(), score)
     # A row with nothing visible gives zeros: softmax a harmless row, then zero it,
     # so neither the value nor the gradient picks up NaN.
-    row_any = (score > float("-inf")).any(dim=-1, keepdim=True)
-    return torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1) * row_any
+    row_any = ~hidden.all(dim=-1, keepdim=True)
+    P = torch.softmax(torch.where(row_any, score, torch.zeros_like(score)), dim=-1)
+    return P.masked_fill(hidden, 0.0)
 
 
 def hkt_attention_reference(

@@ -96,7 +96,7 @@ def test_extension_checks_outputs_and_arrays():
         _C.forward(swap(q, 1, np.empty((2, 3, 5, 8))[..., ::2]), k, v, w, good_out, good_lse)
     with pytest.raises(TypeError, match="^k: expected a list or tuple"):
         _C.forward(q, None, v, w, good_out, good_lse)
-    with pytest.raises(ValueError, match="^attn_mask: expected shape"):
+    with pytest.raises(ValueError, match="^attn_mask: expected 4 dimensions, each 1 or"):
         _C.forward(q, k, v, w, good_out, good_lse, np.ones((B, H, T, 6), bool))
     with pytest.raises(ValueError, match="^dq: expected 3 levels"):
         _C.backward(good_out, q, k, v, w, good_out, good_lse, q[:2], k, v, w)
