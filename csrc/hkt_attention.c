@@ -114,7 +114,7 @@ static ws_layout layout(const hkt_params *p, int backward) {
         w.ktall = at; at += w.keys_cached ? round16(ktall) : 0;
         w.ready = at; at += round16((p->S + BK - 1) / BK);
         w.m = at;     at += BQ;
-        w.lsum = at;  at += BQ;
+        w.lsum = at;  at += BQ * 16; /* one 64-byte vector of partial sums per row */
     }
     w.total = at;
     return w;
@@ -352,15 +352,41 @@ static inline void FN(exp_shift)(real *restrict x, int64_t n, real m) {
     for (int64_t c = 0; c < n; c++) x[c] = FN(exp_nonpos)(x[c] - m);
 }
 
-/* Largest of x[0..n), or NaN if any is NaN (the plain max would skip it). */
+/* Largest of x[0..n), NaN possibly skipped; -inf when nothing is visible, or NaN
+ * if then some entry is NaN (a NaN anywhere else reaches the row sum through the
+ * exp, so only this case needs the extra look). */
 static inline real FN(row_max)(const real *restrict x, int64_t n) {
     real mx = -INFINITY;
-    int nan = 0;
-    for (int64_t c = 0; c < n; c++) {
-        mx = x[c] > mx ? x[c] : mx;
-        nan |= x[c] != x[c];
+#pragma omp simd reduction(max : mx)
+    for (int64_t c = 0; c < n; c++) mx = x[c] > mx ? x[c] : mx;
+    if (mx == -INFINITY)
+        for (int64_t c = 0; c < n; c++)
+            if (x[c] != x[c]) return NAN;
+    return mx;
+}
+
+/* x[0..n) added lane-wise into one 64-byte vector (x[c] to lane c % VL): a row
+ * sum kept in lanes, reduced once per row at the end (lanes_total), in the same
+ * order whatever ISA the clone runs on, so results stay bitwise equal across
+ * machines. */
+static inline vec FN(row_lanes)(const real *restrict x, int64_t n) {
+    vec acc = {0};
+    int64_t c = 0;
+    for (; c + VL <= n; c += VL) acc += FN(vload)(x + c);
+    if (c < n) {
+        real tail[VL] = {0};
+        memcpy(tail, x + c, sizeof(real) * (size_t)(n - c));
+        acc += FN(vload)(tail);
     }
-    return nan ? NAN : mx;
+    return acc;
+}
+
+static inline real FN(lanes_total)(vec acc) {
+    real part[VL];
+    FN(vstore)(part, acc);
+    for (int64_t width = VL / 2; width >= 1; width /= 2)
+        for (int64_t e = 0; e < width; e++) part[e] += part[e + width];
+    return part[0];
 }
 
 static inline real FN(weight)(const hkt_params *p, int64_t h, int l) {
@@ -488,7 +514,8 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
     const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
     FN(thread_state) *state = (FN(thread_state) *)block;
     real *base = (real *)(block + WS_HEADER);
-    real *Sbuf = base + ws->s, *m = base + ws->m, *lsum = base + ws->lsum, *ready = base + ws->ready;
+    real *Sbuf = base + ws->s, *m = base + ws->m, *ready = base + ws->ready;
+    real *lsum = base + ws->lsum; /* row r's partial sums: VL lanes at lsum + r * VL */
     real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
     const real *vb = (const real *)p->v + b * p->v_stride[0] + h * p->v_stride[1];
     real *ktall[HKT_MAX_LEVELS];
@@ -507,7 +534,7 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
 
     for (int64_t r = 0; r < nq; r++) {
         m[r] = -INFINITY;
-        lsum[r] = 0;
+        FN(vstore)(lsum + r * VL, (vec){0});
         real *orow = ob + r * p->out_stride[2];
         for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
     }
@@ -538,13 +565,11 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
             const real mnew = mx > m[r] || mx != mx ? mx : m[r];
             const real alpha = m[r] == -INFINITY ? 0 : FN(exp_nonpos)(m[r] - mnew);
             FN(exp_shift)(srow, nk, mnew);
-            real sum = 0;
-            for (int64_t c = 0; c < nk; c++) sum += srow[c];
             if (alpha != 1) {
                 real *orow = ob + r * p->out_stride[2];
                 for (int64_t e = 0; e < Dv; e++) orow[e] *= alpha;
             }
-            lsum[r] = lsum[r] * alpha + sum;
+            FN(vstore)(lsum + r * VL, FN(vload)(lsum + r * VL) * alpha + FN(row_lanes)(srow, nk));
             m[r] = mnew;
             if (use_dropout) {
                 const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
@@ -557,11 +582,12 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
     real *lse = (real *)p->lse + (b * p->H + h) * T + i0;
     for (int64_t r = 0; r < nq; r++) {
         real *orow = ob + r * p->out_stride[2];
-        if (lsum[r] > 0) {
-            const real inv = 1 / lsum[r];
+        const real total = FN(lanes_total)(FN(vload)(lsum + r * VL));
+        if (total > 0) {
+            const real inv = 1 / total;
             for (int64_t e = 0; e < Dv; e++) orow[e] *= inv;
-            lse[r] = m[r] + HKT_LOG(lsum[r]);
-        } else if (lsum[r] == 0) {
+            lse[r] = m[r] + HKT_LOG(total);
+        } else if (total == 0) {
             /* no visible key: zeros, and +inf so the backward's P is exactly 0 */
             for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
             lse[r] = INFINITY;
