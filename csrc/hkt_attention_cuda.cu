@@ -4,9 +4,9 @@
  * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H, ceil(S/2^l), D),
  * v (B, H, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
  * Forward writes out and lse (+inf for a row with no visible key); backward
- * OVERWRITES dq[l], dk[l], dv and dw.  Same contract, field for field, as
- * hkt_attention.c; every pointer in hkt_params is a device pointer on
- * p->device_id.
+ * OVERWRITES dq[l], dk[l], dv, dw and, when not NULL, dmask.  Same contract,
+ * field for field, as hkt_attention.c; every pointer in hkt_params is a device
+ * pointer on p->device_id.
  *
  * Written to be plainly right rather than fast (the CPU file is the fast one):
  *
@@ -22,7 +22,17 @@
  *                      lanes over keys, P recomputed from lse
  *               dk, dv the same per block of G key rows, lanes over queries
  *               dw     per-(b, h, query block) partials, reduced in a fixed
- *                      order by one small kernel.
+ *                      order by one small kernel
+ *               dmask  one thread per dmask entry, adding the dS of every
+ *                      (b, h, i, j) broadcast onto it in a fixed order.
+ *
+ * Non-finite values (hkt.h): an entry whose score is -inf (hidden by the bool
+ * mask, causality or a -inf float mask) gets P = 0 and dS = 0 exactly, whatever
+ * its row's lse and delta hold, and adds nothing to dq, dk or dw even where its
+ * q or k holds NaN; a visible NaN or +inf score makes its row's out and lse NaN.
+ * Every branch a warp takes together depends only on values that are bitwise
+ * the same in all its lanes (loop bounds, and the butterfly max and sum), so a
+ * NaN in one lane cannot split the warp before a shuffle or __syncwarp.
  *
  * Unlike the CPU kernels, the score of every (i, j) is computed from all L
  * levels (T*S*D*L multiply-adds, not the T*S*D*sum 4^-l of the spec): sharing
@@ -50,6 +60,10 @@
 
 #define WARPS 4               /* warps per block */
 #define THREADS (32 * WARPS)
+/* Blocks per SM that __launch_bounds__ asks room for: at most 65536 / (4 * 128)
+ * = 128 registers a thread.  With no minimum, ptxas (CUDA 13) holds these
+ * kernels to 64-72 registers and spills. */
+#define MIN_BLOCKS 4
 #define MAX_BLOCKS (1 << 16)  /* the kernels loop over tasks, so any count works */
 #define FULL 0xffffffffu
 
@@ -58,6 +72,7 @@
 typedef struct {
     hkt_params p;
     uint64_t seed_mixed, threshold; /* dropout, as keep_entry wants them */
+    double keep_scale;              /* dropout: a kept P is scaled by 1/(1-p) (0 for p >= 1) */
     void *delta;                    /* backward: (B, H, T) */
     void *dw_part;                  /* backward: (B, H, nqb, L) */
     int64_t G;                      /* rows (keys) per dq (dk) task: 2^(L-1) */
@@ -74,20 +89,29 @@ __device__ static inline double dev_exp(double x) { return exp(x); }
 __device__ static inline float dev_log(float x) { return logf(x); }
 __device__ static inline double dev_log(double x) { return log(x); }
 
-/* Butterfly reductions: every lane ends with the same, bitwise identical value
- * (each step adds the same pair on both sides), so branches on it stay uniform. */
+/* Butterfly reductions: at each step both lanes of a pair combine the same two
+ * values with an operation that gives the same bits in either order, so every
+ * lane ends with the bitwise identical result and branches on it stay uniform.
+ * (A sum of two NaNs may keep either payload on some hosts; no branch depends
+ * on a sum that can be NaN.) */
 template <typename real>
 __device__ static inline real warp_sum(real x) {
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL, x, o);
     return x;
 }
 
+/* max(x, y), NaN if either is: "y > x ? y : x" would keep a lane's own NaN
+ * while its partner keeps the other value, and the lanes would disagree.  The
+ * NaN is the canonical one, and "+ 0" turns a -0 result into +0, so
+ * max(+0, -0) and max(-0, +0) give the same bits too. */
+template <typename real>
+__device__ static inline real max_or_nan(real x, real y) {
+    return x != x || y != y ? (real)NAN : (y > x ? y : x) + (real)0;
+}
+
 template <typename real>
 __device__ static inline real warp_max(real x) {
-    for (int o = 16; o > 0; o >>= 1) {
-        const real y = __shfl_xor_sync(FULL, x, o);
-        x = y > x ? y : x;
-    }
+    for (int o = 16; o > 0; o >>= 1) x = max_or_nan(x, __shfl_xor_sync(FULL, x, o));
     return x;
 }
 
@@ -133,26 +157,32 @@ __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64
 
 /* ---- forward: one warp per query row r = (b*H + h)*T + i ---- */
 template <typename real>
-__global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant__ cuda_args a) {
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) forward_kernel(const __grid_constant__ cuda_args a) {
     const hkt_params &p = a.p;
     __shared__ real pbuf[WARPS][32];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int64_t T = p.T, S = p.S, Dv = p.Dv;
     const bool use_dropout = p.dropout_p > 0;
-    const real kf = p.dropout_p < 1 ? (real)(1.0 / (1.0 - p.dropout_p)) : (real)0;
+    const real kf = (real)a.keep_scale;
     for (int64_t r = warp_index(); r < p.B * p.H * T; r += warp_count()) {
         const int64_t bh = r / T, i = r % T, b = bh / p.H, h = bh % p.H;
         real *orow = (real *)p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
         const real *vb = (const real *)p.v + b * p.v_stride[0] + h * p.v_stride[1];
         for (int64_t e = lane; e < Dv; e += 32) orow[e] = 0;
         real m = -INFINITY, lsum = 0;
+        bool nan_row = false;
         const int64_t jend = p.causal ? (i + 1 < S ? i + 1 : S) : S;
         for (int64_t j0 = 0; j0 < jend; j0 += 32) {
             const int64_t j = j0 + lane;
             const real s = j < jend ? score_of<real>(p, b, h, i, j, nullptr) : (real)-INFINITY;
-            const real mx = warp_max(s);
+            const real mx = warp_max(s); /* the same bits in every lane: the branches below are uniform */
             if (mx == -INFINITY) continue; /* nothing visible among these keys */
-            /* online softmax: rescale what out holds so far, then add these keys' P @ V */
+            if (!(mx < INFINITY)) {        /* a visible NaN or +inf score: the row's softmax is NaN */
+                nan_row = true;
+                break;
+            }
+            /* online softmax: rescale what out holds so far, then add these keys' P @ V;
+             * hidden keys (s = -inf) get P = 0 exactly */
             const real mnew = mx > m ? mx : m;
             const real alpha = m == -INFINITY ? (real)0 : dev_exp(m - mnew);
             real pe = dev_exp(s - mnew);
@@ -170,7 +200,10 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
             }
             __syncwarp();
         }
-        if (lsum > 0) {
+        if (nan_row) {
+            for (int64_t e = lane; e < Dv; e += 32) orow[e] = (real)NAN;
+            if (lane == 0) ((real *)p.lse)[r] = (real)NAN;
+        } else if (lsum > 0) {
             const real inv = 1 / lsum;
             for (int64_t e = lane; e < Dv; e += 32) orow[e] *= inv;
             if (lane == 0) ((real *)p.lse)[r] = m + dev_log(lsum);
@@ -184,13 +217,14 @@ __global__ void __launch_bounds__(THREADS) forward_kernel(const __grid_constant_
 
 /* ---- backward ----
  * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
- * backward: dv = Pdrop^T dO; dP = dO v^T; dS = scale P (dP keep/(1-p) - rowsum(dO * out))
- *           dq_l = w_l sum2^l(dS) k_l; dk_l = w_l sum2^l(dS)^T q_l; dw_l = sum(sum2^l(dS) * q_l k_l^T)
- * (dS here already carries the scale, as in the CPU file). */
+ * backward: dv = Pdrop^T dO; dP = dO v^T; dS = P (dP keep/(1-p) - rowsum(dO * out))
+ *           dq_l = scale w_l sum2^l(dS) k_l; dk_l = scale w_l sum2^l(dS)^T q_l;
+ *           dw_l = scale sum(sum2^l(dS) * q_l k_l^T); dmask = dS summed over broadcast dims
+ * (dS before the scale, as in the CPU file). */
 
 /* delta[r] = <dO[r], out[r]>, one warp per row */
 template <typename real>
-__global__ void __launch_bounds__(THREADS) delta_kernel(const __grid_constant__ cuda_args a) {
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) delta_kernel(const __grid_constant__ cuda_args a) {
     const hkt_params &p = a.p;
     const int lane = threadIdx.x & 31;
     for (int64_t r = warp_index(); r < p.B * p.H * p.T; r += warp_count()) {
@@ -204,35 +238,50 @@ __global__ void __launch_bounds__(THREADS) delta_kernel(const __grid_constant__ 
     }
 }
 
-/* dS and dropped P of (i, j), recomputed from the forward's lse */
+/* dS (before the scale) of (i, j), and its dropped P in *pdrop, recomputed from
+ * the forward's lse.  A hidden entry (score -inf) gives exactly 0 for both,
+ * even where lse or delta of its row is NaN or +inf (0 * NaN would be NaN). */
 template <typename real>
-__device__ static inline void ds_of(const cuda_args &a, int64_t b, int64_t h, int64_t i, int64_t j, real *g,
-                                    real *ds, real *pdrop) {
+__device__ static inline real ds_of(const cuda_args &a, int64_t b, int64_t h, int64_t i, int64_t j, real *g,
+                                    real *pdrop) {
     const hkt_params &p = a.p;
     const int64_t r = (b * p.H + h) * p.T + i;
     const real s = score_of<real>(p, b, h, i, j, g);
+    if (s == -INFINITY) {
+        *pdrop = 0;
+        return 0;
+    }
     const real P = dev_exp(s - ((const real *)p.lse)[r]);
     const real *dorow = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + i * p.dout_stride[2];
     const real *vrow = (const real *)p.v + b * p.v_stride[0] + h * p.v_stride[1] + j * p.v_stride[2];
     const real dp = dot(dorow, vrow, p.Dv);
     real f = 1;
     if (p.dropout_p > 0) {
-        const real kf = p.dropout_p < 1 ? (real)(1.0 / (1.0 - p.dropout_p)) : (real)0;
-        f = keep_entry(a.seed_mixed, a.threshold, (uint64_t)(r * p.S + j)) ? kf : (real)0;
+        f = keep_entry(a.seed_mixed, a.threshold, (uint64_t)(r * p.S + j)) ? (real)a.keep_scale : (real)0;
     }
     *pdrop = P * f;
-    *ds = (real)p.scale * P * (dp * f - ((const real *)a.delta)[r]);
+    return P * (dp * f - ((const real *)a.delta)[r]);
 }
+
+/* dq, dk and dw add dS times a q, k or Gram entry only where dS != 0, and
+ * scale w_l times a sum only where the sum != 0.  That skips exactly the
+ * hidden entries' zeros (whose q, k or w may be NaN: hidden entries add
+ * nothing to anything, not 0 * NaN) and changes no other result: a visible
+ * entry whose q[l] or k[l] row or w is not finite has a NaN or +inf score, so
+ * its row's lse and its dS are NaN, never 0, and a finite term with a zero
+ * factor adds 0.  dv adds every P dO, as the CPU file does (NaN in dout may
+ * reach dv through hidden entries, which hkt.h leaves open). */
 
 /* dq of every level for the query rows [i_lo, i_hi) of one (b, h), and that
  * block's dw partial: one warp per (b, h, block of G rows). */
 template <typename real>
-__global__ void __launch_bounds__(THREADS) dq_kernel(const __grid_constant__ cuda_args a) {
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dq_kernel(const __grid_constant__ cuda_args a) {
     const hkt_params &p = a.p;
     __shared__ real dsbuf[WARPS][32];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int L = p.L;
     const int64_t T = p.T, S = p.S, D = p.D;
+    const real scale = (real)p.scale;
     real g[HKT_MAX_LEVELS], dwacc[HKT_MAX_LEVELS];
     for (int64_t task = warp_index(); task < p.B * p.H * a.nqb; task += warp_count()) {
         const int64_t bh = task / a.nqb, blk = task % a.nqb, b = bh / p.H, h = bh % p.H;
@@ -247,23 +296,27 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(const __grid_constant__ cud
             const int64_t jend = p.causal ? (i + 1 < S ? i + 1 : S) : S;
             for (int64_t j0 = 0; j0 < jend; j0 += 32) {
                 const int64_t j = j0 + lane;
-                real ds = 0, pdrop = 0;
+                real ds = 0, pdrop;
                 if (j < jend) {
-                    ds_of<real>(a, b, h, i, j, g, &ds, &pdrop);
-                    for (int l = 0; l < L; l++) dwacc[l] += ds * g[l];
+                    ds = ds_of<real>(a, b, h, i, j, g, &pdrop);
+                    if (ds != 0)
+                        for (int l = 0; l < L; l++) dwacc[l] += ds * g[l];
                 }
                 dsbuf[wib][lane] = ds;
                 __syncwarp();
                 const int64_t nk = jend - j0 < 32 ? jend - j0 : 32;
                 for (int l = 0; l < L; l++) {
-                    const real wl = weight<real>(p, h, l);
+                    const real wl = scale * weight<real>(p, h, l);
                     const real *kb = (const real *)p.k[l] + b * p.k_stride[l][0] + h * p.k_stride[l][1];
                     real *dqrow = (real *)p.dq[l] + b * p.dq_stride[l][0] + h * p.dq_stride[l][1] +
                                   (i >> l) * p.dq_stride[l][2];
                     for (int64_t d = lane; d < D; d += 32) {
                         real acc = 0;
-                        for (int64_t c = 0; c < nk; c++) acc += dsbuf[wib][c] * kb[((j0 + c) >> l) * p.k_stride[l][2] + d];
-                        dqrow[d] += wl * acc;
+                        for (int64_t c = 0; c < nk; c++) {
+                            const real x = dsbuf[wib][c];
+                            if (x != 0) acc += x * kb[((j0 + c) >> l) * p.k_stride[l][2] + d];
+                        }
+                        if (acc != 0) dqrow[d] += wl * acc;
                     }
                 }
                 __syncwarp();
@@ -271,7 +324,7 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(const __grid_constant__ cud
         }
         for (int l = 0; l < L; l++) {
             const real x = warp_sum(dwacc[l]);
-            if (lane == 0) ((real *)a.dw_part)[task * L + l] = x;
+            if (lane == 0) ((real *)a.dw_part)[task * L + l] = scale * x;
         }
     }
 }
@@ -279,12 +332,13 @@ __global__ void __launch_bounds__(THREADS) dq_kernel(const __grid_constant__ cud
 /* dk of every level and dv for the key rows [j_lo, j_hi) of one (b, h): one
  * warp per (b, h, block of G keys), lanes over queries. */
 template <typename real>
-__global__ void __launch_bounds__(THREADS) dkv_kernel(const __grid_constant__ cuda_args a) {
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_constant__ cuda_args a) {
     const hkt_params &p = a.p;
     __shared__ real dsbuf[WARPS][32], pdbuf[WARPS][32];
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int L = p.L;
     const int64_t T = p.T, S = p.S, D = p.D, Dv = p.Dv;
+    const real scale = (real)p.scale;
     for (int64_t task = warp_index(); task < p.B * p.H * a.nkb; task += warp_count()) {
         const int64_t bh = task / a.nkb, blk = task % a.nkb, b = bh / p.H, h = bh % p.H;
         const int64_t j_lo = blk * a.G, j_hi = j_lo + a.G < S ? j_lo + a.G : S;
@@ -302,7 +356,7 @@ __global__ void __launch_bounds__(THREADS) dkv_kernel(const __grid_constant__ cu
             for (int64_t i0 = p.causal ? j : 0; i0 < T; i0 += 32) {
                 const int64_t i = i0 + lane;
                 real ds = 0, pdrop = 0;
-                if (i < T) ds_of<real>(a, b, h, i, j, (real *)nullptr, &ds, &pdrop);
+                if (i < T) ds = ds_of<real>(a, b, h, i, j, (real *)nullptr, &pdrop);
                 dsbuf[wib][lane] = ds;
                 pdbuf[wib][lane] = pdrop;
                 __syncwarp();
@@ -314,14 +368,17 @@ __global__ void __launch_bounds__(THREADS) dkv_kernel(const __grid_constant__ cu
                     dvrow[e] += acc;
                 }
                 for (int l = 0; l < L; l++) {
-                    const real wl = weight<real>(p, h, l);
+                    const real wl = scale * weight<real>(p, h, l);
                     const real *qb = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1];
                     real *dkrow = (real *)p.dk[l] + b * p.dk_stride[l][0] + h * p.dk_stride[l][1] +
                                   (j >> l) * p.dk_stride[l][2];
                     for (int64_t d = lane; d < D; d += 32) {
                         real acc = 0;
-                        for (int64_t c = 0; c < nq; c++) acc += dsbuf[wib][c] * qb[((i0 + c) >> l) * p.q_stride[l][2] + d];
-                        dkrow[d] += wl * acc;
+                        for (int64_t c = 0; c < nq; c++) {
+                            const real x = dsbuf[wib][c];
+                            if (x != 0) acc += x * qb[((i0 + c) >> l) * p.q_stride[l][2] + d];
+                        }
+                        if (acc != 0) dkrow[d] += wl * acc;
                     }
                 }
                 __syncwarp();
@@ -347,6 +404,35 @@ __global__ void dw_kernel(const __grid_constant__ cuda_args a) {
     }
 }
 
+/* dmask (C-contiguous, shape dmask_shape, each dim 1 or the full B, H, T, S) =
+ * dS summed over the dims where dmask_shape is 1 and the full size is not: one
+ * thread per dmask entry, adding its (b, h, i, j) in that order.  Hidden
+ * entries add nothing (causally hidden ones are not even visited). */
+template <typename real>
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dmask_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    const int64_t *ms = p.dmask_shape;
+    const int64_t full[4] = {p.B, p.H, p.T, p.S}, n = ms[0] * ms[1] * ms[2] * ms[3];
+    for (int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; x < n; x += (int64_t)gridDim.x * blockDim.x) {
+        int64_t lo[4], hi[4], rest = x;
+        for (int d = 3; d >= 0; d--) {
+            const int64_t at = rest % ms[d];
+            rest /= ms[d];
+            const bool summed = ms[d] != full[d];
+            lo[d] = summed ? 0 : at;
+            hi[d] = summed ? full[d] : at + 1;
+        }
+        real acc = 0, pdrop;
+        for (int64_t b = lo[0]; b < hi[0]; b++)
+            for (int64_t h = lo[1]; h < hi[1]; h++)
+                for (int64_t i = lo[2]; i < hi[2]; i++) {
+                    const int64_t jend = p.causal && i + 1 < hi[3] ? i + 1 : hi[3];
+                    for (int64_t j = lo[3]; j < jend; j++) acc += ds_of<real>(a, b, h, i, j, (real *)nullptr, &pdrop);
+                }
+        ((real *)p.dmask)[x] = acc;
+    }
+}
+
 /* ---- host side ---- */
 static unsigned blocks_for(int64_t warps) {
     const int64_t n = (warps + WARPS - 1) / WARPS;
@@ -359,6 +445,7 @@ static cuda_args make_args(const hkt_params *p) {
     a.p = *p;
     a.seed_mixed = mix64(p->seed);
     a.threshold = keep_threshold(p->dropout_p);
+    a.keep_scale = p->dropout_p < 1 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
     a.G = (int64_t)1 << (p->L - 1);
     a.nqb = (p->T + a.G - 1) / a.G;
     a.nkb = (p->S + a.G - 1) / a.G;
@@ -389,6 +476,10 @@ static cudaError_t backward_launch(const cuda_args &a, const char **what) {
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     *what = "backward dw kernel launch";
     if ((p.w_per_head ? p.H : 1) * p.L > 0) dw_kernel<real><<<1, 256>>>(a);
+    if ((e = cudaGetLastError()) != cudaSuccess) return e;
+    *what = "backward dmask kernel launch";
+    const int64_t nmask = p.dmask ? p.dmask_shape[0] * p.dmask_shape[1] * p.dmask_shape[2] * p.dmask_shape[3] : 0;
+    if (nmask > 0) dmask_kernel<real><<<blocks_for((nmask + 31) / 32), THREADS>>>(a);
     return cudaGetLastError();
 }
 
