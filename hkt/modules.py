@@ -5,7 +5,7 @@ Shapes below: B batch, T query length, S key length, E embed_dim, H heads,
 hd = E / H, L levels, K downsample_kernel.
 """
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .functional import hkt_attention
-from .reference import attention_probs
+from .reference import masked_probs
 
 __all__ = ["MultiheadHKT", "swap_attention"]
 
@@ -34,18 +34,46 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
     m = (x.shape[1] + 1) // 2
     # K - 1 zero rows in front turn index 2p - r into 2p + (K - 1 - r) >= 0; the
     # last index read, 2(m - 1), is < n, so no padding is needed at the end.
-    xp = F.pad(x, (0, 0, K - 1, 0))
-    out = None
-    for r in range(K):
+    xp = F.pad(x, [0, 0, K - 1, 0])
+    out = xp[:, K - 1:K - 1 + 2 * m - 1:2] * taps[0]
+    for r in range(1, K):
         start = K - 1 - r
-        term = xp[:, start:start + 2 * m - 1:2] * taps[r]
-        out = term if out is None else out + term
+        out = out + xp[:, start:start + 2 * m - 1:2] * taps[r]
     return out
 
 
 def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """bool (True = may attend) -> additive float (0 / -inf)."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _fmt(shape: List[int]) -> str:
+    """A shape as Python prints a tuple, "(2, 3)" (TorchScript has no tuple(shape))."""
+    return "(" + ", ".join([str(n) for n in shape]) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _pad_keys(m: Tensor, n: int) -> Tensor:
+    """n more key columns that hide nothing: True for a bool mask, 0 for a float one."""
+    shape = list(m.shape[:-1]) + [n]
+    return torch.cat([m, m.new_ones(shape) if m.dtype == torch.bool else m.new_zeros(shape)], dim=-1)
+
+
+def _heads(x: Tensor, H: int, hd: int) -> Tensor:
+    """(B, n, H * hd) -> (B, H, n, hd)."""
+    return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
+
+
+def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
+                        is_causal: bool, dropout_p: float) -> Tensor:
+    """What :func:`hkt.hkt_attention` does for MultiheadHKT's (already checked,
+    4-D mask) arguments, in TorchScript: the registered op, its default scale and
+    a fresh dropout seed."""
+    scale = 1.0 / math.sqrt(qs[0].shape[-1])
+    if dropout_p > 0.0:
+        seed = torch.randint(0, 1 << 62, [], dtype=torch.int64)
+    else:
+        seed = torch.zeros([], dtype=torch.int64)
+    return torch.ops.hkt.attention_forward(qs, ks, v, w, mask, is_causal, dropout_p, scale, seed)[0]
 
 
 class MultiheadHKT(nn.Module):
@@ -98,6 +126,28 @@ class MultiheadHKT(nn.Module):
       so pass ``need_weights=False`` when you do not need them.
     * A query row whose keys are all masked gives zeros, not NaN.
     * Only float32 and float64 are supported (those of :func:`hkt.hkt_attention`).
+    * Malformed input raises ``ValueError`` or ``TypeError`` naming the
+      argument, where MHA (torch 2.13) raises ``AssertionError`` (a 2-D
+      ``attn_mask`` of the wrong shape: ``RuntimeError``):
+
+      - ``ValueError``: ``query`` not 2-D or 3-D; ``key`` / ``value`` of another
+        rank than ``query``; feature sizes other than ``embed_dim`` / ``kdim`` /
+        ``vdim``; ``key`` and ``value`` (or ``query``) with different batch
+        or length; ``key_padding_mask`` or ``attn_mask`` of the wrong rank or
+        shape; nested tensors; ``embed_dim`` not divisible by ``num_heads``
+        (constructor).
+      - ``TypeError``: an ``attn_mask`` or ``key_padding_mask`` neither bool
+        nor floating point.
+
+      Under TorchScript the same checks raise ``torch.jit.Error`` with the
+      same message (TorchScript has one exception type).
+    * It is scriptable (``torch.jit.script``, alone or inside
+      ``nn.TransformerEncoder`` / ``Decoder`` layers; a saved script needs
+      ``import hkt`` before ``torch.jit.load`` to register the op) and
+      exportable (``torch.export.export``); for an exported program with a
+      dynamic sequence length, the length must be a multiple of
+      ``2 ** (levels - 1)``.  ``merge_masks`` exists only because a scripted
+      ``nn.TransformerEncoderLayer`` compiles a call to it.
     * ``_qkv_same_embed_dim`` is always False (the packed-projection flag is
       ``_packed_in_proj``): ``nn.TransformerEncoderLayer`` /
       ``nn.TransformerEncoder`` read it to decide on their fused fast path,
@@ -106,8 +156,10 @@ class MultiheadHKT(nn.Module):
     """
 
     # Read by the fused fast paths of nn.TransformerEncoderLayer/Encoder (and by
-    # nothing in this module): False makes them run this module's forward.
+    # nothing in this module): False makes them run this module's forward.  A
+    # TorchScript constant, so that a scripted encoder layer can read it too.
     _qkv_same_embed_dim = False
+    __constants__ = ["_qkv_same_embed_dim"]
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
@@ -226,21 +278,30 @@ class MultiheadHKT(nn.Module):
 
     def level_weights(self) -> Tensor:
         """The convex level weights w = softmax(level_logits), (num_heads, levels)."""
-        if self.level_logits is None:
+        logits = self.level_logits
+        if logits is None:
             w = self.out_proj.weight
             return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
-        return torch.softmax(self.level_logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
 
-    def _level0_weights(self):
+    def _level0_weights(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        # written with `is None` tests on the attributes (not _packed_in_proj) so
+        # that TorchScript drops the branch for the parameters this module lacks
         E = self.embed_dim
-        if self._packed_in_proj:
-            wq, wk, wv = self.in_proj_weight[:E], self.in_proj_weight[E:2 * E], self.in_proj_weight[2 * E:]
+        packed = self.in_proj_weight
+        if packed is not None:
+            wq, wk, wv = packed[:E], packed[E:2 * E], packed[2 * E:]
         else:
-            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
-        if self.in_proj_bias is None:
-            bq = bk = bv = None
-        else:
-            bq, bk, bv = self.in_proj_bias.chunk(3)
+            q_w, k_w, v_w = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            if q_w is None or k_w is None or v_w is None:
+                raise RuntimeError("MultiheadHKT has neither in_proj_weight nor q/k/v_proj_weight")
+            wq, wk, wv = q_w, k_w, v_w
+        bias = self.in_proj_bias
+        bq: Optional[Tensor] = None
+        bk: Optional[Tensor] = None
+        bv: Optional[Tensor] = None
+        if bias is not None:
+            bq, bk, bv = bias[:E], bias[E:2 * E], bias[2 * E:]
         return wq, wk, wv, bq, bk, bv
 
     @classmethod
@@ -328,42 +389,71 @@ class MultiheadHKT(nn.Module):
         new.train(mha.training)
         return new
 
+    def merge_masks(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                    query: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
+        """As ``nn.MultiheadAttention.merge_masks``: the masks of a batch-first
+        self-attention call in one, with its type (0 attn_mask (T, T), 1
+        key_padding_mask (B, T), 2 both, as (B, H, T, T); None without masks).
+
+        The module's own forward does not use it; ``nn.TransformerEncoderLayer``'s
+        fused fast path calls it, which ``_qkv_same_embed_dim = False`` keeps from
+        running, but TorchScript compiles that call, so it must exist.
+        """
+        if attn_mask is None:
+            if key_padding_mask is None:
+                return None, None
+            return key_padding_mask, 1
+        B, T = query.shape[0], query.shape[1]
+        if attn_mask.dim() == 3:
+            merged = attn_mask.view(B, -1, T, T)
+        else:
+            merged = attn_mask.view(1, 1, T, T).expand(B, self.num_heads, -1, -1)
+        if key_padding_mask is not None:
+            merged = merged + key_padding_mask.view(B, 1, 1, T).expand(-1, self.num_heads, -1, -1)
+        return merged, 2
+
     def _build_mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool,
                     B: int, T: int, S: int, n_extra: int, unbatched: bool, dtype: torch.dtype,
-                    device: torch.device):
+                    device: torch.device) -> Tuple[Optional[Tensor], bool]:
         """MHA's masks -> (mask for hkt_attention, is_causal for hkt_attention).
 
         The returned mask is None, bool (True = may attend) when no float mask
-        was given, or float (additive); it broadcasts to (B, H, T, S + n_extra).
+        was given, or float (additive); it is 4-D and broadcasts to
+        (B, H, T, S + n_extra).
         """
         H = self.num_heads
-        masks = []
+        masks: List[Tensor] = []
         if attn_mask is not None:
             if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
                 raise TypeError(f"attn_mask: only bool and floating point masks are supported, got {attn_mask.dtype}")
             if attn_mask.dim() == 2:
-                if tuple(attn_mask.shape) != (T, S):
-                    raise ValueError(f"attn_mask: 2-D shape must be (T, S) = {(T, S)}, got {tuple(attn_mask.shape)}")
+                if list(attn_mask.shape) != [T, S]:
+                    raise ValueError(f"attn_mask: 2-D shape must be (T, S) = {_fmt([T, S])}, got "
+                                     f"{_fmt(attn_mask.shape)}")
                 m = attn_mask.reshape(1, 1, T, S)
             elif attn_mask.dim() == 3:
-                want = (H, T, S) if unbatched else (B * H, T, S)
-                if tuple(attn_mask.shape) != want:
-                    raise ValueError(f"attn_mask: 3-D shape must be {want}, got {tuple(attn_mask.shape)}")
+                want = [H, T, S] if unbatched else [B * H, T, S]
+                if list(attn_mask.shape) != want:
+                    raise ValueError(f"attn_mask: 3-D shape must be {_fmt(want)}, got {_fmt(attn_mask.shape)}")
                 m = attn_mask.reshape(1 if unbatched else B, H, T, S)
             else:
-                raise ValueError(f"attn_mask: expected 2 or 3 dimensions, got shape {tuple(attn_mask.shape)}")
+                raise ValueError(f"attn_mask: expected 2 or 3 dimensions, got shape {_fmt(attn_mask.shape)}")
             masks.append(m)
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
                 raise TypeError("key_padding_mask: only bool and floating point masks are supported, got "
                                 f"{key_padding_mask.dtype}")
-            want = (S,) if unbatched else (B, S)
-            if tuple(key_padding_mask.shape) != want:
-                raise ValueError(f"key_padding_mask: shape must be {want}, got {tuple(key_padding_mask.shape)}")
+            want = [S] if unbatched else [B, S]
+            if list(key_padding_mask.shape) != want:
+                raise ValueError(f"key_padding_mask: shape must be {_fmt(want)}, got "
+                                 f"{_fmt(key_padding_mask.shape)}")
             masks.append(key_padding_mask.reshape(-1, 1, 1, S))
-        use_float = any(m.is_floating_point() for m in masks)
+        use_float = False
+        for m in masks:
+            if m.is_floating_point():
+                use_float = True
         # MHA conventions -> hkt_attention's: bool True = may attend; float added.
-        conv = []
+        conv: List[Tensor] = []
         for m in masks:
             if m.dtype == torch.bool:
                 m = ~m
@@ -371,17 +461,17 @@ class MultiheadHKT(nn.Module):
                     m = _to_float_mask(m, dtype)
             else:
                 m = m.to(dtype)
+            if n_extra > 0:  # appended key slots are never masked (MHA pads with 0 / False)
+                m = _pad_keys(m, n_extra)
             conv.append(m)
-        if n_extra and conv:  # appended key slots are never masked (MHA pads with 0 / False)
-            conv = [F.pad(m, (0, n_extra), value=0.0) if use_float else F.pad(m, (0, n_extra), value=True)
-                    for m in conv]
-        if is_causal and n_extra:
+        if is_causal and n_extra > 0:
             # The kernel's causal rule would hide the appended slots from queries i < S + slot.
             vis = torch.ones((T, S + n_extra), dtype=torch.bool, device=device)
             vis[:, :S].tril_()
+            vis = vis.reshape(1, 1, T, S + n_extra)
             conv.append(_to_float_mask(vis, dtype) if use_float else vis)
             is_causal = False
-        mask = None
+        mask: Optional[Tensor] = None
         for m in conv:
             if mask is None:
                 mask = m
@@ -413,13 +503,19 @@ class MultiheadHKT(nn.Module):
             E features; attn_weights None unless ``need_weights``, else
             (B, T, S') averaged or (B, H, T, S') per head ((T, S') / (H, T, S')
             unbatched), S' = S + [add_bias_kv] + [add_zero_attn], before dropout.
+
+        Raises:
+            ValueError for malformed shapes (ranks, feature sizes, batch or
+            length mismatches, mask shapes, nested tensors); TypeError for mask
+            dtypes other than bool and floating point.  (In a TorchScript-compiled
+            module these arrive as ``torch.jit.Error`` carrying the same message.)
         """
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
                              "around nn.MultiheadAttention creates them in eval mode with a key padding mask; set "
                              "its use_nested_tensor = False (hkt.swap_attention does this)")
         if query.dim() not in (2, 3):
-            raise ValueError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {tuple(query.shape)}")
+            raise ValueError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {_fmt(query.shape)}")
         unbatched = query.dim() == 2
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
@@ -436,7 +532,7 @@ class MultiheadHKT(nn.Module):
             key = query if same_qk else key.transpose(0, 1)
             value = key if same_kv else value.transpose(0, 1)
         # Now (B, T, E), (B, S, kdim), (B, S, vdim).
-        B, T, E = query.shape
+        B, T, E = query.shape[0], query.shape[1], query.shape[2]
         S = key.shape[1]
         if E != self.embed_dim:
             raise ValueError(f"query: expected {self.embed_dim} features (embed_dim), got {E}")
@@ -446,54 +542,60 @@ class MultiheadHKT(nn.Module):
             raise ValueError(f"value: expected {self.vdim} features (vdim), got {value.shape[2]}")
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
             raise ValueError(f"key, value: batch and length must match each other and query's batch {B}; got "
-                             f"key {tuple(key.shape)}, value {tuple(value.shape)} (batch-first view)")
-        H, hd, L = self.num_heads, self.head_dim, self.levels
+                             f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
+        H, hd = self.num_heads, self.head_dim
 
         wq, wk, wv, bq, bk, bv = self._level0_weights()
-        if self._packed_in_proj and query is key and key is value:
-            q0, k0, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        packed = self.in_proj_weight
+        if packed is not None and query is key and key is value:
+            q0, k0, v = F.linear(query, packed, self.in_proj_bias).chunk(3, dim=-1)
         else:
             q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
         n_extra = 0
-        if self.bias_k is not None:
-            k0 = torch.cat([k0, self.bias_k.expand(B, 1, E)], dim=1)
-            v = torch.cat([v, self.bias_v.expand(B, 1, E)], dim=1)
+        bias_k, bias_v = self.bias_k, self.bias_v
+        if bias_k is not None and bias_v is not None:
+            k0 = torch.cat([k0, bias_k.expand(B, 1, E)], dim=1)
+            v = torch.cat([v, bias_v.expand(B, 1, E)], dim=1)
             n_extra += 1
         if self.add_zero_attn:
             k0 = torch.cat([k0, k0.new_zeros(B, 1, E)], dim=1)
             v = torch.cat([v, v.new_zeros(B, 1, E)], dim=1)
             n_extra += 1
 
-        def heads(x):  # (B, n, E) -> (B, H, n, hd)
-            return x.unflatten(-1, (H, hd)).transpose(1, 2)
-
-        qs, ks = [heads(q0)], [heads(k0)]
-        xq = query
-        xk = F.pad(key, (0, 0, 0, n_extra)) if n_extra else key  # appended slots: zero inputs
-        cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
-        for l in range(1, L):
-            xq = causal_downsample(xq, self.q_downsample[l - 1])
-            xk = causal_downsample(xk, self.k_downsample[l - 1])
-            qs.append(heads(F.linear(xq, self.coarse_q_proj_weight[l - 1], None if cqb is None else cqb[l - 1])))
-            ks.append(heads(F.linear(xk, self.coarse_k_proj_weight[l - 1], None if ckb is None else ckb[l - 1])))
+        qs, ks = [_heads(q0, H, hd)], [_heads(k0, H, hd)]
+        qd, kd = self.q_downsample, self.k_downsample
+        cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
+        if qd is not None and kd is not None and cqw is not None and ckw is not None:
+            xq = query
+            xk = F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key  # appended slots: zero inputs
+            cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
+            for l in range(1, self.levels):
+                xq = causal_downsample(xq, qd[l - 1])
+                xk = causal_downsample(xk, kd[l - 1])
+                qs.append(_heads(F.linear(xq, cqw[l - 1], None if cqb is None else cqb[l - 1]), H, hd))
+                ks.append(_heads(F.linear(xk, ckw[l - 1], None if ckb is None else ckb[l - 1]), H, hd))
         w = self.level_weights()
 
         mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,
                                         q0.dtype, q0.device)
-        out = hkt_attention(qs, ks, heads(v), w, attn_mask=mask, is_causal=causal,
-                            dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = float(self.dropout) if self.training else 0.0
+        vh = _heads(v, H, hd)
+        if torch.jit.is_scripting():
+            out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
+        else:
+            out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))
 
-        weights = None
+        weights: Optional[Tensor] = None
         if need_weights:
             # the combined HKT probabilities, in plain torch (O(T*S) memory, as MHA's weights)
-            weights = attention_probs(qs, ks, w, attn_mask=mask, is_causal=causal)
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
+            probs = masked_probs(qs, ks, w, mask, causal, None)
+            weights = probs.mean(dim=1) if average_attn_weights else probs
         if unbatched:
             out = out.squeeze(0)
-            weights = None if weights is None else weights.squeeze(0)
+            if weights is not None:
+                weights = weights.squeeze(0)
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights

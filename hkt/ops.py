@@ -9,6 +9,12 @@ attn_mask reaches the ops at its own size, 4-D, each dimension 1 or the full
 
 The autograd context keeps q, k, v, w, out and lse (never the attention
 matrix) and the dropout seed, so the backward sees the forward's dropout mask.
+
+hkt::attention_backward has an autograd formula too (double backward, e.g.
+gradient penalties, Hessian-vector products, gradgradcheck): it recomputes the
+attention in plain PyTorch (hkt.reference) from the saved inputs and
+differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
+:func:`_double_backward`.
 """
 from typing import List, Optional
 
@@ -16,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
+from .reference import hkt_attention_reference
 
 __all__ = ["attention_forward", "attention_backward"]
 
@@ -79,3 +86,100 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("hkt::attention_forward", _backward, setup_context=_setup_context)
+
+
+# ---- double backward ------------------------------------------------------------
+
+def _setup_backward_context(ctx, inputs, output):
+    dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad = inputs
+    ctx.L = len(q)
+    ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.mask_grad = is_causal, dropout_p, scale, mask_grad
+    # out and lse are not kept: the formula recomputes the attention from the inputs
+    ctx.save_for_backward(dout, *q, *k, v, w, attn_mask, seed)
+
+
+def _slot(x: Tensor, dtype: torch.dtype, grad: bool) -> Tensor:
+    """A tensor of its own for one argument slot, in the compute dtype.  It is
+    attached to x's graph when x requires grad (so the result stays
+    differentiable, to any order), otherwise a fresh leaf that requires grad when
+    ``grad``.  Each slot is a new node, so a tensor passed in two slots (q[0] is
+    k[0]) still gets each slot's own partial derivative."""
+    if x.requires_grad:
+        y = x.to(dtype)
+        return y.view_as(y) if y is x else y
+    return x.detach().to(dtype).requires_grad_(grad)
+
+
+def _double_backward(ctx, grads):
+    """Autograd formula of hkt::attention_backward, in plain PyTorch.
+
+    The first-order gradients are rebuilt from the saved dout, q, k, v, w and
+    attn_mask with :func:`hkt.reference.hkt_attention_reference` (the forward
+    recomputed: full (B, H, T, S) scores and probabilities, O(B*H*T*S) memory
+    and time, several such buffers) and differentiated once more by autograd.
+    ``out`` and ``lse`` are taken to be the forward's outputs for these inputs
+    (as they always are when the op runs inside hkt's autograd): they get no
+    gradient of their own, the one through them is in q's, k's, v's, w's and
+    the mask's.  Masks (bool or float, the float mask's own gradient with
+    ``mask_grad``), causal, per-head or shared w and dropout (the kernels'
+    pattern, rebuilt from the saved seed) are all handled; bfloat16 is computed
+    in float32.  Rows with no visible key and NaN follow hkt.reference's rules,
+    which are the kernels'.
+    """
+    L = ctx.L
+    saved = ctx.saved_tensors
+    dout, q, k = saved[0], list(saved[1:1 + L]), list(saved[1 + L:1 + 2 * L])
+    v, w, attn_mask, seed = saved[1 + 2 * L:]
+    p = ctx.dropout_p
+    need = ctx.needs_input_grad
+    # grads of the outputs dq[0..L) + dk[0..L) + [dv, dw] (+ [dmask])
+    ggrads = list(grads[0]) if isinstance(grads[0], (list, tuple)) else list(grads)
+    float_mask = attn_mask is not None and attn_mask.is_floating_point()
+    mask_needs = float_mask and bool(need[7])
+
+    keep = None
+    if p > 0:
+        B, H, T = q[0].shape[:3]
+        S = k[0].shape[2]
+        keep = _kernels.dropout_keep_mask(_seed_value(seed), p, B, H, T, S).to(q[0].device)
+
+    cd = _kernels.compute_dtype(q[0].dtype)
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        dout_ = _slot(dout, cd, True)
+        q_ = [_slot(x, cd, True) for x in q]
+        k_ = [_slot(x, cd, True) for x in k]
+        v_, w_ = _slot(v, cd, True), _slot(w, cd, True)
+        m_ = None
+        if attn_mask is not None:
+            m_ = _slot(attn_mask, cd, ctx.mask_grad or mask_needs) if float_mask else attn_mask
+        out = hkt_attention_reference(q_, k_, v_, w_, attn_mask=m_, is_causal=ctx.is_causal, dropout_p=p,
+                                      scale=ctx.scale, dropout_mask=keep)
+        first_wrt = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
+        first = torch.autograd.grad(out, first_wrt, dout_, create_graph=True, allow_unused=True)
+        outs, gouts = [], []
+        for f, g in zip(first, ggrads):
+            if f is not None and g is not None and f.requires_grad:
+                outs.append(f)
+                gouts.append(g.to(f.dtype))
+        wrt = [dout_] + q_ + k_ + [v_, w_] + ([m_] if mask_needs else [])
+        if outs:
+            res = list(torch.autograd.grad(outs, wrt, gouts, create_graph=create_graph, allow_unused=True))
+        else:
+            res = [None] * len(wrt)
+
+    def back(g, x):
+        return torch.zeros_like(x) if g is None else g.to(x.dtype)
+
+    d_dout = back(res[0], dout)
+    d_q = [back(g, x) for g, x in zip(res[1:1 + L], q)]
+    d_k = [back(g, x) for g, x in zip(res[1 + L:1 + 2 * L], k)]
+    d_v, d_w = back(res[1 + 2 * L], v), back(res[2 + 2 * L], w)
+    d_mask = back(res[3 + 2 * L], attn_mask) if mask_needs else None
+    res = (d_dout, d_q, d_k, d_v, d_w, None, None, d_mask, None, None, None, None)
+    # the dispatcher drops a trailing argument equal to its default (mask_grad=False)
+    return res + (None,) if ctx.mask_grad else res
+
+
+torch.library.register_autograd("hkt::attention_backward", _double_backward,
+                                setup_context=_setup_backward_context)

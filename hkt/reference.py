@@ -4,12 +4,13 @@ It materialises the full (B, H, T, S) score matrix, so it is O(T*S) in memory
 and slow; use it for checking, never for training.
 """
 import math
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["hkt_attention_reference", "attention_probs", "combined_scores", "level_terms", "upsample_level"]
+__all__ = ["hkt_attention_reference", "attention_probs", "masked_probs", "combined_scores", "level_terms",
+           "upsample_level"]
 
 
 def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
@@ -17,12 +18,13 @@ def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
     (..., T, S): entry (i, j) takes block (i >> l, j >> l)."""
     if level == 0:
         return g
-    f = 2**level
+    f = 1 << level
     return g.repeat_interleave(f, dim=-2)[..., :T, :].repeat_interleave(f, dim=-1)[..., :S]
 
 
-def level_terms(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Optional[float] = None) -> list:
-    """Each level's contribution scale * w[l] * upsample(q[l] k[l]^T), L tensors (B, H, T, S)."""
+def level_terms(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[float] = None) -> List[Tensor]:
+    """Each level's contribution scale * w[l] * upsample(q[l] k[l]^T), L tensors (B, H, T, S).
+    (q and k may be any sequences; the List annotations let TorchScript compile it.)"""
     B, H, T, D = q[0].shape
     S = k[0].shape[-2]
     if scale is None:
@@ -33,7 +35,7 @@ def level_terms(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Opti
             for l in range(L)]
 
 
-def combined_scores(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, scale: Optional[float] = None) -> Tensor:
+def combined_scores(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[float] = None) -> Tensor:
     """score[i, j] = scale * sum_l w[l] * <q[l][i >> l], k[l][j >> l]>, shape (B, H, T, S)."""
     terms = level_terms(q, k, w, scale)
     score = terms[0]
@@ -46,6 +48,13 @@ def attention_probs(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, *, attn
                     is_causal: bool = False, scale: Optional[float] = None) -> Tensor:
     """P (B, H, T, S): the combined scores, masked as :func:`hkt.hkt_attention` masks
     them, through the softmax.  A row with nothing visible is zeros."""
+    return masked_probs(list(q), list(k), w, attn_mask, is_causal, scale)
+
+
+def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+                 scale: Optional[float]) -> Tensor:
+    """:func:`attention_probs` with positional arguments only, so that TorchScript
+    compiles it (MultiheadHKT's returned weights call it)."""
     score = combined_scores(q, k, w, scale)
     T, S = score.shape[-2:]
     visible = torch.ones(T, S, dtype=torch.bool, device=score.device)
