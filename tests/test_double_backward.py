@@ -201,3 +201,16 @@ def test_bfloat16_double_backward_runs():
     for a, b in zip(run(torch.bfloat16), run(torch.float32)):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b, rtol=0.1, atol=0.1)
+
+
+def test_opcheck_backward_op():
+    """torch.library's own checks of hkt::attention_backward (schema, fake kernel,
+    autograd registration), with a float mask and its gradient."""
+    from hkt import ops
+    q, k, v, w = sample_inputs(1, 2, 7, 6, 3, 4, 2, requires_grad=True)
+    mask = torch.randn(1, 2, 7, 6, dtype=F64, requires_grad=True)
+    seed = torch.tensor(3)
+    out, lse = ops.attention_forward(q, k, v, w, mask, True, 0.0, 0.5, seed)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(ops.attention_backward,
+                          (dout, q, k, v, w, out.detach(), lse.detach(), mask, True, 0.0, 0.5, seed, True))
