@@ -1,5 +1,10 @@
 """Builds hkt._C: plain C11 + OpenMP, no torch needed at build time.
 
+The binding uses only CPython's stable ABI (Py_LIMITED_API = 3.10), so the
+extension is hkt/_C.abi3.so and a wheel is tagged cp310-abi3: one wheel for
+CPython 3.10 and every later 3.x (not the free-threaded builds, which have no
+stable ABI).
+
 DEBUG=1 builds -O0 -g.  HKT_NO_OPENMP=1 builds single-threaded (for compilers
 without OpenMP).
 
@@ -70,9 +75,21 @@ def gencode_flags():
 
 
 class build_ext_cuda(build_ext):
-    """Compiles the .cu with nvcc into an object the C linker adds to hkt._C."""
+    """Compiles the .cu with nvcc into an object the C linker adds to hkt._C
+    (when nvcc is set), and after an in-place build removes hkt/_C binaries of
+    other ABIs: a hkt/_C.cpython-311-*.so left from an older build would shadow
+    the new _C.abi3.so (Python tries the version-tagged name first)."""
 
     nvcc = None
+
+    def copy_extensions_to_source(self):
+        super().copy_extensions_to_source()
+        for ext in self.extensions:
+            folder, built = os.path.split(self.get_ext_fullpath(ext.name))
+            stem = ext.name.rsplit(".", 1)[-1] + "."
+            for name in os.listdir(folder or "."):
+                if name != built and name.startswith(stem) and name.endswith((".so", ".pyd")):
+                    os.remove(os.path.join(folder, name))
 
     def build_extension(self, ext):
         if self.nvcc:
@@ -87,8 +104,10 @@ class build_ext_cuda(build_ext):
         super().build_extension(ext)
 
 
-define_macros, libraries, library_dirs, rpath = [], [], [], []
-cmdclass = {}
+# the one place that says which stable ABI the binding is written against
+LIMITED_API = 0x030A0000  # CPython 3.10; wheel tag cp310-abi3
+define_macros, libraries, library_dirs, rpath = [("Py_LIMITED_API", hex(LIMITED_API))], [], [], []
+cmdclass = {"build_ext": build_ext_cuda}
 if os.environ.get("HKT_CUDA", "0") == "1":
     found = find_cuda()
     if found is None:
@@ -97,7 +116,6 @@ if os.environ.get("HKT_CUDA", "0") == "1":
     else:
         nvcc, home = found
         build_ext_cuda.nvcc = nvcc
-        cmdclass["build_ext"] = build_ext_cuda
         define_macros.append(("HKT_WITH_CUDA", None))
         # nvcc's host code needs the C++ runtime; the C linker does not add it
         libraries += ["cudart", "stdc++"]
@@ -110,14 +128,17 @@ setup(
             "hkt._C",
             sources=["csrc/hkt_attention.c", "csrc/hkt_module.c"],
             include_dirs=["csrc"],
-            depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h"] + ([CUDA_SOURCE] if cmdclass else []),
+            depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h"]
+            + ([CUDA_SOURCE] if build_ext_cuda.nvcc else []),
             define_macros=define_macros,
             libraries=libraries,
             library_dirs=library_dirs,
             runtime_library_dirs=rpath,
             extra_compile_args=cflags,
             extra_link_args=ldflags,
+            py_limited_api=True,
         )
     ],
     cmdclass=cmdclass,
+    options={"bdist_wheel": {"py_limited_api": f"cp{LIMITED_API >> 24}{(LIMITED_API >> 16) & 0xFF}"}},
 )

@@ -5,6 +5,11 @@
  * exporter works (torch tensors, NumPy arrays); nothing here links libtorch.
  * Every argument is checked here, with a message that names it, before the
  * kernels see a plain hkt_params struct.  The GIL is released around kernels.
+ *
+ * Written against the limited API of CPython 3.10 (setup.py defines
+ * Py_LIMITED_API = 0x030A0000), so the one binary (an abi3 wheel) loads into
+ * every CPython >= 3.10: no macros that reach into object structs
+ * (PyTuple_GET_ITEM, tp_name, ...), only the stable ABI's functions.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,6 +22,24 @@
 
 #include "dlpack.h"
 #include "hkt.h"
+
+/* Py_TYPE(obj)->tp_name, which the limited API does not expose (PyTypeObject is
+ * opaque there): "list", "numpy.ndarray", "torch.Tensor", written into buf.
+ * Called only while building an error message, before it is set. */
+static const char *type_name(PyObject *obj, char *buf, size_t n) {
+    PyObject *type = (PyObject *)Py_TYPE(obj);
+    PyObject *mod = PyObject_GetAttrString(type, "__module__");
+    PyObject *qual = PyObject_GetAttrString(type, "__qualname__");
+    const char *m = mod && PyUnicode_Check(mod) ? PyUnicode_AsUTF8AndSize(mod, NULL) : NULL;
+    const char *q = qual && PyUnicode_Check(qual) ? PyUnicode_AsUTF8AndSize(qual, NULL) : NULL;
+    if (q == NULL) q = "object";
+    if (m && strcmp(m, "builtins") != 0) snprintf(buf, n, "%s.%s", m, q);
+    else snprintf(buf, n, "%s", q);
+    Py_XDECREF(mod);
+    Py_XDECREF(qual);
+    PyErr_Clear(); /* a failed lookup only costs the name */
+    return buf;
+}
 
 /* ---- DLPack import ----
  * Capsules are held for the duration of a call and released afterwards; we
@@ -60,10 +83,11 @@ static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
         return &((DLManagedTensor *)PyCapsule_GetPointer(obj, "dltensor"))->dl_tensor;
     }
     if (obj == Py_None || !PyObject_HasAttrString(obj, "__dlpack__")) {
+        char tn[128];
         PyErr_Format(PyExc_TypeError,
                      "%s: expected a tensor or array that supports DLPack "
                      "(torch.Tensor, numpy.ndarray) or a DLPack capsule, got %.100s",
-                     name, Py_TYPE(obj)->tp_name);
+                     name, type_name(obj, tn, sizeof tn));
         return NULL;
     }
     PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
@@ -72,8 +96,12 @@ static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
         PyObject *msg = value ? PyObject_Str(value) : NULL;
-        PyErr_Format(PyExc_ValueError, "%s: cannot be exported through DLPack: %s", name,
-                     msg ? PyUnicode_AsUTF8(msg) : "unknown error");
+        const char *text = msg ? PyUnicode_AsUTF8AndSize(msg, NULL) : NULL;
+        if (text == NULL) {
+            PyErr_Clear();
+            text = "unknown error";
+        }
+        PyErr_Format(PyExc_ValueError, "%s: cannot be exported through DLPack: %s", name, text);
         Py_XDECREF(msg);
         Py_XDECREF(type);
         Py_XDECREF(value);
@@ -212,8 +240,9 @@ static int64_t level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 :
  * change under us and keeps every item alive. */
 static int sequence_of(PyObject *obj, const char *name, PyObject **tuple) {
     if (!PyList_Check(obj) && !PyTuple_Check(obj)) {
+        char tn[128];
         PyErr_Format(PyExc_TypeError, "%s: expected a list or tuple of arrays, one per level, got %.100s",
-                     name, Py_TYPE(obj)->tp_name);
+                     name, type_name(obj, tn, sizeof tn));
         return -1;
     }
     *tuple = PySequence_Tuple(obj);
@@ -284,7 +313,9 @@ static int parse_scale(PyObject *scale, int64_t D, double *out) {
         return 0;
     }
     if (PyBool_Check(scale) || !(PyFloat_Check(scale) || PyLong_Check(scale))) {
-        PyErr_Format(PyExc_TypeError, "scale: expected a float or None, got %.100s", Py_TYPE(scale)->tp_name);
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "scale: expected a float or None, got %.100s",
+                     type_name(scale, tn, sizeof tn));
         return -1;
     }
     *out = PyFloat_AsDouble(scale);
@@ -317,7 +348,8 @@ static void after_fork_in_child(void) { forked_child = 1; }
 
 static int parse_threads(PyObject *obj, int *out) {
     if (PyBool_Check(obj) || !PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "num_threads: expected an int, got %.100s", Py_TYPE(obj)->tp_name);
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "num_threads: expected an int, got %.100s", type_name(obj, tn, sizeof tn));
         return -1;
     }
     int overflow = 0;
@@ -381,12 +413,12 @@ static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, cons
         const DLTensor *t;
         snprintf(name, sizeof name, "q[%d]", l);
         snprintf(meaning, sizeof meaning, "= (B, H, ceil(T/%lld), D)", (long long)1 << l);
-        t = l ? import_array(hd, PyTuple_GET_ITEM(qt, l), name) : q0;
+        t = l ? import_array(hd, PyTuple_GetItem(qt, l), name) : q0;
         if (!t || take_4d(t, name, q0, wq, meaning, 0, &p->q[l], p->q_stride[l])) return -1;
         note_span(hd, t, name, 0);
         snprintf(name, sizeof name, "k[%d]", l);
         snprintf(meaning, sizeof meaning, "= (B, H, ceil(S/%lld), D)", (long long)1 << l);
-        t = l ? import_array(hd, PyTuple_GET_ITEM(kt, l), name) : k0;
+        t = l ? import_array(hd, PyTuple_GetItem(kt, l), name) : k0;
         if (!t || take_4d(t, name, q0, wk, meaning, 0, &p->k[l], p->k_stride[l])) return -1;
         note_span(hd, t, name, 0);
     }
@@ -461,24 +493,24 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     int rc = -1;
     memset(p, 0, sizeof *p);
     if (sequence_of(qs, "q", &qt) || sequence_of(ks, "k", &kt)) goto done;
-    const Py_ssize_t L = PyTuple_GET_SIZE(qt);
+    const Py_ssize_t L = PyTuple_Size(qt);
     if (L < 1 || L > HKT_MAX_LEVELS) {
         PyErr_Format(PyExc_ValueError, "q: expected 1 to %d levels, got %zd", HKT_MAX_LEVELS, L);
         goto done;
     }
-    if (PyTuple_GET_SIZE(kt) != L) {
-        PyErr_Format(PyExc_ValueError, "k: expected %zd levels like q, got %zd", L, PyTuple_GET_SIZE(kt));
+    if (PyTuple_Size(kt) != L) {
+        PyErr_Format(PyExc_ValueError, "k: expected %zd levels like q, got %zd", L, PyTuple_Size(kt));
         goto done;
     }
     p->L = (int)L;
-    const DLTensor *q0 = take_q0(hd, PyTuple_GET_ITEM(qt, 0));
+    const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0));
     if (!q0) goto done;
     p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->B = q0->shape[0];
     p->H = q0->shape[1];
     p->T = q0->shape[2];
     p->D = q0->shape[3];
-    const DLTensor *k0 = import_array(hd, PyTuple_GET_ITEM(kt, 0), "k[0]");
+    const DLTensor *k0 = import_array(hd, PyTuple_GetItem(kt, 0), "k[0]");
     if (!k0) goto done;
     if (k0->ndim != 4) {
         PyErr_Format(PyExc_ValueError, "k[0]: expected 4 dimensions (B, H, S, D), got %d", k0->ndim);
@@ -573,7 +605,7 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
     char *mem = NULL;
     if (!__builtin_mul_overflow(per, (size_t)p->num_threads, &total) &&
         !__builtin_add_overflow(total, extra + 64, &total))
-        mem = PyMem_RawMalloc(total);
+        mem = malloc(total); /* PyMem_RawMalloc is not in the 3.10 limited API */
     if (!mem) {
         char gib[32]; /* PyErr_Format has no %g */
         snprintf(gib, sizeof gib, "%.3g", ((double)per * p->num_threads + (double)extra) / 1073741824.0);
@@ -588,7 +620,7 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
     if (backward) hkt_backward_cpu(p);
     else hkt_forward_cpu(p);
     Py_END_ALLOW_THREADS
-    PyMem_RawFree(mem);
+    free(mem);
     return 0;
 }
 
@@ -633,8 +665,8 @@ static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_param
     PyObject *tuple;
     char name[32];
     if (sequence_of(seq, base, &tuple)) return -1;
-    if (PyTuple_GET_SIZE(tuple) != p->L) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, p->L, PyTuple_GET_SIZE(tuple));
+    if (PyTuple_Size(tuple) != p->L) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, p->L, PyTuple_Size(tuple));
         Py_DECREF(tuple);
         return -1;
     }
@@ -642,7 +674,7 @@ static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_param
         int64_t want[4] = {p->B, p->H, level_len(is_q ? p->T : p->S, l), p->D};
         const void *ptr;
         snprintf(name, sizeof name, "%s[%d]", base, l);
-        const DLTensor *t = import_array(hd, PyTuple_GET_ITEM(tuple, l), name);
+        const DLTensor *t = import_array(hd, PyTuple_GetItem(tuple, l), name);
         if (!t || take_4d(t, name, q0, want, is_q ? "like q" : "like k", 1, &ptr, strides[l])) {
             Py_DECREF(tuple);
             return -1;
