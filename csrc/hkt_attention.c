@@ -180,7 +180,8 @@ void hkt_backward_cpu(const hkt_params *p) {
 #define real HKT_REAL
 #define FN(name) CAT(name, HKT_SUFFIX)
 /* One 64-byte vector: a zmm register with AVX-512, two ymm with AVX2. */
-#define VL ((int64_t)(64 / sizeof(real)))
+#define VL_FULL ((int64_t)(64 / sizeof(real)))
+#define VL VL_FULL
 typedef real CAT(vec, HKT_SUFFIX) __attribute__((vector_size(64)));
 #define vec CAT(vec, HKT_SUFFIX)
 #if HKT_IS_FLOAT
@@ -216,16 +217,17 @@ static inline real FN(dot)(int64_t n, const real *restrict x, const real *restri
  * op(A) = A (M, K) or, with trans_a, A^T where A is stored (K, M).  Register-blocked
  * R x (NV vectors) micro-tiles: 4 x 4 keeps 16 accumulators in zmm registers, and
  * 4 loads plus 4 broadcasts feed 16 FMAs. */
-#define DEFINE_TILE(NAME, R, NV, AIDX)                                                          \
+#define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN)                                            \
     static inline __attribute__((always_inline)) void FN(NAME)(                                \
         int64_t K, real alpha, const real *restrict A, int64_t lda, const real *restrict B,    \
         int64_t ldb, real *restrict C, int64_t ldc, int accumulate) {                          \
-        vec c[R][NV];                                                                           \
+        VT c[R][NV];                                                                            \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
-            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (vec){0};           \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (VT){0};            \
         for (int64_t kk = 0; kk < K; kk++) {                                                    \
-            vec b[NV];                                                                          \
-            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) b[v] = FN(vload)(B + kk * ldb + v * VL); \
+            VT b[NV];                                                                           \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++)                               \
+                memcpy(&b[v], B + kk * ldb + v * (VLEN), sizeof(VT));                           \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                              \
                 const real a = A[AIDX];                                                         \
                 _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] += a * b[v];      \
@@ -233,11 +235,29 @@ static inline real FN(dot)(int64_t n, const real *restrict x, const real *restri
         }                                                                                       \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) {                             \
-                real *p = C + r * ldc + v * VL;                                                 \
-                vec o = alpha * c[r][v];                                                        \
-                FN(vstore)(p, accumulate ? FN(vload)(p) + o : o);                               \
+                real *p = C + r * ldc + v * (VLEN);                                             \
+                VT o = alpha * c[r][v], old;                                                    \
+                if (accumulate) {                                                               \
+                    memcpy(&old, p, sizeof(VT));                                                \
+                    o += old;                                                                   \
+                }                                                                               \
+                memcpy(p, &o, sizeof(VT));                                                      \
             }                                                                                   \
     }
+#define DEFINE_TILE(NAME, R, NV, AIDX) DEFINE_TILE_OF(NAME, R, NV, AIDX, vec, VL)
+
+/* Narrow columns (coarse levels of short sequences): 32- and 16-byte vectors, so
+ * only what is left below 4 (2) reals runs scalar. */
+typedef real CAT(vech, HKT_SUFFIX) __attribute__((vector_size(32)));
+typedef real CAT(vecq, HKT_SUFFIX) __attribute__((vector_size(16)));
+DEFINE_TILE_OF(tile_8xh, 8, 1, r * lda + kk, CAT(vech, HKT_SUFFIX), VL / 2)
+DEFINE_TILE_OF(tile_1xh, 1, 1, r * lda + kk, CAT(vech, HKT_SUFFIX), VL / 2)
+DEFINE_TILE_OF(tile_t8xh, 8, 1, kk * lda + r, CAT(vech, HKT_SUFFIX), VL / 2)
+DEFINE_TILE_OF(tile_t1xh, 1, 1, kk * lda + r, CAT(vech, HKT_SUFFIX), VL / 2)
+DEFINE_TILE_OF(tile_8xq, 8, 1, r * lda + kk, CAT(vecq, HKT_SUFFIX), VL / 4)
+DEFINE_TILE_OF(tile_1xq, 1, 1, r * lda + kk, CAT(vecq, HKT_SUFFIX), VL / 4)
+DEFINE_TILE_OF(tile_t8xq, 8, 1, kk * lda + r, CAT(vecq, HKT_SUFFIX), VL / 4)
+DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, CAT(vecq, HKT_SUFFIX), VL / 4)
 
 /* narrower column blocks (coarse levels, small Dv) take more rows, so every
  * block still keeps 16 (8) accumulators busy */
@@ -273,6 +293,14 @@ static HKT_HOT void FN(gemm)(int trans_a, int64_t M, int64_t N, int64_t K, real 
     HKT_TILES(4, 4, tile_4x4, tile_1x4, tile_t4x4, tile_t1x4)
     HKT_TILES(8, 2, tile_8x2, tile_1x2, tile_t8x2, tile_t1x2)
     HKT_TILES(8, 1, tile_8x1, tile_1x1, tile_t8x1, tile_t1x1)
+#undef VL
+#define VL (VL_FULL / 2)
+    HKT_TILES(8, 1, tile_8xh, tile_1xh, tile_t8xh, tile_t1xh)
+#undef VL
+#define VL (VL_FULL / 4)
+    HKT_TILES(8, 1, tile_8xq, tile_1xq, tile_t8xq, tile_t1xq)
+#undef VL
+#define VL VL_FULL
 #undef HKT_TILES
     if (j < N) {
         for (int64_t i = 0; i < M; i++) {
@@ -904,6 +932,7 @@ static void FN(backward)(const hkt_params *p) {
 
 #undef vec
 #undef VL
+#undef VL_FULL
 #undef real
 #undef FN
 #endif

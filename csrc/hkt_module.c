@@ -154,17 +154,30 @@ static const char *dtype_name(DLDataType dt) {
     }
 }
 
-/* Shape must equal want (ndim nd). */
+/* Shape must equal want (ndim nd).  meaning may hold one %lld, filled with factor
+ * (formatted only on error: this runs for every array of every call). */
 static int check_shape(const DLTensor *t, const char *name, const int64_t *want, int nd,
-                       const char *meaning) {
+                       const char *meaning, long long factor) {
     int ok = t->ndim == nd;
     for (int d = 0; ok && d < nd; d++) ok = t->shape[d] == want[d];
     if (ok) return 0;
-    char got[160], exp[160];
+    char got[160], exp[160], mean[96];
     format_shape(got, sizeof got, t->shape, t->ndim);
     format_shape(exp, sizeof exp, want, nd);
-    PyErr_Format(PyExc_ValueError, "%s: expected shape %s %s, got %s", name, exp, meaning, got);
+    snprintf(mean, sizeof mean, meaning, factor);
+    PyErr_Format(PyExc_ValueError, "%s: expected shape %s %s, got %s", name, exp, mean, got);
     return -1;
+}
+
+/* "q[3]" and the like, without printf (this too runs for every array of every call) */
+static void level_name(char *buf, const char *base, int l) {
+    size_t n = strlen(base);
+    memcpy(buf, base, n);
+    buf[n++] = '[';
+    if (l >= 10) buf[n++] = (char)('0' + l / 10);
+    buf[n++] = (char)('0' + l % 10);
+    buf[n++] = ']';
+    buf[n] = 0;
 }
 
 static int check_device(const DLTensor *t, const char *name, const DLTensor *ref) {
@@ -224,8 +237,8 @@ static int check_contiguous(const DLTensor *t, const char *name) {
 
 /* A (B, H, rows, cols) array: shape, dtype, device, strides; fills ptr and strides. */
 static int take_4d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want,
-                   const char *meaning, int output, const void **ptr, int64_t *st3) {
-    if (check_real(t, name, ref) || check_shape(t, name, want, 4, meaning) || check_strides(t, name))
+                   const char *meaning, long long factor, int output, const void **ptr, int64_t *st3) {
+    if (check_real(t, name, ref) || check_shape(t, name, want, 4, meaning, factor) || check_strides(t, name))
         return -1;
     if (output && check_contiguous(t, name)) return -1;
     *ptr = data_of(t);
@@ -406,20 +419,20 @@ static const DLTensor *take_q0(held *hd, PyObject *obj) {
 /* Every level of q and k: shapes (B, H, ceil(n / 2^l), D), fills p's pointers. */
 static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, const DLTensor *q0,
                        const DLTensor *k0) {
-    char name[32], meaning[64];
+    char name[32];
     for (int l = 0; l < p->L; l++) {
         int64_t wq[4] = {p->B, p->H, level_len(p->T, l), p->D};
         int64_t wk[4] = {p->B, p->H, level_len(p->S, l), p->D};
         const DLTensor *t;
-        snprintf(name, sizeof name, "q[%d]", l);
-        snprintf(meaning, sizeof meaning, "= (B, H, ceil(T/%lld), D)", (long long)1 << l);
+        level_name(name, "q", l);
         t = l ? import_array(hd, PyTuple_GetItem(qt, l), name) : q0;
-        if (!t || take_4d(t, name, q0, wq, meaning, 0, &p->q[l], p->q_stride[l])) return -1;
+        if (!t || take_4d(t, name, q0, wq, "= (B, H, ceil(T/%lld), D)", 1LL << l, 0, &p->q[l], p->q_stride[l]))
+            return -1;
         note_span(hd, t, name, 0);
-        snprintf(name, sizeof name, "k[%d]", l);
-        snprintf(meaning, sizeof meaning, "= (B, H, ceil(S/%lld), D)", (long long)1 << l);
+        level_name(name, "k", l);
         t = l ? import_array(hd, PyTuple_GetItem(kt, l), name) : k0;
-        if (!t || take_4d(t, name, q0, wk, meaning, 0, &p->k[l], p->k_stride[l])) return -1;
+        if (!t || take_4d(t, name, q0, wk, "= (B, H, ceil(S/%lld), D)", 1LL << l, 0, &p->k[l], p->k_stride[l]))
+            return -1;
         note_span(hd, t, name, 0);
     }
     return 0;
@@ -430,13 +443,13 @@ static int take_weights(hkt_params *p, held *hd, PyObject *w, const DLTensor *q0
     if (!wt || check_real(wt, "w", q0)) return -1;
     if (wt->ndim == 1) {
         int64_t want[1] = {p->L};
-        if (check_shape(wt, "w", want, 1, "= (L,)")) return -1;
+        if (check_shape(wt, "w", want, 1, "= (L,)", 0)) return -1;
         p->w_per_head = 0;
         p->w_stride[0] = 0;
         p->w_stride[1] = stride_of(wt, 0);
     } else {
         int64_t want[2] = {p->H, p->L};
-        if (check_shape(wt, "w", want, 2, "= (H, L) or (L,)")) return -1;
+        if (check_shape(wt, "w", want, 2, "= (H, L) or (L,)", 0)) return -1;
         p->w_per_head = 1;
         p->w_stride[0] = stride_of(wt, 0);
         p->w_stride[1] = stride_of(wt, 1);
@@ -532,7 +545,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     {
         int64_t want[4] = {p->B, p->H, p->S, p->Dv};
         if (check_count("v", "B x H x S x Dv", p->B, p->H, p->S, p->Dv) ||
-            take_4d(vt, "v", q0, want, "= (B, H, S, Dv)", 0, &p->v, p->v_stride))
+            take_4d(vt, "v", q0, want, "= (B, H, S, Dv)", 0, 0, &p->v, p->v_stride))
             goto done;
         note_span(hd, vt, "v", 0);
     }
@@ -546,7 +559,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     {
         int64_t want[4] = {p->B, p->H, p->T, p->Dv};
         const void *ptr;
-        if (take_4d(ot, "out", q0, want, "= (B, H, T, Dv)", output, &ptr, p->out_stride)) goto done;
+        if (take_4d(ot, "out", q0, want, "= (B, H, T, Dv)", 0, output, &ptr, p->out_stride)) goto done;
         p->out = (void *)ptr;
         note_span(hd, ot, "out", output);
     }
@@ -554,7 +567,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     if (!lt) goto done;
     {
         int64_t want[3] = {p->B, p->H, p->T};
-        if (check_real(lt, "lse", q0) || check_shape(lt, "lse", want, 3, "= (B, H, T)") ||
+        if (check_real(lt, "lse", q0) || check_shape(lt, "lse", want, 3, "= (B, H, T)", 0) ||
             check_contiguous(lt, "lse"))
             goto done;
         p->lse = data_of(lt);
@@ -673,9 +686,9 @@ static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_param
     for (int l = 0; l < p->L; l++) {
         int64_t want[4] = {p->B, p->H, level_len(is_q ? p->T : p->S, l), p->D};
         const void *ptr;
-        snprintf(name, sizeof name, "%s[%d]", base, l);
+        level_name(name, base, l);
         const DLTensor *t = import_array(hd, PyTuple_GetItem(tuple, l), name);
-        if (!t || take_4d(t, name, q0, want, is_q ? "like q" : "like k", 1, &ptr, strides[l])) {
+        if (!t || take_4d(t, name, q0, want, is_q ? "like q" : "like k", 0, 1, &ptr, strides[l])) {
             Py_DECREF(tuple);
             return -1;
         }
@@ -693,7 +706,7 @@ static int take_dmask(hkt_params *p, held *hd, PyObject *dmask, const DLTensor *
         return -1;
     }
     const DLTensor *t = import_array(hd, dmask, "dmask");
-    if (!t || check_real(t, "dmask", q0) || check_shape(t, "dmask", mt->shape, 4, "like attn_mask") ||
+    if (!t || check_real(t, "dmask", q0) || check_shape(t, "dmask", mt->shape, 4, "like attn_mask", 0) ||
         check_contiguous(t, "dmask"))
         return -1;
     p->dmask = data_of(t);
@@ -739,7 +752,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     {
         int64_t want[4] = {p.B, p.H, p.T, p.Dv};
         t = import_array(&hd, dout, "dout");
-        if (!t || take_4d(t, "dout", q0, want, "= (B, H, T, Dv)", 0, &p.dout, p.dout_stride)) goto done;
+        if (!t || take_4d(t, "dout", q0, want, "= (B, H, T, Dv)", 0, 0, &p.dout, p.dout_stride)) goto done;
         note_span(&hd, t, "dout", 0);
     }
     if (take_grads(&hd, dq, "dq", &p, q0, 1, p.dq, p.dq_stride)) goto done;
@@ -748,7 +761,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         int64_t want[4] = {p.B, p.H, p.S, p.Dv};
         const void *ptr;
         t = import_array(&hd, dv, "dv");
-        if (!t || take_4d(t, "dv", q0, want, "like v", 1, &ptr, p.dv_stride)) goto done;
+        if (!t || take_4d(t, "dv", q0, want, "like v", 0, 1, &ptr, p.dv_stride)) goto done;
         p.dv = (void *)ptr;
         note_span(&hd, t, "dv", 1);
     }
@@ -756,8 +769,8 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         int64_t want[2] = {p.H, p.L};
         t = import_array(&hd, dw, "dw");
         if (!t || check_real(t, "dw", q0)) goto done;
-        if (p.w_per_head ? check_shape(t, "dw", want, 2, "= (H, L) like w")
-                         : check_shape(t, "dw", want + 1, 1, "= (L,) like w"))
+        if (p.w_per_head ? check_shape(t, "dw", want, 2, "= (H, L) like w", 0)
+                         : check_shape(t, "dw", want + 1, 1, "= (L,) like w", 0))
             goto done;
         if (check_contiguous(t, "dw")) goto done;
         p.dw = data_of(t);

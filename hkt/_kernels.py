@@ -21,29 +21,31 @@ has_cuda = bool(_C.has_cuda)
 
 def _dl(x: Optional[Tensor]):
     # CPU tensors go over as bare capsules (Tensor.__dlpack__ costs microseconds of
-    # Python checks per array); CUDA ones through __dlpack__, which syncs streams.
-    if x is None or x.is_cuda:
-        return x
-    return to_dlpack(x)
+    # Python checks per array); CUDA ones through __dlpack__ (which refuses
+    # tensors that require grad: the kernels never need their autograd state).
+    if x is None:
+        return None
+    return x.detach() if x.is_cuda else to_dlpack(x)
 
 
-def _dls(xs: Sequence[Tensor]) -> List:
-    return [_dl(x) for x in xs]
-
-
-def _lastdim_contiguous(x: Tensor) -> Tensor:
-    # The kernels take any batch/head/row strides but need unit feature stride.
-    x = x.detach()
-    if x.dim() > 0 and x.size(-1) > 1 and x.stride(-1) != 1:
+def _arg(x: Tensor):
+    """An input as the kernels take it: float32 if it is bfloat16 (the kernels
+    compute bfloat16 in float32), unit stride along the feature dimension (any
+    other strides are fine), then through DLPack.  One pass per tensor: this runs
+    for every array of every call."""
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    if x.stride(-1) != 1 and x.size(-1) > 1:
         x = x.contiguous()
-    return x
+    return x.detach() if x.is_cuda else to_dlpack(x)
 
 
 def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    if mask is None:
-        return None
-    mask = mask.detach()
-    return mask if mask.dtype == torch.bool else mask.to(dtype)
+    # a float mask in the compute dtype; any other dtype goes as it is, for the
+    # extension to accept (bool) or refuse
+    if mask is not None and mask.is_floating_point() and mask.dtype != dtype:
+        mask = mask.to(dtype)
+    return _dl(mask)
 
 
 def _on_device(x: Tensor):
@@ -56,23 +58,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
-def _upcast(xs: Sequence[Tensor]) -> List[Tensor]:
-    return [_lastdim_contiguous(x.to(compute_dtype(x.dtype))) for x in xs]
-
-
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
              is_causal: bool, dropout_p: float, scale: float, seed: int) -> Tuple[Tensor, Tensor]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype)."""
-    in_dtype = q[0].dtype
-    q, k = _upcast(q), _upcast(k)
-    v, w = _upcast([v, w])
-    B, H, T, _ = q[0].shape
-    out = torch.empty((B, H, T, v.shape[-1]), dtype=q[0].dtype, device=q[0].device)
-    lse = torch.empty((B, H, T), dtype=q[0].dtype, device=q[0].device)
+    q0 = q[0]
+    dtype = compute_dtype(q0.dtype)
+    lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
+    out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
+    lse = torch.empty(lead, dtype=dtype, device=q0.device)
     with _on_device(out):
-        _C.forward(_dls(q), _dls(k), _dl(v), _dl(w), _dl(out), _dl(lse), _dl(_mask_arg(attn_mask, q[0].dtype)),
-                   bool(is_causal), float(scale), float(dropout_p), int(seed), torch.get_num_threads())
-    return out.to(in_dtype), lse
+        _C.forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
+                   _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, torch.get_num_threads())
+    return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
 
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
@@ -82,24 +79,26 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
     dmask (shaped like the float attn_mask) only with mask_grad, else None."""
     in_dtype = q[0].dtype
-    q, k = _upcast(q), _upcast(k)
-    v, w, dout, out = _upcast([v, w, dout, out])
-    dq = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in q]
-    dk = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in k]
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    dmask = torch.empty(attn_mask.shape, dtype=q[0].dtype, device=q[0].device) if mask_grad else None
+    dtype, device = compute_dtype(in_dtype), q[0].device
+    dq = [torch.empty(x.shape, dtype=dtype, device=device) for x in q]
+    dk = [torch.empty(x.shape, dtype=dtype, device=device) for x in k]
+    dv = torch.empty(v.shape, dtype=dtype, device=device)
+    dw = torch.empty(w.shape, dtype=dtype, device=device)
+    dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     with _on_device(dv):
-        _C.backward(_dl(dout), _dls(q), _dls(k), _dl(v), _dl(w), _dl(out.contiguous()),
-                    _dl(lse.detach().contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw),
-                    _dl(_mask_arg(attn_mask, q[0].dtype)), bool(is_causal), float(scale), float(dropout_p),
-                    int(seed), torch.get_num_threads(), _dl(dmask))
-    if in_dtype != q[0].dtype:
+        _C.backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
+                    _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
+                    is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask))
+    if in_dtype != dtype:
         dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
         dv, dw = dv.to(in_dtype), dw.to(in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dw, dmask
+
+
+def _dls(xs: Sequence[Tensor]) -> List:
+    return [_dl(x) for x in xs]
 
 
 def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: int) -> Tensor:

@@ -5,30 +5,58 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import ops
+from . import _kernels, ops
 
 __all__ = ["hkt_attention"]
 
 _SEED_HIGH = 2**62
 
 
-def _check_levels(xs, name: str):
-    if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got {type(xs).__name__}")
-    if len(xs) == 0:
-        raise ValueError(f"{name}: expected at least one level, got an empty sequence")
-    for l, x in enumerate(xs):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name}[{l}]: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name}[{l}]: expected 4 dimensions (B, H, n, D), got shape {tuple(x.shape)}")
-
-
-def _check_tensor(x, name: str, ndims):
+def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
+    """What the extension cannot see: that x is a dense torch.Tensor on q[0]'s
+    device (only those go through DLPack: a sparse or meta tensor would fail
+    there without its name) and, for bfloat16 (upcast before the extension sees
+    it), that it matches q[0].  Returns x.requires_grad.  The argument's name is
+    name[level] (name alone when level is None), built only for a message."""
+    if isinstance(x, Tensor) and x.layout == torch.strided and x.device == device and (
+            dtype != torch.bfloat16 or x.dtype == dtype):
+        return x.requires_grad
+    if level is not None:
+        name = f"{name}[{level}]"
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dim() not in ndims:
-        raise ValueError(f"{name}: expected {' or '.join(map(str, ndims))} dimensions, got shape {tuple(x.shape)}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{name}: only dense (strided) tensors are supported, got layout {x.layout}")
+    if x.device != device:
+        raise ValueError(f"{name}: is on {x.device} but q[0] is on {device}")
+    if dtype == torch.bfloat16 and x.dtype != dtype:
+        raise TypeError(f"{name}: dtype {x.dtype} does not match q[0]'s {dtype}")
+    return x.requires_grad
+
+
+def _check_inputs(q, k, v, w):
+    """One pass over the inputs (shapes, strides, devices and float32/float64
+    dtypes are the extension's to check, with messages that name the argument).
+    Returns (q[0]'s dtype, whether any input requires grad)."""
+    for name, xs in (("q", q), ("k", k)):
+        if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)):
+            raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got "
+                            f"{type(xs).__name__}")
+        if len(xs) == 0:
+            raise ValueError(f"{name}: expected at least one level, got an empty sequence")
+    if not isinstance(q[0], Tensor):
+        raise TypeError(f"q[0]: expected a torch.Tensor, got {type(q[0]).__name__}")
+    dtype, device = q[0].dtype, q[0].device
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        raise TypeError(f"q[0]: dtype must be float32, float64 or bfloat16, got {dtype}")
+    grad = False
+    for l, x in enumerate(q):
+        grad |= _check_tensor(x, "q", l, dtype, device)
+    for l, x in enumerate(k):
+        grad |= _check_tensor(x, "k", l, dtype, device)
+    grad |= _check_tensor(v, "v", None, dtype, device)
+    grad |= _check_tensor(w, "w", None, dtype, device)
+    return dtype, grad
 
 
 def hkt_attention(
@@ -85,67 +113,102 @@ def hkt_attention(
     float32 and float64 run in their own precision; bfloat16 inputs are computed
     in float32 (upcast on entry, results rounded back to bfloat16).
     """
-    _check_levels(q, "q")
-    _check_levels(k, "k")
-    if len(k) != len(q):
-        raise ValueError(f"k: expected {len(q)} levels like q, got {len(k)}")
-    _check_tensor(v, "v", (4,))
-    _check_tensor(w, "w", (1, 2))
-    if q[0].dtype not in (torch.float32, torch.float64, torch.bfloat16):
-        raise TypeError(f"q[0]: dtype must be float32, float64 or bfloat16, got {q[0].dtype}")
-    device = q[0].device
-    for name, x in [(f"q[{l}]", x) for l, x in enumerate(q)] + [(f"k[{l}]", x) for l, x in enumerate(k)] + [
-            ("v", v), ("w", w)]:
-        if x.dtype != q[0].dtype:
-            raise TypeError(f"{name}: dtype {x.dtype} does not match q[0]'s {q[0].dtype}")
-        if x.device != device:
-            raise ValueError(f"{name}: is on {x.device} but q[0] is on {device}")
-        if x.layout != torch.strided:
-            raise TypeError(f"{name}: only dense (strided) tensors are supported, got layout {x.layout}")
+    try:
+        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
+    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
+        # The fast path checks nothing the extension checks; when something failed
+        # on the way there, say which argument was wrong, if one was.
+        _check_inputs(q, k, v, w)
+        _check_mask(attn_mask, q[0].device)
+        raise
+
+
+def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
+    """The call itself.  Shapes, strides, devices, float32/float64 dtypes, the
+    scale's finiteness and dropout_p's range are the extension's to check."""
+    q0 = q[0]
+    if q0.dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
+        _check_inputs(q, k, v, w)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p: must be in [0, 1], got {dropout_p}")
-    D = q[0].shape[-1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    else:
-        try:
-            scale = float(scale)
-        except OverflowError:  # an int beyond float range
-            scale = math.inf
-        if not math.isfinite(scale):
-            raise ValueError(f"scale: must be a finite number, got {scale}")
-
-    B, H, T = q[0].shape[:3]
-    S = k[0].shape[2]
     if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}")
-        if attn_mask.device != device:
-            raise ValueError(f"attn_mask: is on {attn_mask.device} but q[0] is on {device}")
-        if attn_mask.layout != torch.strided:
-            raise TypeError(f"attn_mask: only dense (strided) tensors are supported, got layout {attn_mask.layout}")
-        if attn_mask.dtype != torch.bool:
-            if not attn_mask.is_floating_point():
-                raise TypeError(f"attn_mask: dtype must be bool or floating point, got {attn_mask.dtype}")
-            attn_mask = attn_mask.to(q[0].dtype)
+        if attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(_kernels.compute_dtype(q0.dtype))
         # Kept at its own size (a view with leading 1s, never expanded): the
         # kernels broadcast it, and a float mask's gradient comes back in its shape.
-        full = (B, H, T, S)
-        if attn_mask.dim() > 4 or any(n not in (1, f) for n, f in zip(reversed(attn_mask.shape), reversed(full))):
-            raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} is not broadcastable to "
-                             f"(B, H, T, S) = {full}")
-        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        if attn_mask.dim() < 4:
+            attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    dropout_p = float(dropout_p)
+    if torch.compiler.is_compiling():
+        # traced: the registered custom op, which torch.compile understands
+        seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros(
+            (), dtype=torch.int64)
+        out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
+                                       _scale_value(scale, q0), seed)
+        return out
+    # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
+    seed = int(torch.randint(0, _SEED_HIGH, (), dtype=torch.int64)) if dropout_p > 0 else 0
+    if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
+                                    v.requires_grad or w.requires_grad or
+                                    (attn_mask is not None and attn_mask.requires_grad)):
+        return _Attention.apply(len(q), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)[0]
 
-    if dropout_p > 0:
-        seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64)
-    else:
-        seed = torch.zeros((), dtype=torch.int64)
-    out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, float(dropout_p), float(scale),
-                                   seed)
-    return out
+
+def _scale_value(scale, q0: Tensor) -> float:
+    """The score scale as a float (the custom ops' schema wants one): 1/sqrt(D) by
+    default, as the extension computes it when handed None."""
+    if scale is None:
+        D = q0.shape[-1] if q0.dim() else 0
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    try:
+        return float(scale)
+    except OverflowError:  # an int beyond the float range; the extension says so
+        return math.inf
+
+
+def _check_mask(attn_mask, device):
+    if attn_mask is None:
+        return
+    _check_tensor(attn_mask, "attn_mask", None, None, device)
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask: dtype must be bool or floating point, got {attn_mask.dtype}")
+
+
+class _Attention(torch.autograd.Function):
+    """Autograd for eager calls: the kernels directly, without the custom op's
+    dispatch (the op, ``hkt::attention_forward``, is what ``torch.compile``
+    traces; both run the same kernels on the same arguments).  A backward run
+    with ``create_graph=True`` goes through the ``hkt::attention_backward`` op,
+    whose own derivative is registered, so double backward works too."""
+
+    @staticmethod
+    def forward(ctx, L, is_causal, dropout_p, scale, seed, attn_mask, *qkvw):
+        q, k, v, w = list(qkvw[:L]), list(qkvw[L:2 * L]), qkvw[2 * L], qkvw[2 * L + 1]
+        out, lse = _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
+        ctx.save_for_backward(*qkvw, out, lse, attn_mask)
+        ctx.L, ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed = L, is_causal, dropout_p, scale, seed
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        L, saved = ctx.L, ctx.saved_tensors
+        q, k = list(saved[:L]), list(saved[L:2 * L])
+        v, w, out, lse, attn_mask = saved[2 * L:]
+        # a float mask that requires grad gets one; a bool mask never needs one
+        mask_grad = bool(ctx.needs_input_grad[5]) and attn_mask is not None and attn_mask.is_floating_point()
+        args = (ctx.is_causal, ctx.dropout_p, ctx.scale)
+        if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
+            args = (ctx.is_causal, ctx.dropout_p, _scale_value(ctx.scale, q[0]))
+            grads = ops.attention_backward(dout, q, k, v, w, out, lse, attn_mask, *args,
+                                           torch.tensor(ctx.seed, dtype=torch.int64), mask_grad)
+            dq, dk, dv, dw = grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1]
+            dmask = grads[2 * L + 2] if mask_grad else None
+        else:
+            dq, dk, dv, dw, dmask = _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, *args, ctx.seed,
+                                                       mask_grad)
+        return (None, None, None, None, None, dmask, *dq, *dk, dv, dw)
