@@ -24,9 +24,11 @@
  * that is NaN or +inf (from NaN/inf in q, k, w or the float mask) makes its
  * row's out and lse NaN, and the row's gradients NaN, as the softmax does in
  * plain arithmetic.  A row with no visible key gives out = 0 and lse = +inf.
- * NaN in v (or dout) reaches the rows that see it; whether it also reaches rows
- * for which that key is hidden is not specified (it does where a hidden key
- * shares a tile with visible ones, as in any kernel that multiplies P = 0 by v).
+ * A non-finite value that only hidden entries see (in a hidden key's k or v, in
+ * q or dout of a row that sees nothing) may or may not reach other results: the
+ * kernels multiply whole tiles, and 0 * NaN is NaN where a hidden entry shares a
+ * tile with visible ones (the CUDA kernels skip such products; the plain
+ * reference always makes them).
  *
  * The _cuda functions (built with HKT_WITH_CUDA, hkt_attention_cuda.cu) compute
  * the same thing with every pointer on CUDA device device_id; they ignore

@@ -102,7 +102,8 @@ def hkt_attention(
     gradients that flow through it NaN, as in plain arithmetic.  A hidden entry
     (bool mask False, above the diagonal under ``is_causal``, or -inf in a float
     mask) contributes nothing, even to a NaN row.  NaN in ``v`` reaches every
-    row that sees that key.
+    row that sees that key.  A non-finite value that only hidden entries see
+    may or may not show up elsewhere (0 * NaN inside a tile).
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks,
