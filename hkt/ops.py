@@ -110,6 +110,13 @@ def _slot(x: Tensor, dtype: torch.dtype, grad: bool) -> Tensor:
     return x.detach().to(dtype).requires_grad_(grad)
 
 
+def _flags(need, n):
+    """needs_input_grad of a list argument, as n bools."""
+    if isinstance(need, (list, tuple)):
+        return [bool(x) for x in need]
+    return [bool(need)] * n
+
+
 def _double_backward(ctx, grads):
     """Autograd formula of hkt::attention_backward, in plain PyTorch.
 
@@ -155,18 +162,27 @@ def _double_backward(ctx, grads):
             m_ = _slot(attn_mask, cd, ctx.mask_grad or mask_needs) if float_mask else attn_mask
         out = hkt_attention_reference(q_, k_, v_, w_, attn_mask=m_, is_causal=ctx.is_causal, dropout_p=p,
                                       scale=ctx.scale, dropout_mask=keep)
-        first_wrt = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
-        first = torch.autograd.grad(out, first_wrt, dout_, create_graph=True, allow_unused=True)
-        outs, gouts = [], []
-        for f, g in zip(first, ggrads):
-            if f is not None and g is not None and f.requires_grad:
-                outs.append(f)
-                gouts.append(g.to(f.dtype))
-        wrt = [dout_] + q_ + k_ + [v_, w_] + ([m_] if mask_needs else [])
-        if outs:
-            res = list(torch.autograd.grad(outs, wrt, gouts, create_graph=create_graph, allow_unused=True))
-        else:
-            res = [None] * len(wrt)
+        # first-order gradients only where a gradient of them came in
+        first_all = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
+        pairs = [(x, g) for x, g in zip(first_all, ggrads) if g is not None]
+        # second-order gradients only for the inputs that need one
+        need_flat = [bool(need[0])] + _flags(need[1], L) + _flags(need[2], L) + [bool(need[3]), bool(need[4])]
+        wrt_all = [dout_] + q_ + k_ + [v_, w_] + ([m_] if mask_needs else [])
+        need_flat += [True] if mask_needs else []
+        wrt = [x for x, n in zip(wrt_all, need_flat) if n]
+        res_needed = [None] * len(wrt)
+        if pairs and wrt:
+            first = torch.autograd.grad(out, [x for x, _ in pairs], dout_, create_graph=True, allow_unused=True)
+            outs, gouts = [], []
+            for f, (_, g) in zip(first, pairs):
+                if f is not None and f.requires_grad:
+                    outs.append(f)
+                    gouts.append(g.to(f.dtype))
+            if outs:
+                res_needed = list(torch.autograd.grad(outs, wrt, gouts, create_graph=create_graph,
+                                                      allow_unused=True))
+        it = iter(res_needed)
+        res = [next(it) if n else None for n in need_flat]
 
     def back(g, x):
         return torch.zeros_like(x) if g is None else g.to(x.dtype)

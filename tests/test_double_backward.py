@@ -41,6 +41,7 @@ CASES = {
     "float_mask_fixed": dict(mask="float"),
     "float_mask_grad": dict(mask="float_grad", is_causal=True),
     "empty_rows": dict(mask="empty_rows"),
+    "frozen_keys_values": dict(frozen=True),  # only some inputs need second derivatives
 }
 
 
@@ -65,6 +66,8 @@ def test_gradgradcheck_functional(case):
     B, H, T, S, D, L = 1, 2, 5, 6, 3, 2
     q, k, v, w = sample_inputs(B, H, T, S, D, D, L, per_head=cfg.get("per_head", True), requires_grad=True,
                                seed=1)
+    if cfg.get("frozen"):
+        k, v = [x.detach() for x in k], v.detach()
     kw = dict(is_causal=cfg.get("is_causal", False))
     extra = ()
     if "mask" in cfg:
