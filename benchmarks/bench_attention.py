@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,8 @@ import textwrap
 import torch
 
 import hkt
-from hkt.benchmark import attention_callables, max_error, score_flops, time_interleaved
+from hkt.benchmark import (attention_callables, describe_machine, machine_info, max_error, report_targets, score_flops,
+                           sgemm_gflops, time_interleaved)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -78,6 +78,36 @@ def extra_memory(kind, T, H, D, L, threads):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def small_calls(repeats):
+    """Seconds per call of one tiny attention (T=16, B=1, H=4, D=32, L=3), where
+    per-call overhead is all there is: forward under no_grad, forward+backward."""
+    out = {}
+    for backward in (False, True):
+        fns = attention_callables(1, 4, 16, 32, (3,), backward=backward)
+
+        def batch(f):  # 200 calls per timing: one is too short for the clock
+            return lambda: [f() for _ in range(200)]
+        med = time_interleaved({k: batch(f) for k, f in fns.items()}, repeats=max(repeats, 7), warmup=2)
+        tag = "fwd+bwd" if backward else "fwd"
+        out[f"sdpa {tag}"] = med["sdpa"] / 200
+        out[f"hkt {tag}"] = med["hkt L=3"] / 200
+    return out
+
+
+def thread_scaling(H, D, threads, repeats, T=2048):
+    """Time with 1 thread over time with ``threads``, HKT L=3 at T, forward and forward+backward."""
+    out = {}
+    for backward in (False, True):
+        fn = attention_callables(1, H, T, D, (3,), backward=backward)["hkt L=3"]
+        times = {}
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            times[n] = time_interleaved({"hkt": fn}, repeats=max(3, repeats // 2))["hkt"]
+        torch.set_num_threads(threads)
+        out["fwd+bwd" if backward else "fwd"] = times[1] / times[threads]
+    return out
+
+
 def fit_exponent(Ts, times):
     xs = [math.log(t) for t in Ts]
     ys = [math.log(t) for t in times]
@@ -87,7 +117,7 @@ def fit_exponent(Ts, times):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--T", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    ap.add_argument("--T", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096])
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -99,13 +129,16 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.T, args.repeats, args.memory_T, args.reference_max_T, args.bf16_T = [256, 512], 3, 2048, 512, [256]
+        args.T, args.repeats, args.memory_T, args.reference_max_T, args.bf16_T = [128, 512], 3, 2048, 512, [256]
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     H, D = args.heads, args.dim
 
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"{args.threads} threads, float32, B=1 H={H} D={D}")
+    machine = machine_info()
+    sgemm = sgemm_gflops()
+    print(f"machine: {describe_machine(machine)}")
+    print(f"sgemm (torch.mm 2048^3, {args.threads} threads): {sgemm:.0f} GFLOP/s, {sgemm / args.threads:.0f} per core")
+    print(f"float32, B=1 H={H} D={D}")
     errors = check_correctness()
     print("correctness vs float64 reference (max relative error, output and all gradients): "
           + ", ".join(f"{k}: {v['float64']:.1e} (f64) {v['float32']:.1e} (f32)" for k, v in errors.items()))
@@ -140,7 +173,8 @@ def main(argv=None):
     exponents = {}
     for n in ["sdpa", "hkt L=1", "hkt L=2", "hkt L=3"]:
         for causal in (False, True):
-            pts = [(x["T"], x["ms"]) for x in rows if x["name"] == n and x["causal"] == causal and x["pass"] == "fwd+bwd"]
+            pts = [(x["T"], x["ms"]) for x in rows if x["name"] == n and x["causal"] == causal and x["pass"] == "fwd+bwd"
+                   and x["T"] >= 512]  # below, fixed per-call costs dominate
             if len(pts) >= 2:
                 exponents[f"{n} causal={causal}"] = fit_exponent(*zip(*pts))
     print("\nfitted exponent of fwd+bwd time against T: " + ", ".join(f"{k}: {v:.2f}" for k, v in exponents.items()))
@@ -170,10 +204,51 @@ def main(argv=None):
             ref_ratio[f"T={a['T']} causal={causal}"] = a["ms"] / b["ms"]
     print("reference / hkt L=3, fwd+bwd: " + ", ".join(f"{k}: {v:.1f}x" for k, v in ref_ratio.items()))
 
-    result = {"config": {"heads": H, "dim": D, "threads": args.threads, "T": args.T, "torch": torch.__version__,
-                         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+    small = small_calls(args.repeats)
+    print("\none small call, T=16 B=1 H=4 D=32 L=3 (us, median): " + ", ".join(
+        f"{k} {v * 1e6:.1f}" for k, v in small.items()))
+    scaling = thread_scaling(H, D, args.threads, args.repeats)
+    print(f"{args.threads} threads / 1 thread speed-up, T=2048 L=3: " + ", ".join(
+        f"{k} {v:.2f}x" for k, v in scaling.items()))
+
+    def worst(name, p, causal=None, Ts=None):
+        return max(x["x_sdpa"] for x in rows if x["name"] == name and x["pass"] == p
+                   and (causal is None or x["causal"] == causal) and (Ts is None or x["T"] in Ts))
+
+    def gflops_per_core(name, T):
+        r = [x for x in rows if x["name"] == name and x["pass"] == "fwd" and not x["causal"] and x["T"] == T]
+        return r[0]["gflops"] / args.threads if r else float("nan")
+
+    big = [T for T in args.T if T >= 512]
+    small_T = [T for T in args.T if T <= 128]
+    bf = {(r["name"], r["pass"], r["T"]): r["ms"] for r in bf16}
+    f32 = {(r["name"], r["pass"], r["T"]): r["ms"] for r in rows if not r["causal"]}
+    bf_ratio = max((bf[("hkt L=3", "fwd+bwd", T)] / bf[("sdpa", "fwd+bwd", T)] for T in args.bf16_T), default=float("nan"))
+    bf_speedup = min((f32[("hkt L=3", "fwd+bwd", T)] / bf[("hkt L=3", "fwd+bwd", T)] for T in args.bf16_T
+                      if ("hkt L=3", "fwd+bwd", T) in f32), default=float("nan"))
+    targets = report_targets([
+        (f"forward, L=1 / SDPA, T={big[0]}-{big[-1]}, causal and not (worst)", worst("hkt L=1", "fwd", Ts=big), "<=", 1.00),
+        ("forward, L=3 / SDPA (worst)", worst("hkt L=3", "fwd", Ts=big), "<=", 1.15),
+        ("forward+backward, L=3 / SDPA, not causal (worst)", worst("hkt L=3", "fwd+bwd", False, big), "<=", 1.00),
+        ("forward+backward, L=3 / SDPA, causal (worst)", worst("hkt L=3", "fwd+bwd", True, big), "<=", 0.85),
+        ("forward L=3 GFLOP/s per core at T=2048 / sgemm per core", gflops_per_core("hkt L=3", 2048)
+         / (sgemm / args.threads), ">=", 0.90),
+        ("forward+backward at T=128, L=3 / SDPA (worst)", worst("hkt L=3", "fwd+bwd", Ts=small_T) if small_T
+         else float("nan"), "<=", 1.2),
+        ("bfloat16 L=3 forward+backward / SDPA bfloat16 (worst)", bf_ratio, "<=", 1.00),
+        ("bfloat16 speed-up over float32, HKT L=3 forward+backward (least)", bf_speedup, ">=", 1.5),
+        ("one small call: forward under no_grad / SDPA", small["hkt fwd"] / small["sdpa fwd"], "<=", 2.0),
+        ("one small call: forward+backward / SDPA", small["hkt fwd+bwd"] / small["sdpa fwd+bwd"], "<=", 2.0),
+        (f"{args.threads} threads / 1 thread speed-up, T=2048 L=3 forward+backward", scaling["fwd+bwd"], ">=", 1.85),
+        (f"extra memory, causal forward+backward at T={args.memory_T}, L=3 (MB)", memory["hkt"]["extra"] / 2**20,
+         "<=", 64),
+    ])
+
+    result = {"config": {"heads": H, "dim": D, "threads": args.threads, "T": args.T, "torch": torch.__version__},
+              "machine": machine, "sgemm_gflops": sgemm,
               "errors": errors, "rows": rows, "exponents": exponents, "memory": memory,
-              "reference_over_hkt": ref_ratio, "bfloat16": bf16}
+              "reference_over_hkt": ref_ratio, "bfloat16": bf16, "small_call_seconds": small,
+              "thread_speedup": scaling, "targets": targets}
     with open(os.path.join(args.out, "attention.json"), "w") as f:
         json.dump(result, f, indent=1)
     try:

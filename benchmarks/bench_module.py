@@ -12,13 +12,12 @@ Writes benchmarks/results/module.json.
 import argparse
 import json
 import os
-import platform
 
 import torch
 from torch import nn
 
 import hkt
-from hkt.benchmark import time_interleaved
+from hkt.benchmark import describe_machine, machine_info, report_targets, time_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -68,22 +67,39 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     errs = check(args.embed, args.heads)
     print("check: " + ", ".join(f"{k} max |diff| {v:.1e}" for k, v in errs.items()))
-    E, H, B, T = args.embed, args.heads, args.batch, args.T
-    print(f"training step (fwd+bwd+AdamW), self-attention, T={T} E={E} heads={H} batch={B}, float32, "
-          f"{args.threads} threads")
-    result = {"config": vars(args), "check": errs, "rows": []}
-    for causal in (False, True):
-        torch.manual_seed(0)
-        x = torch.randn(B, T, E)
-        mods = {"nn.MultiheadAttention": nn.MultiheadAttention(E, H, batch_first=True)}
-        for L in (1, 2, 3):
-            mods[f"MultiheadHKT levels={L}"] = hkt.MultiheadHKT(E, H, batch_first=True, levels=L)
-        med = time_interleaved({n: step_fn(m, x, causal) for n, m in mods.items()}, repeats=args.repeats)
-        base = med["nn.MultiheadAttention"]
-        for name, sec in med.items():
-            print(f"  causal={str(causal):5s} {name:24s} {sec * 1e3:8.1f} ms  {sec / base:5.2f}x")
-            result["rows"].append({"name": name, "causal": causal, "ms": sec * 1e3, "x_mha": sec / base})
-    result["machine"] = platform.processor() or platform.machine()
+    machine = machine_info()
+    print(f"machine: {describe_machine(machine)}")
+    result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "machine": machine, "check": errs,
+              "rows": []}
+    # the size asked for, and the ListOps classifier's attention (T=128, E=64, 4 heads, batch 32)
+    configs = [("main", args.T, args.embed, args.heads, args.batch)]
+    if not args.quick:
+        configs.append(("listops", 128, 64, 4, 32))
+    for tag, T, E, H, B in configs:
+        print(f"training step (fwd+bwd+AdamW), self-attention, T={T} E={E} heads={H} batch={B}, float32, "
+              f"{args.threads} threads")
+        for causal in (False, True):
+            torch.manual_seed(0)
+            x = torch.randn(B, T, E)
+            mods = {"nn.MultiheadAttention": nn.MultiheadAttention(E, H, batch_first=True)}
+            for L in (1, 2, 3):
+                mods[f"MultiheadHKT levels={L}"] = hkt.MultiheadHKT(E, H, batch_first=True, levels=L)
+            med = time_interleaved({n: step_fn(m, x, causal) for n, m in mods.items()},
+                                   repeats=args.repeats if tag == "main" else 3 * args.repeats)
+            base = med["nn.MultiheadAttention"]
+            for name, sec in med.items():
+                print(f"  causal={str(causal):5s} {name:24s} {sec * 1e3:8.2f} ms  {sec / base:5.2f}x")
+                result["rows"].append({"config": tag, "T": T, "E": E, "heads": H, "batch": B, "name": name,
+                                       "causal": causal, "ms": sec * 1e3, "x_mha": sec / base})
+
+    def worst(tag):
+        return max(r["x_mha"] for r in result["rows"] if r["config"] == tag and r["name"] == "MultiheadHKT levels=3")
+    targets = [(f"MultiheadHKT(levels=3) step / MHA, T={args.T} E={args.embed} (worst of causal and not)",
+                worst("main"), "<=", 1.00)]
+    if len(configs) > 1:
+        targets.append(("MultiheadHKT(levels=3) step / MHA, ListOps config T=128 E=64 (worst)", worst("listops"),
+                        "<=", 1.15))
+    result["targets"] = report_targets(targets)
     with open(os.path.join(args.out, "module.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}/module.json")

@@ -31,8 +31,10 @@
  * reference always makes them).
  *
  * The _cuda functions (built with HKT_WITH_CUDA, hkt_attention_cuda.cu) compute
- * the same thing with every pointer on CUDA device device_id; they ignore
- * workspace, dw_partial and num_threads and allocate their own device scratch.
+ * the same thing with every pointer on CUDA device device_id, launched on the
+ * CUDA stream `stream`; they ignore workspace and num_threads and allocate
+ * nothing: the backward's device scratch comes in dw_partial
+ * (hkt_cuda_scratch_bytes).
  */
 #ifndef HKT_H
 #define HKT_H
@@ -96,7 +98,11 @@ typedef struct {
      * dmask_shape, each entry either 1 or the full size. */
     void *dmask;
     int64_t dmask_shape[4];
-    void *dw_partial;          /* workspace: hkt_dw_partial_bytes (delta and dw partials) */
+    /* workspace: delta and dw partials.  CPU: hkt_dw_partial_bytes of host
+     * memory.  CUDA: hkt_cuda_scratch_bytes of device memory on device_id,
+     * aligned to the real type (the caller allocates it, e.g. from torch's
+     * caching allocator; the CUDA entry points never allocate). */
+    void *dw_partial;
 
     /* workspace: num_threads blocks of hkt_workspace_bytes(p, backward) */
     void *workspace;
@@ -106,14 +112,37 @@ typedef struct {
     int64_t key_cache_bytes;
 
     int device_id;             /* CUDA only: the device every array is on */
+    /* CUDA only: the cudaStream_t every kernel is launched on (NULL: the legacy
+     * default stream).  The entry points return once the kernels are queued,
+     * without waiting for them. */
+    void *stream;
 } hkt_params;
 
 /* Bytes of per-thread workspace the forward (backward = 0) or backward needs. */
 size_t hkt_workspace_bytes(const hkt_params *p, int backward);
 /* Bytes of dw_partial the backward needs: B*H*T + B*H*ceil(S/64)*L reals. */
 size_t hkt_dw_partial_bytes(const hkt_params *p);
+/* Bytes of device scratch (dw_partial) the CUDA backward needs (SIZE_MAX when
+ * that does not fit in size_t): B*H*T reals (delta) then B*H*ceil(T/G)*L reals (dw
+ * partials, G = 2^(L-1) query rows per dq task); a real is itemsize bytes (4
+ * for float32, 8 for float64).  Defined for every build: callers size the
+ * buffer before they know whether CUDA is there. */
+static inline size_t hkt_cuda_scratch_bytes(int64_t B, int64_t H, int64_t T, int L, size_t itemsize) {
+    if (B < 0 || H < 0 || T < 0 || L < 1 || L > HKT_MAX_LEVELS) return SIZE_MAX;
+    const uint64_t G = (uint64_t)1 << (L - 1), nqb = ((uint64_t)T + G - 1) / G;
+    uint64_t bh, ndelta, npart, total;
+    if (__builtin_mul_overflow((uint64_t)B, (uint64_t)H, &bh) || __builtin_mul_overflow(bh, (uint64_t)T, &ndelta) ||
+        __builtin_mul_overflow(bh, nqb, &npart) || __builtin_mul_overflow(npart, (uint64_t)L, &npart) ||
+        __builtin_add_overflow(ndelta, npart, &total) || __builtin_mul_overflow(total, (uint64_t)itemsize, &total) ||
+        total > (uint64_t)SIZE_MAX)
+        return SIZE_MAX;
+    return (size_t)total;
+}
+
 /* Threads OpenMP would use by default (1 without OpenMP). */
 int hkt_default_threads(void);
+/* Which build of the hot loops this CPU runs: "avx512f", "avx2" or "default". */
+const char *hkt_cpu_kernels(void);
 
 void hkt_forward_cpu(const hkt_params *p);
 void hkt_backward_cpu(const hkt_params *p);
@@ -124,8 +153,12 @@ void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
                           int64_t B, int64_t H, int64_t T, int64_t S);
 
 #ifdef HKT_WITH_CUDA
-/* Same contract as the _cpu pair, on device pointers; synchronous (they return
- * after the device has finished).  Return 0, or -1 with a message in err. */
+/* Same contract as the _cpu pair, on device pointers, asynchronous: the kernels
+ * are queued on p->stream, in stream order after whatever the caller queued
+ * there before, and the call returns without waiting for them (nothing
+ * synchronizes the device, so they can be captured into a CUDA graph).  Return
+ * 0, or -1 with a message in err when a launch failed (a launch error, or an
+ * earlier asynchronous error the runtime reports then). */
 int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen);
 int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen);
 #endif

@@ -39,6 +39,16 @@
 #define HKT_HOT
 #endif
 
+const char *hkt_cpu_kernels(void) {
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(HKT_NO_CLONES)
+    /* the order target_clones' resolver tries them in */
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return "avx512f";
+    if (__builtin_cpu_supports("avx2")) return "avx2";
+#endif
+    return "default";
+}
+
 int hkt_default_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();

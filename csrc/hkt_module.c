@@ -819,6 +819,12 @@ done:
     Py_RETURN_NONE;
 }
 
+static PyObject *py_cpu_kernels(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(hkt_cpu_kernels());
+}
+
 static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -831,6 +837,8 @@ static PyMethodDef methods[] = {
     {"dropout_mask", (PyCFunction)(void (*)(void))py_dropout_mask, METH_VARARGS | METH_KEYWORDS,
      dropout_mask_doc},
     {"default_threads", py_default_threads, METH_NOARGS, "OpenMP's default thread count."},
+    {"cpu_kernels", py_cpu_kernels, METH_NOARGS,
+     "Which build of the CPU kernels' hot loops this CPU runs: 'avx512f', 'avx2' or 'default'."},
     {NULL, NULL, 0, NULL},
 };
 

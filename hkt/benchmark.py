@@ -15,7 +15,70 @@ import torch.nn.functional as F
 from .functional import hkt_attention
 from .reference import hkt_attention_reference
 
-__all__ = ["make_inputs", "max_error", "time_interleaved", "attention_callables", "score_flops"]
+__all__ = ["make_inputs", "max_error", "time_interleaved", "attention_callables", "score_flops", "machine_info",
+           "sgemm_gflops", "report_targets"]
+
+
+def machine_info() -> Dict[str, object]:
+    """The CPU a figure was measured on: model, family/model, the ISA flags the
+    kernels care about, which build of their hot loops runs, threads, torch."""
+    from . import _C
+    info: Dict[str, object] = {"cpu": "unknown", "family": None, "model": None, "flags": [],
+                               "logical_cpus": __import__("os").cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key, val = key.strip(), val.strip()
+                if key == "model name" and info["cpu"] == "unknown":
+                    info["cpu"] = val
+                elif key == "cpu family" and info["family"] is None:
+                    info["family"] = int(val)
+                elif key == "model" and info["model"] is None:
+                    info["model"] = int(val)
+                elif key == "flags" and not info["flags"]:
+                    want = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+                            "amx_bf16", "amx_tile")
+                    have = set(val.split())
+                    info["flags"] = [x for x in want if x in have]
+    except OSError:
+        pass
+    info["hkt_cpu_kernels"] = _C.cpu_kernels()
+    info["threads"] = torch.get_num_threads()
+    info["torch"] = torch.__version__
+    return info
+
+
+def describe_machine(info: Dict[str, object]) -> str:
+    return (f"{info['cpu']} (family {info['family']} model {info['model']}; {' '.join(info['flags'])}); "
+            f"hkt kernels: {info['hkt_cpu_kernels']}; {info['threads']} threads; torch {info['torch']}")
+
+
+def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
+    """This machine's float32 matrix-multiply rate with torch's own BLAS, at the
+    current thread count: torch.mm of two n x n matrices, best of ``repeats``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_seconds(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2.0 * n ** 3 / best / 1e9
+
+
+def _seconds(f: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def report_targets(targets: List[tuple]) -> List[Dict[str, object]]:
+    """Prints (measure, value, comparison, target) rows with met / NOT MET, and
+    returns them as dicts for the results file."""
+    rows = []
+    print("\ntargets:")
+    for measure, value, op, target in targets:
+        met = value <= target if op == "<=" else value >= target
+        rows.append({"measure": measure, "value": value, "target": f"{op} {target}", "met": met})
+        print(f"  {'met    ' if met else 'NOT MET'}  {measure:70s} {value:8.3f}  (target {op} {target})")
+    return rows
 
 
 def make_inputs(B, H, T, S, D, L, *, Dv=None, dtype=torch.float32, requires_grad=True, seed=0):
