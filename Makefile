@@ -7,7 +7,7 @@ BIN     = $(VENV)/bin
 # exactly this torch: a CPU build pip finds locally; an unpinned torch would pull a CUDA build
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test demo bench clean wheel wheel-check
+.PHONY: install test demo bench clean fuzz sanitize wheel wheel-check
 
 $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,38 @@ wheel-check: wheel
 	$(BIN)/python -m pip install -q abi3audit
 	$(BIN)/abi3audit --strict --assume-minimum-abi3 3.10 dist/hkt-*-abi3-*.whl
 	$(BIN)/python tools/wheel_check.py dist/hkt-*-abi3-*.whl $(if $(WHEEL_CHECK_PYTHON),--python $(WHEEL_CHECK_PYTHON))
+
+# The differential fuzz (tests/test_fuzz.py) at full size: FUZZ_EXAMPLES examples
+# against the reference (make test runs 150); FUZZ_SEED=n draws another fixed set.
+FUZZ_EXAMPLES ?= 20000
+fuzz: install
+	HKT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(if $(FUZZ_SEED),HKT_FUZZ_SEED=$(FUZZ_SEED)) \
+	    $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py -k "test_fuzz_"
+
+# The test suite and the fuzz against an ASan+UBSan build of hkt._C.  The build and
+# a copy of the package and tests live in build/sanitize/ (the in-place build is
+# untouched); the tests run there, so they import the sanitized extension, and
+# every child interpreter they start inherits the preloaded sanitizer runtimes.
+# Skipped there: the notebook (a Jupyter kernel under ASan), the torchrun test,
+# the training run and the emulated-CUDA grid: plain torch work, slow under ASan.
+SAN_DIR      = build/sanitize
+SAN_EXAMPLES ?= 1000
+SAN_SKIP     = --ignore=tests/test_notebook.py --ignore=tests/test_experiments.py \
+               --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py
+SAN_ENV      = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+               ASAN_OPTIONS=detect_leaks=0,allocator_may_return_null=1,detect_odr_violation=0 \
+               UBSAN_OPTIONS=halt_on_error=1,print_stacktrace=1
+sanitize: install
+	rm -rf $(SAN_DIR)/root
+	mkdir -p $(SAN_DIR)/root
+	HKT_SANITIZE=1 $(BIN)/python setup.py -q build_ext --build-lib $(SAN_DIR)/lib --build-temp $(SAN_DIR)/tmp
+	cp -r hkt tests examples README.md pyproject.toml $(SAN_DIR)/root/
+	rm -rf $(SAN_DIR)/root/hkt/_C*.so $$(find $(SAN_DIR)/root -name __pycache__)
+	cp $(SAN_DIR)/lib/hkt/_C*.so $(SAN_DIR)/root/hkt/
+	cd $(SAN_DIR)/root && $(SAN_ENV) $(abspath $(BIN))/python -c \
+	    "import hkt._C as C; assert C.__file__.startswith('$(abspath $(SAN_DIR))'), C.__file__; print('sanitized:', C.__file__)"
+	cd $(SAN_DIR)/root && $(SAN_ENV) HKT_FUZZ_EXAMPLES=$(SAN_EXAMPLES) HKT_HOSTILE_TIMEOUT=120 \
+	    $(abspath $(BIN))/python -m pytest -q -p no:cacheprovider tests $(SAN_SKIP)
 
 clean:
 	rm -rf build dist *.egg-info hkt/*.so

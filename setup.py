@@ -8,6 +8,11 @@ stable ABI).
 DEBUG=1 builds -O0 -g.  HKT_NO_OPENMP=1 builds single-threaded (for compilers
 without OpenMP).
 
+HKT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
+(-fsanitize=address,undefined, frame pointers kept, any UB report fatal).  Such
+an extension only loads into a process that has libasan first: `make sanitize`
+builds one outside the source tree and runs the tests with it under LD_PRELOAD.
+
 HKT_CUDA=1 also builds the CUDA kernels (csrc/hkt_attention_cuda.cu) when nvcc
 is found (on PATH, or $CUDA_HOME/bin/nvcc); without nvcc it warns and builds
 the CPU-only extension.  HKT_CUDA_ARCHS="80 90" picks the GPU architectures
@@ -33,6 +38,10 @@ ldflags = []
 if openmp:
     cflags.append("-fopenmp")
     ldflags.append("-fopenmp")
+if os.environ.get("HKT_SANITIZE", "0") == "1":
+    sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
+    cflags += sanitize + ["-g"]
+    ldflags += sanitize
 
 CUDA_SOURCE = "csrc/hkt_attention_cuda.cu"
 
