@@ -35,12 +35,12 @@
  * NaN in one lane cannot split the warp before a shuffle or __syncwarp.
  *
  * Unlike the CPU kernels, the score of every (i, j) is computed from all L
- * levels (T*S*D*L multiply-adds, not the T*S*D*sum 4^-l of the spec): sharing
- * a coarse level's product across its 2^l x 2^l block would need a tiled
- * kernel, which this file leaves for later.
+ * levels (T*S*D*L multiply-adds, not the T*S*D*sum 4^-l of docs/contract.md
+ * section 1.6): sharing a coarse level's product across its 2^l x 2^l block
+ * would need a tiled kernel, which this file leaves for later.
  *
- * Allocation: the spec's "kernels never allocate" is kept by the kernels
- * themselves; the host entry points below cudaMalloc the backward's scratch
+ * Allocation: "kernels never allocate" (docs/contract.md section 3) is kept by
+ * the kernels themselves; the host entry points below cudaMalloc the backward's scratch
  * (delta, B*H*T reals, and the dw partials, B*H*ceil(T/G)*L reals, both
  * O(B*H*T)) and free it before returning, because the binding's workspace is
  * host memory and cannot be used here.

@@ -7,7 +7,8 @@
     hkt.analysis                             the paper's claims as functions (cost, PSD, splits, error curves)
     hkt.data                                 ListOps generator, sequential CIFAR-10 and byte-level IMDB loaders
 
-See HKT_SPEC.md for the exact math.
+The exact contract (maths, masks, dropout, gradients, non-finite values, API):
+docs/contract.md in the source repository.
 """
 from . import analysis, data, reference
 from .functional import hkt_attention

@@ -7,7 +7,7 @@ treat it as self-attention (query = key = value = ``x``) and read ``x`` the way
 the module's ``forward`` does: (T, E) unbatched, (T, B, E), or (B, T, E) with
 ``batch_first``.
 
-* Cost (spec section 1): :func:`cost_ratio` is sum_l 4^-l; :func:`count_score_macs`
+* Cost (docs/contract.md section 1.6): :func:`cost_ratio` is sum_l 4^-l; :func:`count_score_macs`
   counts the multiply-adds the CPU kernel performs for the scores, tile by tile.
 * Props 3.5-3.6: :func:`split_symmetric` (the unique symmetric + antisymmetric
   split), :func:`bilinear_forms` (each level's W_Q W_K^T per head) and

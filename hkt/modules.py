@@ -19,7 +19,7 @@ __all__ = ["MultiheadHKT", "swap_attention"]
 
 
 def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
-    """Trainable causal depthwise downsampling, stride 2 (HKT_SPEC.md section 2).
+    """Trainable causal depthwise downsampling, stride 2 (docs/contract.md section 2.2).
 
         out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]    (x = 0 before the start)
 
@@ -100,7 +100,7 @@ class MultiheadHKT(nn.Module):
       (L-1, E) (absent when ``bias=False``).  Values stay at full resolution
       (level 0's value projection only);
     * level weights are ``w = softmax(level_logits, -1)`` with
-      ``level_logits`` (the spec's theta) of shape (num_heads, levels).
+      ``level_logits`` of shape (num_heads, levels) (docs/contract.md section 2.2).
 
     ``levels=1`` registers no coarse parameters and no ``level_logits``.
 

@@ -92,7 +92,7 @@ def hkt_attention_reference(
     dropout_mask: Optional[Tensor] = None,
     return_probs: bool = False,
 ):
-    """HKT attention exactly as HKT_SPEC.md section 1 defines it.
+    """HKT attention exactly as docs/contract.md section 1 defines it.
 
     Same arguments as :func:`hkt.hkt_attention`.  Dropout needs an explicit
     ``dropout_mask`` (B, H, T, S) of kept entries (e.g. from

@@ -1,7 +1,7 @@
 """hkt.MultiheadHKT, MultiheadHKT.from_mha and hkt.swap_attention.
 
 levels=1 is checked against nn.MultiheadAttention, levels > 1 against a
-construction written out here from HKT_SPEC.md section 2 on top of the
+construction written out here from docs/contract.md section 2.2 on top of the
 plain-torch reference op; everything in float64 where values are compared.
 """
 import copy
@@ -43,8 +43,9 @@ def downsample_loop(x, taps):
 
 
 def manual_hkt(m, query, key, value, key_padding_mask=None, attn_mask=None, is_causal=False):
-    """MultiheadHKT's forward (eval, batch-first, batched) written out from the spec
-    and the module docstring; returns (out (B, T, E), per-head probs (B, H, T, S'))."""
+    """MultiheadHKT's forward (eval, batch-first, batched) written out from
+    docs/contract.md section 2.2 and the module docstring; returns (out (B, T, E),
+    per-head probs (B, H, T, S'))."""
     B, T, E = query.shape
     S = key.shape[1]
     H, hd, L = m.num_heads, m.head_dim, m.levels

@@ -4,6 +4,9 @@
     python -m hkt.experiments.reproduce --task listops --seeds 0 1 2 --out results/listops.json
     python -m hkt.experiments.demo           # a 2-3 minute HKT vs standard ListOps run
 
+Extras: ``pip install "hkt[experiments]"`` adds tqdm (progress bars; without it
+training runs without them) and matplotlib (the plot of ``hkt.experiments.theory``).
+
 One small Transformer classifier (token + position embeddings,
 ``nn.TransformerEncoder``, mean pooling, a linear head) is trained with standard
 attention or, after :func:`hkt.swap_attention`, with HKT; nothing else differs

@@ -154,8 +154,12 @@ def train_classifier(task: str = "listops", attention: str = "standard", *, seed
     loss_fn = nn.CrossEntropyLoss()
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=steps, desc=desc or f"{task}/{attention}/seed{seed}", leave=True, dynamic_ncols=True)
+        try:  # optional: pip install "hkt[experiments]"; without it, no bar
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=steps, desc=desc or f"{task}/{attention}/seed{seed}", leave=True, dynamic_ncols=True)
     times, history, perm, pos = [], [], torch.randperm(len(xtr), generator=g), 0
     loss_ema = None
     model.train()
