@@ -4,7 +4,10 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# exactly this torch: a CPU build pip finds locally; an unpinned torch would pull a CUDA build
+# torch pinned to the version the tests run with (TORCH=... overrides).  Unpinned,
+# pip takes the newest it finds: on Linux a CUDA build with several GB of nvidia-*
+# packages.  PyPI's Linux 2.13.0 is a CUDA build too; for the CPU-only one, run
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 TORCH  ?= torch==2.13.0
 
 .PHONY: install test demo bench clean fuzz sanitize wheel wheel-check
@@ -13,7 +16,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,experiments]"
 	touch $@
 
 install: $(BIN)/.installed
