@@ -514,6 +514,16 @@ static HKT_HOT void FN(tile_scores)(const hkt_params *p, const ws_layout *ws, re
         up = E;
         up_cl = sp.cl;
     }
+    /* the float mask is added first, so hiding (causal, bool) wins over whatever
+     * it holds: a NaN in a hidden entry of a float mask stays hidden */
+    const int64_t ms3 = p->mask_stride[3];
+    if (p->mask_kind == HKT_MASK_FLOAT)
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            const real *m = (const real *)p->mask + b * p->mask_stride[0] + h * p->mask_stride[1] +
+                            (i0 + r) * p->mask_stride[2] + j0 * ms3;
+            for (int64_t c = 0; c < nk; c++) srow[c] += m[c * ms3];
+        }
     if (p->causal && j1 - 1 > i0) {
         /* on the diagonal: key j > i is hidden */
         for (int64_t r = 0; r < nq; r++) {
@@ -521,19 +531,13 @@ static HKT_HOT void FN(tile_scores)(const hkt_params *p, const ws_layout *ws, re
             for (int64_t c = i0 + r - j0 + 1 > 0 ? i0 + r - j0 + 1 : 0; c < nk; c++) srow[c] = -INFINITY;
         }
     }
-    if (p->mask_kind == HKT_MASK_NONE) return;
-    const int64_t ms3 = p->mask_stride[3];
-    for (int64_t r = 0; r < nq; r++) {
-        real *srow = S + r * BK;
-        const int64_t mrow = b * p->mask_stride[0] + h * p->mask_stride[1] + (i0 + r) * p->mask_stride[2] + j0 * ms3;
-        if (p->mask_kind == HKT_MASK_BOOL) {
-            const unsigned char *m = (const unsigned char *)p->mask + mrow;
+    if (p->mask_kind == HKT_MASK_BOOL)
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            const unsigned char *m = (const unsigned char *)p->mask + b * p->mask_stride[0] + h * p->mask_stride[1] +
+                                     (i0 + r) * p->mask_stride[2] + j0 * ms3;
             for (int64_t c = 0; c < nk; c++) srow[c] = m[c * ms3] ? srow[c] : -INFINITY;
-        } else {
-            const real *m = (const real *)p->mask + mrow;
-            for (int64_t c = 0; c < nk; c++) srow[c] += m[c * ms3];
         }
-    }
 }
 
 /* Per-thread state at the head of each workspace block. */
