@@ -85,20 +85,26 @@ def gencode_flags():
 
 class build_ext_cuda(build_ext):
     """Compiles the .cu with nvcc into an object the C linker adds to hkt._C
-    (when nvcc is set), and after an in-place build removes hkt/_C binaries of
-    other ABIs: a hkt/_C.cpython-311-*.so left from an older build would shadow
-    the new _C.abi3.so (Python tries the version-tagged name first)."""
+    (when nvcc is set), and removes hkt/_C binaries of other ABIs next to the
+    one it built, in build/ and in place: a _C.cpython-311-*.so left from an
+    older build would go into the wheel beside _C.abi3.so, and would shadow it
+    in hkt/ (Python tries the version-tagged name first)."""
 
     nvcc = None
+
+    def _remove_other_abis(self, ext):
+        # next to the binary just built (build/lib..., or hkt/ in place): a wheel
+        # would pack both, and an import would pick the version-tagged one
+        folder, built = os.path.split(self.get_ext_fullpath(ext.name))
+        stem = ext.name.rsplit(".", 1)[-1] + "."
+        for name in os.listdir(folder or "."):
+            if name != built and name.startswith(stem) and name.endswith((".so", ".pyd")):
+                os.remove(os.path.join(folder, name))
 
     def copy_extensions_to_source(self):
         super().copy_extensions_to_source()
         for ext in self.extensions:
-            folder, built = os.path.split(self.get_ext_fullpath(ext.name))
-            stem = ext.name.rsplit(".", 1)[-1] + "."
-            for name in os.listdir(folder or "."):
-                if name != built and name.startswith(stem) and name.endswith((".so", ".pyd")):
-                    os.remove(os.path.join(folder, name))
+            self._remove_other_abis(ext)
 
     def build_extension(self, ext):
         if self.nvcc:
@@ -111,6 +117,7 @@ class build_ext_cuda(build_ext):
             subprocess.check_call(cmd)
             ext.extra_objects = [*ext.extra_objects, obj]
         super().build_extension(ext)
+        self._remove_other_abis(ext)
 
 
 # the one place that says which stable ABI the binding is written against
