@@ -17,9 +17,10 @@ HKT_CUDA=1 also builds the CUDA kernels (csrc/hkt_attention_cuda.cu) when nvcc
 is found (on PATH, or $CUDA_HOME/bin/nvcc); without nvcc it warns and builds
 the CPU-only extension.  HKT_CUDA_ARCHS="80 90" picks the GPU architectures
 (SASS for each, plus PTX of the last for newer GPUs).  The extension links the
-toolkit's shared libcudart with an rpath to its directory, so that toolkit (or
-a libcudart of the same major version on the loader path) must be present where
-the extension is imported.
+CUDA runtime statically (libcudart_static.a, with -ldl -lrt -lpthread), so it
+needs only the NVIDIA driver (libcuda.so.1) where it is imported, not the
+toolkit nor a libcudart of one version, and it cannot clash with the libcudart
+torch loads: `ldd hkt/_C.abi3.so` lists no libcudart.
 """
 import os
 import shutil
@@ -69,7 +70,7 @@ def find_cuda():
 def cuda_lib_dir(home):
     for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
         d = os.path.join(home, sub)
-        if os.path.exists(os.path.join(d, "libcudart.so")):
+        if os.path.exists(os.path.join(d, "libcudart_static.a")):
             return d
     return None
 
@@ -110,7 +111,7 @@ class build_ext_cuda(build_ext):
         if self.nvcc:
             os.makedirs(self.build_temp, exist_ok=True)
             obj = os.path.join(self.build_temp, "hkt_attention_cuda.o")
-            cmd = [self.nvcc, "-std=c++17", "-Xcompiler", "-fPIC", "-Icsrc", "-DHKT_WITH_CUDA",
+            cmd = [self.nvcc, "-std=c++17", "-cudart", "static", "-Xcompiler", "-fPIC", "-Icsrc", "-DHKT_WITH_CUDA",
                    *(["-O0", "-g", "-lineinfo"] if debug else ["-O3"]), *gencode_flags(),
                    "-c", CUDA_SOURCE, "-o", obj]
             print(" ".join(cmd))
@@ -122,21 +123,22 @@ class build_ext_cuda(build_ext):
 
 # the one place that says which stable ABI the binding is written against
 LIMITED_API = 0x030A0000  # CPython 3.10; wheel tag cp310-abi3
-define_macros, libraries, library_dirs, rpath = [("Py_LIMITED_API", hex(LIMITED_API))], [], [], []
+define_macros, libraries, library_dirs = [("Py_LIMITED_API", hex(LIMITED_API))], [], []
 cmdclass = {"build_ext": build_ext_cuda}
 if os.environ.get("HKT_CUDA", "0") == "1":
     found = find_cuda()
     if found is None:
-        print("warning: HKT_CUDA=1 but nvcc (and a CUDA toolkit with libcudart) was not found; "
+        print("warning: HKT_CUDA=1 but nvcc (and a CUDA toolkit with libcudart_static.a) was not found; "
               "building hkt._C for the CPU only", file=sys.stderr)
     else:
         nvcc, home = found
         build_ext_cuda.nvcc = nvcc
         define_macros.append(("HKT_WITH_CUDA", None))
-        # nvcc's host code needs the C++ runtime; the C linker does not add it
-        libraries += ["cudart", "stdc++"]
+        # the static CUDA runtime (it loads libcuda.so.1, the driver, at run time)
+        # and what it needs; nvcc's host code needs the C++ runtime, which the C
+        # linker does not add
+        libraries += ["cudart_static", "dl", "rt", "pthread", "stdc++"]
         library_dirs.append(cuda_lib_dir(home))
-        rpath.append(cuda_lib_dir(home))
 
 setup(
     ext_modules=[
@@ -149,7 +151,6 @@ setup(
             define_macros=define_macros,
             libraries=libraries,
             library_dirs=library_dirs,
-            runtime_library_dirs=rpath,
             extra_compile_args=cflags,
             extra_link_args=ldflags,
             py_limited_api=True,

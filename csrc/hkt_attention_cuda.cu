@@ -39,16 +39,20 @@
  * section 1.6): sharing a coarse level's product across its 2^l x 2^l block
  * would need a tiled kernel, which this file leaves for later.
  *
- * Allocation: "kernels never allocate" (docs/contract.md section 3) is kept by
- * the kernels themselves; the host entry points below cudaMalloc the backward's scratch
- * (delta, B*H*T reals, and the dw partials, B*H*ceil(T/G)*L reals, both
- * O(B*H*T)) and free it before returning, because the binding's workspace is
- * host memory and cannot be used here.
+ * Allocation: "kernels never allocate" (docs/contract.md section 3) holds
+ * here too: nothing in this file allocates.  The backward's scratch (delta,
+ * B*H*T reals, then the dw partials, B*H*ceil(T/G)*L reals, both O(B*H*T);
+ * hkt_cuda_scratch_bytes in hkt.h) is device memory the caller passes in
+ * p->dw_partial; hkt/_kernels.py takes it from torch's caching allocator.
  *
- * Streams: the kernels run on the legacy default stream.  The entry points
- * synchronize the whole device before launching (inputs may come from a
- * non-blocking torch stream, which the default stream does not wait for) and
- * after (so outputs are complete when the caller sees them, on any stream).
+ * Streams: every kernel is launched on p->stream (hkt/_kernels.py passes
+ * torch's current stream of the device), so it runs in stream order after the
+ * work that produced its inputs there, and the work queued after it on that
+ * stream sees its outputs, exactly as for a torch op.  The entry points neither
+ * wait for the device nor synchronize it: they return once the kernels are
+ * queued (so a CUDA graph can capture them), after checking each launch with
+ * cudaGetLastError.  A fault inside a kernel surfaces later, at the next
+ * synchronizing call, as for any asynchronous CUDA work.
  */
 #include "hkt.h"
 #include "hkt_dropout.h"
@@ -454,32 +458,34 @@ static cuda_args make_args(const hkt_params *p) {
 
 template <typename real>
 static cudaError_t forward_launch(const cuda_args &a, const char **what) {
+    cudaStream_t stream = (cudaStream_t)a.p.stream;
     const int64_t rows = a.p.B * a.p.H * a.p.T;
     *what = "forward kernel launch";
-    if (rows > 0) forward_kernel<real><<<blocks_for(rows), THREADS>>>(a);
+    if (rows > 0) forward_kernel<real><<<blocks_for(rows), THREADS, 0, stream>>>(a);
     return cudaGetLastError();
 }
 
 template <typename real>
 static cudaError_t backward_launch(const cuda_args &a, const char **what) {
     const hkt_params &p = a.p;
+    cudaStream_t stream = (cudaStream_t)p.stream;
     const int64_t rows = p.B * p.H * p.T, qtasks = p.B * p.H * a.nqb, ktasks = p.B * p.H * a.nkb;
     cudaError_t e;
     *what = "backward delta kernel launch";
-    if (rows > 0) delta_kernel<real><<<blocks_for(rows), THREADS>>>(a);
+    if (rows > 0) delta_kernel<real><<<blocks_for(rows), THREADS, 0, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     *what = "backward dq kernel launch";
-    if (qtasks > 0) dq_kernel<real><<<blocks_for(qtasks), THREADS>>>(a);
+    if (qtasks > 0) dq_kernel<real><<<blocks_for(qtasks), THREADS, 0, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     *what = "backward dk/dv kernel launch";
-    if (ktasks > 0) dkv_kernel<real><<<blocks_for(ktasks), THREADS>>>(a);
+    if (ktasks > 0) dkv_kernel<real><<<blocks_for(ktasks), THREADS, 0, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     *what = "backward dw kernel launch";
-    if ((p.w_per_head ? p.H : 1) * p.L > 0) dw_kernel<real><<<1, 256>>>(a);
+    if ((p.w_per_head ? p.H : 1) * p.L > 0) dw_kernel<real><<<1, 256, 0, stream>>>(a);
     if ((e = cudaGetLastError()) != cudaSuccess) return e;
     *what = "backward dmask kernel launch";
     const int64_t nmask = p.dmask ? p.dmask_shape[0] * p.dmask_shape[1] * p.dmask_shape[2] * p.dmask_shape[3] : 0;
-    if (nmask > 0) dmask_kernel<real><<<blocks_for((nmask + 31) / 32), THREADS>>>(a);
+    if (nmask > 0) dmask_kernel<real><<<blocks_for((nmask + 31) / 32), THREADS, 0, stream>>>(a);
     return cudaGetLastError();
 }
 
@@ -489,16 +495,14 @@ static int report(cudaError_t e, const char *what, char *err, size_t errlen) {
     return -1;
 }
 
-/* Selects p's device and waits for all earlier work on it; *prev gets the
- * caller's device, restored by leave_device. */
+/* Selects p's device (the stream's); *prev gets the caller's device, restored
+ * by leave_device.  Nothing waits here: stream order does that. */
 static cudaError_t enter_device(const hkt_params *p, int *prev, const char **what) {
     cudaError_t e;
     *what = "cudaGetDevice";
     if ((e = cudaGetDevice(prev)) != cudaSuccess) return e;
     *what = "cudaSetDevice";
-    if ((e = cudaSetDevice(p->device_id)) != cudaSuccess) return e;
-    *what = "cudaDeviceSynchronize before the kernels (an earlier asynchronous error)";
-    return cudaDeviceSynchronize();
+    return cudaSetDevice(p->device_id);
 }
 
 static void leave_device(int prev) {
@@ -513,10 +517,6 @@ extern "C" int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen) {
         const cuda_args a = make_args(p);
         e = p->dtype == HKT_FLOAT64 ? forward_launch<double>(a, &what) : forward_launch<float>(a, &what);
     }
-    if (e == cudaSuccess) {
-        what = "forward kernel";
-        e = cudaDeviceSynchronize();
-    }
     leave_device(prev);
     return report(e, what, err, errlen);
 }
@@ -524,25 +524,19 @@ extern "C" int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen) {
 extern "C" int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen) {
     const char *what = "";
     int prev = -1;
-    void *scratch = NULL;
     cudaError_t e = enter_device(p, &prev, &what);
     if (e == cudaSuccess) {
         cuda_args a = make_args(p);
         const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
-        const size_t ndelta = (size_t)(p->B * p->H * p->T), npart = (size_t)(p->B * p->H * a.nqb * p->L);
-        what = "cudaMalloc of the backward's scratch";
-        if (ndelta + npart > 0) e = cudaMalloc(&scratch, (ndelta + npart) * elem);
-        if (e == cudaSuccess) {
-            a.delta = scratch;
-            a.dw_part = (char *)scratch + ndelta * elem;
+        /* the layout hkt_cuda_scratch_bytes counts: delta, then the dw partials */
+        a.delta = p->dw_partial;
+        a.dw_part = (char *)p->dw_partial + (size_t)(p->B * p->H * p->T) * elem;
+        what = "backward scratch: dw_partial is NULL";
+        if (p->dw_partial == NULL && hkt_cuda_scratch_bytes(p->B, p->H, p->T, p->L, elem) > 0)
+            e = cudaErrorInvalidValue;
+        else
             e = p->dtype == HKT_FLOAT64 ? backward_launch<double>(a, &what) : backward_launch<float>(a, &what);
-        }
     }
-    if (e == cudaSuccess) {
-        what = "backward kernels";
-        e = cudaDeviceSynchronize();
-    }
-    if (scratch) cudaFree(scratch);
     leave_device(prev);
     return report(e, what, err, errlen);
 }

@@ -44,7 +44,19 @@ static const char *type_name(PyObject *obj, char *buf, size_t n) {
 /* ---- DLPack import ----
  * Capsules are held for the duration of a call and released afterwards; we
  * never rename them to "used_dltensor", so the exporter's capsule destructor
- * runs the deleter and the producer keeps ownership of the memory. */
+ * runs the deleter and the producer keeps ownership of the memory.
+ *
+ * Streams.  An object is exported with __dlpack__(); a CUDA one (its
+ * __dlpack_device__ says so, in a CUDA build) with __dlpack__(stream=s), s the
+ * stream the kernels will run on (1 for the legacy default stream), as the
+ * DLPack protocol asks of a consumer: the producer then orders its pending
+ * writes before that stream (torch records an event on its current stream and
+ * makes s wait for it, when s is another stream; without stream=, torch 2.13
+ * exports with no synchronization at all).  A bare capsule was exported
+ * already, with no stream: its producer must have written it on the stream
+ * the kernels use, or synchronized.  hkt/_kernels.py passes capsules (cheaper)
+ * and torch's current stream, which is where torch queued the work that wrote
+ * them: the same stream order every torch op relies on. */
 #define MAX_HELD (6 * HKT_MAX_LEVELS + 16)
 
 /* where an array lies in memory, for the overlap check */
@@ -59,11 +71,49 @@ typedef struct {
     int n;
     span_t spans[MAX_HELD];
     int nspans;
+    /* the CUDA stream the kernels will run on, as DLPack's __dlpack__(stream=)
+     * names it for a producer (1: the legacy default stream); 0 = unset */
+    unsigned long long dl_stream;
 } held;
 
 static void release_all(held *hd) {
     for (int x = 0; x < hd->n; x++) Py_DECREF(hd->caps[x]);
     hd->n = 0;
+}
+
+#ifdef HKT_WITH_CUDA
+/* 1 when obj's __dlpack_device__() names a CUDA device, 0 otherwise (also when
+ * it has none or it fails: plain __dlpack__() then says what is wrong). */
+static int on_cuda(PyObject *obj) {
+    PyObject *dev = PyObject_CallMethod(obj, "__dlpack_device__", NULL);
+    int cuda = 0;
+    if (dev && PyTuple_Check(dev) && PyTuple_Size(dev) == 2) {
+        const long type = PyLong_AsLong(PyTuple_GetItem(dev, 0));
+        cuda = type == kDLCUDA;
+    }
+    Py_XDECREF(dev);
+    PyErr_Clear();
+    return cuda;
+}
+#endif
+
+/* obj.__dlpack__(), with stream=dl_stream for a CUDA array when a stream is set */
+static PyObject *export_array(PyObject *obj, unsigned long long dl_stream) {
+#ifndef HKT_WITH_CUDA
+    (void)dl_stream; /* a CPU-only build imports no CUDA array */
+    return PyObject_CallMethod(obj, "__dlpack__", NULL);
+#else
+    if (dl_stream == 0 || !on_cuda(obj)) return PyObject_CallMethod(obj, "__dlpack__", NULL);
+    PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__"), *args = PyTuple_New(0), *kw = PyDict_New();
+    PyObject *stream = PyLong_FromUnsignedLongLong(dl_stream), *cap = NULL;
+    if (meth && args && kw && stream && PyDict_SetItemString(kw, "stream", stream) == 0)
+        cap = PyObject_Call(meth, args, kw);
+    Py_XDECREF(meth);
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    Py_XDECREF(stream);
+    return cap;
+#endif
 }
 
 static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
@@ -90,7 +140,7 @@ static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
                      name, type_name(obj, tn, sizeof tn));
         return NULL;
     }
-    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    PyObject *cap = export_array(obj, hd->dl_stream);
     if (cap == NULL) {
         /* e.g. a tensor that requires grad, or a read-only array */
         PyObject *type, *value, *tb;
@@ -353,6 +403,30 @@ static int check_dropout(double dropout_p) {
     return -1;
 }
 
+/* stream: None or a cudaStream_t as an int (torch.cuda.Stream.cuda_stream; 0 is
+ * the legacy default stream).  Sets *handle and, in hd, the value a producer's
+ * __dlpack__(stream=) takes for it (1 for the legacy default stream). */
+static int parse_stream(PyObject *obj, held *hd, void **handle) {
+    *handle = NULL;
+    hd->dl_stream = 1;
+    if (obj == NULL || obj == Py_None) return 0;
+    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "stream: expected an int (a cudaStream_t, e.g. "
+                     "torch.cuda.current_stream().cuda_stream) or None, got %.100s", type_name(obj, tn, sizeof tn));
+        return -1;
+    }
+    const unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "stream: expected a cudaStream_t handle (an int >= 0), got %R", obj);
+        return -1;
+    }
+    *handle = (void *)(uintptr_t)v;
+    hd->dl_stream = v ? v : 1;
+    return 0;
+}
+
 /* 1 in a child forked after OpenMP ran: libgomp's thread pool does not survive
  * fork (its threads are gone, its barrier would wait forever), so such a child
  * computes on one thread. */
@@ -592,13 +666,21 @@ done:
 }
 
 /* Runs the kernel over p, GIL released: on the CPU with a freshly allocated
- * per-thread workspace; on CUDA without one (those kernels keep their own
- * device scratch, a host buffer would be of no use to them). */
+ * per-thread workspace; on CUDA queued on p->stream, with the caller's device
+ * scratch in p->dw_partial (the backward's; a host buffer would be of no use
+ * there, and the caller's allocator is torch's caching one). */
 static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 #ifdef HKT_WITH_CUDA
     if (q0->device.device_type == kDLCUDA) {
         char err[256] = "unknown error";
         int rc;
+        const size_t need = hkt_cuda_scratch_bytes(p->B, p->H, p->T, p->L, p->dtype == HKT_FLOAT64 ? 8 : 4);
+        if (backward && p->dw_partial == NULL && need > 0) {
+            PyErr_Format(PyExc_ValueError, "scratch: the CUDA backward needs a device array of at least %zu "
+                         "bytes on q[0]'s device (hkt._C.cuda_scratch_bytes(B, H, T, L, itemsize)), got None",
+                         need);
+            return -1;
+        }
         p->device_id = (int)q0->device.device_id;
         Py_BEGIN_ALLOW_THREADS
         rc = backward ? hkt_backward_cuda(p, err, sizeof err) : hkt_forward_cuda(p, err, sizeof err);
@@ -639,32 +721,43 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 
 PyDoc_STRVAR(forward_doc,
 "forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
-"        dropout_p=0.0, seed=0, num_threads=0)\n--\n\n"
+"        dropout_p=0.0, seed=0, num_threads=0, stream=None)\n--\n\n"
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
 "(B, H, ceil(S/2^l), D); v (B, H, S, Dv); w (L,) or (H, L).  Writes out\n"
 "(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype, sharing\n"
 "memory with no other argument.  attn_mask: None or 4-D, each dimension 1 or\n"
 "that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
-"num_threads <= 0 uses OpenMP's default; at most 1024.");
+"num_threads <= 0 uses OpenMP's default; at most 1024.\n\n"
+"CUDA arrays: the kernels are queued on stream, a cudaStream_t as an int\n"
+"(torch.cuda.current_stream().cuda_stream; None or 0: the legacy default\n"
+"stream), and the call returns without waiting for them.  Arrays passed as\n"
+"objects are exported with __dlpack__(stream=...) so that their producer\n"
+"orders its writes before that stream; bare capsules must already be ready\n"
+"on it.");
 
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal",
-                             "scale", "dropout_p", "seed", "num_threads", NULL};
+                             "scale", "dropout_p", "seed", "num_threads", "stream", NULL};
     PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *nthreads = NULL;
+    PyObject *stream = Py_None;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKO:forward", kwlist, &qs, &ks, &v, &w,
-                                     &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOO:forward", kwlist, &qs, &ks, &v, &w,
+                                     &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads,
+                                     &stream))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
     const DLTensor *q0, *mt;
+    void *stream_handle;
+    if (parse_stream(stream, &hd, &stream_handle)) return NULL;
     PyObject *zero = nthreads ? NULL : PyLong_FromLong(0);
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
                          nthreads ? nthreads : zero, 1, &q0, &mt);
     Py_XDECREF(zero);
+    p.stream = stream_handle;
     if (rc == 0) rc = check_overlaps(&hd);
     if (rc == 0) rc = run_kernel(&p, 0, q0);
     release_all(&hd);
@@ -715,39 +808,70 @@ static int take_dmask(hkt_params *p, held *hd, PyObject *dmask, const DLTensor *
     return 0;
 }
 
+/* scratch: the CUDA backward's device workspace (hkt_cuda_scratch_bytes), into
+ * p->dw_partial; the CPU path replaces it by its own host workspace. */
+static int take_scratch(hkt_params *p, held *hd, PyObject *scratch, const DLTensor *q0) {
+    const DLTensor *t = import_array(hd, scratch, "scratch");
+    if (!t || check_device(t, "scratch", q0) || check_contiguous(t, "scratch")) return -1;
+    const size_t elem = p->dtype == HKT_FLOAT64 ? 8 : 4;
+    const size_t need = hkt_cuda_scratch_bytes(p->B, p->H, p->T, p->L, elem);
+    size_t have = (size_t)(t->dtype.bits * t->dtype.lanes + 7) / 8;
+    for (int d = 0; d < t->ndim; d++) have *= (size_t)t->shape[d];
+    if (have < need) {
+        PyErr_Format(PyExc_ValueError, "scratch: needs at least %zu bytes (cuda_scratch_bytes), got %zu", need,
+                     have);
+        return -1;
+    }
+    if ((uintptr_t)data_of(t) % elem) {
+        PyErr_Format(PyExc_ValueError, "scratch: must be aligned to %zu bytes", elem);
+        return -1;
+    }
+    p->dw_partial = data_of(t);
+    note_span(hd, t, "scratch", 1);
+    return 0;
+}
+
 PyDoc_STRVAR(backward_doc,
 "backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, attn_mask=None,\n"
 "         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0,\n"
-"         dmask=None)\n--\n\n"
+"         dmask=None, stream=None, scratch=None)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
 "(like v) and dw (like w), all C-contiguous and sharing memory with no other\n"
 "argument.  With a float attn_mask, dmask (shaped like it) receives the mask's\n"
 "gradient, summed over its broadcast dimensions.  dropout_p and seed must be\n"
-"the forward's.");
+"the forward's.\n\n"
+"CUDA arrays: queued on stream, as for forward.  scratch: a C-contiguous\n"
+"array on q's device of at least cuda_scratch_bytes(B, H, T, L, itemsize)\n"
+"bytes, aligned to the real type, sharing memory with no other argument: the\n"
+"CUDA kernels' workspace (they allocate nothing).  Ignored on the CPU.");
 
 static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw",
                              "attn_mask", "is_causal", "scale", "dropout_p", "seed",
-                             "num_threads", "dmask", NULL};
+                             "num_threads", "dmask", "stream", "scratch", NULL};
     PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw;
     PyObject *mask = Py_None, *scale = Py_None, *nthreads = NULL, *dmask = Py_None;
+    PyObject *stream = Py_None, *scratch = Py_None;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOO:backward", kwlist, &dout, &qs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOO:backward", kwlist, &dout, &qs,
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
-                                     &scale, &dropout_p, &seed, &nthreads, &dmask))
+                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
     const DLTensor *q0, *mt, *t;
+    void *stream_handle;
+    if (parse_stream(stream, &hd, &stream_handle)) return NULL;
     PyObject *zero = nthreads ? NULL : PyLong_FromLong(0);
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
                          nthreads ? nthreads : zero, 0, &q0, &mt);
     Py_XDECREF(zero);
     if (rc) goto done;
+    p.stream = stream_handle;
     rc = -1;
     {
         int64_t want[4] = {p.B, p.H, p.T, p.Dv};
@@ -777,6 +901,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         note_span(&hd, t, "dw", 1);
     }
     if (dmask != Py_None && take_dmask(&p, &hd, dmask, mt, q0)) goto done;
+    if (scratch != Py_None && take_scratch(&p, &hd, scratch, q0)) goto done;
     if (check_overlaps(&hd)) goto done;
     rc = run_kernel(&p, 1, q0);
 done:
@@ -825,6 +950,30 @@ static PyObject *py_cpu_kernels(PyObject *self, PyObject *unused) {
     return PyUnicode_FromString(hkt_cpu_kernels());
 }
 
+PyDoc_STRVAR(cuda_scratch_bytes_doc,
+"cuda_scratch_bytes(B, H, T, L, itemsize)\n--\n\n"
+"Bytes of device scratch the CUDA backward needs (backward's scratch=):\n"
+"(B*H*T + B*H*ceil(T / 2^(L-1))*L) * itemsize, itemsize 4 (float32) or 8\n"
+"(float64).  Defined in every build.");
+
+static PyObject *py_cuda_scratch_bytes(PyObject *self, PyObject *args) {
+    long long B, H, T;
+    int L, itemsize;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "LLLii:cuda_scratch_bytes", &B, &H, &T, &L, &itemsize)) return NULL;
+    if (B < 0 || H < 0 || T < 0 || L < 1 || L > HKT_MAX_LEVELS || (itemsize != 4 && itemsize != 8)) {
+        PyErr_Format(PyExc_ValueError, "cuda_scratch_bytes: expected B, H, T >= 0, 1 <= L <= %d and itemsize "
+                     "4 or 8", HKT_MAX_LEVELS);
+        return NULL;
+    }
+    const size_t n = hkt_cuda_scratch_bytes(B, H, T, L, (size_t)itemsize);
+    if (n == SIZE_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "cuda_scratch_bytes: the size does not fit in size_t");
+        return NULL;
+    }
+    return PyLong_FromSize_t(n);
+}
+
 static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -837,6 +986,7 @@ static PyMethodDef methods[] = {
     {"dropout_mask", (PyCFunction)(void (*)(void))py_dropout_mask, METH_VARARGS | METH_KEYWORDS,
      dropout_mask_doc},
     {"default_threads", py_default_threads, METH_NOARGS, "OpenMP's default thread count."},
+    {"cuda_scratch_bytes", py_cuda_scratch_bytes, METH_VARARGS, cuda_scratch_bytes_doc},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS,
      "Which build of the CPU kernels' hot loops this CPU runs: 'avx512f', 'avx2' or 'default'."},
     {NULL, NULL, 0, NULL},

@@ -5,8 +5,6 @@ destination-passing kernels expect, and hand everything over through DLPack.
 """
 from typing import List, Optional, Sequence, Tuple
 
-import contextlib
-
 import torch
 from torch import Tensor
 
@@ -19,13 +17,21 @@ __all__ = ["_forward", "_backward", "dropout_keep_mask", "has_cuda"]
 has_cuda = bool(_C.has_cuda)
 
 
+# Every tensor goes over as a bare DLPack capsule (to_dlpack): Tensor.__dlpack__
+# costs microseconds of Python checks per array, and does not synchronize
+# anything unless asked to (torch 2.13: its default stream=-1 means "no
+# synchronization").  Ordering on CUDA comes from streams instead: the kernels
+# are queued on torch's current stream of the device (_stream below), the
+# stream on which torch queued the work that wrote these tensors and will
+# queue the work that reads the results -- the rule every torch op follows.
+# Tensors allocated here and freed on return (outputs' temporaries, the
+# backward's scratch) were allocated on that same stream, so the caching
+# allocator hands their memory to later work on it only in stream order.
+
 def _dl(x: Optional[Tensor]):
-    # CPU tensors go over as bare capsules (Tensor.__dlpack__ costs microseconds of
-    # Python checks per array); CUDA ones through __dlpack__ (which refuses
-    # tensors that require grad: the kernels never need their autograd state).
     if x is None:
         return None
-    return x.detach() if x.is_cuda else to_dlpack(x)
+    return to_dlpack(x)
 
 
 def _arg(x: Tensor):
@@ -37,7 +43,7 @@ def _arg(x: Tensor):
         x = x.float()
     if x.stride(-1) != 1 and x.size(-1) > 1:
         x = x.contiguous()
-    return x.detach() if x.is_cuda else to_dlpack(x)
+    return to_dlpack(x)
 
 
 def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -48,9 +54,21 @@ def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return _dl(mask)
 
 
-def _on_device(x: Tensor):
-    # torch only exports CUDA tensors of the current device through DLPack
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+def _stream(device: torch.device) -> Optional[int]:
+    """The cudaStream_t (an int) of torch's current stream on a CUDA device: the
+    kernels are queued there, in order with torch's own work (None on the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
+def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.device) -> Optional[Tensor]:
+    """The CUDA backward's device workspace (delta and dw partials,
+    _C.cuda_scratch_bytes), from torch's caching allocator: the kernels never
+    allocate, so they stay capturable in a CUDA graph (None on the CPU, whose
+    kernels get a host workspace from the extension)."""
+    if device.type != "cuda":
+        return None
+    n = _C.cuda_scratch_bytes(B, H, T, L, 8 if dtype == torch.float64 else 4)
+    return torch.empty(n, dtype=torch.uint8, device=device)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -62,13 +80,17 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
              is_causal: bool, dropout_p: float, scale: float, seed: int) -> Tuple[Tensor, Tensor]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype)."""
     q0 = q[0]
+    if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the seed is read here, on the host: every replay would drop the same entries
+        raise RuntimeError("dropout_p: hkt's dropout cannot be captured in a CUDA graph (each replay would "
+                           "repeat the captured dropout mask); capture with dropout_p=0")
     dtype = compute_dtype(q0.dtype)
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
     out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
     lse = torch.empty(lead, dtype=dtype, device=q0.device)
-    with _on_device(out):
-        _C.forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
-                   _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, torch.get_num_threads())
+    _C.forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
+               _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, torch.get_num_threads(),
+               _stream(q0.device))
     return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
 
 
@@ -85,10 +107,11 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dv = torch.empty(v.shape, dtype=dtype, device=device)
     dw = torch.empty(w.shape, dtype=dtype, device=device)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
-    with _on_device(dv):
-        _C.backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
-                    _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
-                    is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask))
+    scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
+    _C.backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
+                _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
+                is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask), _stream(device),
+                _dl(scratch))
     if in_dtype != dtype:
         dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
         dv, dw = dv.to(in_dtype), dw.to(in_dtype)

@@ -5,11 +5,30 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _kernels, ops
+from . import _kernels, _sdpa, ops
 
 __all__ = ["hkt_attention"]
 
 _SEED_HIGH = 2**62
+
+# backend=None / "auto" on CUDA tensors: the "sdpa" backend until hkt's CUDA
+# kernels have beaten it on a real GPU in benchmarks/gpu_check.sh (today's
+# kernels are written to be plainly right, not fast, and have not run on one).
+# Set to True once they have; dropout (which "sdpa" refuses) always takes the
+# kernels.
+_CUDA_KERNELS_PREFERRED = False
+_BACKENDS = (None, "auto", "kernels", "sdpa")
+
+
+def _pick_backend(backend, q, dropout_p) -> str:
+    """"kernels" or "sdpa" for this call (backend already validated)."""
+    if backend == "kernels" or backend == "sdpa":
+        return backend
+    q0 = q[0] if isinstance(q, (list, tuple)) and len(q) else None
+    if (isinstance(q0, Tensor) and q0.is_cuda and not _CUDA_KERNELS_PREFERRED
+            and isinstance(dropout_p, (int, float)) and dropout_p == 0):
+        return "sdpa"
+    return "kernels"
 
 
 def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
@@ -69,6 +88,7 @@ def hkt_attention(
     is_causal: bool = False,
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
+    backend: Optional[str] = None,
 ) -> Tensor:
     r"""Hierarchical Kernel Transformer attention.
 
@@ -89,6 +109,15 @@ def hkt_attention(
         dropout_p: dropout on the attention probabilities (apply it only in
             training); the mask is drawn from torch's default generator.
         scale: score scale, default 1 / sqrt(D).
+        backend: how to compute it.  ``"kernels"``: hkt's own kernels (CPU;
+            CUDA in a build made with ``HKT_CUDA=1``): O(T) memory, exact 4/3
+            score cost on the CPU, bitwise deterministic, bfloat16 computed in
+            float32.  ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``
+            on the concatenated level vectors (L times one attention's score
+            work, in the inputs' dtype, on whatever kernel SDPA picks; its
+            determinism is SDPA's); no dropout (``ValueError``).  ``None`` or
+            ``"auto"``: the kernels on the CPU, and on CUDA "sdpa" unless
+            ``dropout_p > 0`` (hkt's CUDA kernels are not fast yet).
 
     Returns:
         (B, H, T, Dv).  A query row with no visible key gives zeros (and zero
@@ -108,13 +137,18 @@ def hkt_attention(
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks,
         shapes (``q[l]`` must have ceil(T/2^l) rows), mixed dtypes or devices,
-        dtypes other than float32/float64/bfloat16, a non-finite scale or a
-        dropout_p outside [0, 1].
+        dtypes other than float32/float64/bfloat16, a non-finite scale, a
+        dropout_p outside [0, 1], an unknown backend, or dropout_p > 0 with
+        backend="sdpa".
 
     float32 and float64 run in their own precision; bfloat16 inputs are computed
     in float32 (upcast on entry, results rounded back to bfloat16).
     """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
     try:
+        if _pick_backend(backend, q, dropout_p) == "sdpa":
+            return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
         return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
         # The fast path checks nothing the extension checks; when something failed
@@ -146,8 +180,10 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     dropout_p = float(dropout_p)
     if torch.compiler.is_compiling():
         # traced: the registered custom op, which torch.compile understands
+        # without dropout the seed is never read: a tensor on q's device keeps the
+        # traced graph free of CPU work (CUDA graph partitions)
         seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros(
-            (), dtype=torch.int64)
+            (), dtype=torch.int64, device=q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
                                        _scale_value(scale, q0), seed)
         return out
@@ -158,6 +194,23 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
                                     (attn_mask is not None and attn_mask.requires_grad)):
         return _Attention.apply(len(q), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)[0]
+
+
+def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
+    """backend="sdpa" (hkt._sdpa): every argument checked in Python first, as
+    the extension would for the kernels, then plain differentiable torch ops."""
+    _check_inputs(q, k, v, w)
+    _check_mask(attn_mask, q[0].device)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if attn_mask is not None and attn_mask.dim() < 4:
+        attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    _sdpa.check_arguments(q, k, v, w, attn_mask, float(dropout_p), scale)
+    return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
 
 
 def _scale_value(scale, q0: Tensor) -> float:

@@ -16,6 +16,7 @@ attention in plain PyTorch (hkt.reference) from the saved inputs and
 differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
 :func:`_double_backward`.
 """
+import os
 from typing import List, Optional
 
 import torch
@@ -28,15 +29,31 @@ __all__ = ["attention_forward", "attention_backward"]
 
 _SEED_MASK = (1 << 64) - 1
 
+# CUDA graphs.  The CUDA kernels are queued on torch's current stream, never
+# synchronize and never allocate (the backward's scratch comes from torch), so
+# the ops should be capturable; they are tagged cudagraph_unsafe until that has
+# been seen on a GPU, and because a replayed graph repeats the dropout seed it
+# was captured with (the seed is read on the host).  The tag makes
+# torch.compile(mode="reduce-overhead") run the ops outside its CUDA graphs
+# (graph partitions on either side of them are still captured).
+# HKT_CUDAGRAPH_SAFE=1 at import registers them without it, for
+# tests/test_cuda.py::test_compiled_reduce_overhead_captures_untagged_ops,
+# which shows whether the tag can go (README, "CUDA graphs").
+_CUDAGRAPH_SAFE = os.environ.get("HKT_CUDAGRAPH_SAFE", "0") == "1"
+_TAGS = () if _CUDAGRAPH_SAFE or not hasattr(torch.Tag, "cudagraph_unsafe") else (torch.Tag.cudagraph_unsafe,)
+
 
 def _seed_value(seed: Tensor) -> int:
     return int(seed.item()) & _SEED_MASK
 
 
-@torch.library.custom_op("hkt::attention_forward", mutates_args=())
+@torch.library.custom_op("hkt::attention_forward", mutates_args=(), tags=_TAGS)
 def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                       is_causal: bool, dropout_p: float, scale: float, seed: Tensor) -> tuple[Tensor, Tensor]:
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, _seed_value(seed))
+    # the seed is read (on the host) only when there is dropout: without, it may
+    # be a device tensor (functional.py makes it one), never synchronized on
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
+                             _seed_value(seed) if dropout_p > 0 else 0)
 
 
 @attention_forward.register_fake
@@ -47,12 +64,12 @@ def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
     return out, lse
 
 
-@torch.library.custom_op("hkt::attention_backward", mutates_args=())
+@torch.library.custom_op("hkt::attention_backward", mutates_args=(), tags=_TAGS)
 def attention_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor,
                        lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
                        seed: Tensor, mask_grad: bool = False) -> List[Tensor]:
     dq, dk, dv, dw, dmask = _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale,
-                                               _seed_value(seed), mask_grad)
+                                               _seed_value(seed) if dropout_p > 0 else 0, mask_grad)
     return dq + dk + [dv, dw] + ([dmask] if mask_grad else [])
 
 

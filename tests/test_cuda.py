@@ -17,10 +17,12 @@ launch limits, streams.
 """
 import copy
 import importlib.util
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -52,9 +54,10 @@ def leaves_on(tensors, device, dtype=None):
     return [x.detach().to(device=device, dtype=dtype or x.dtype).requires_grad_() for x in tensors]
 
 
-def out_and_grads(q, k, v, w, gout, **kw):
-    """out and the gradients of q.., k.., v, w (and of attn_mask when it requires grad)."""
-    out = hkt.hkt_attention(q, k, v, w, **kw)
+def out_and_grads(q, k, v, w, gout, backend="kernels", **kw):
+    """out and the gradients of q.., k.., v, w (and of attn_mask when it requires grad);
+    the kernels unless asked otherwise (backend=None picks "sdpa" on CUDA)."""
+    out = hkt.hkt_attention(q, k, v, w, backend=backend, **kw)
     am = kw.get("attn_mask")
     leaves = [*q, *k, v, w] + ([am] if am is not None and am.requires_grad else [])
     return [out, *torch.autograd.grad(out, leaves, gout.to(device=out.device, dtype=out.dtype))]
@@ -78,6 +81,14 @@ def takes_dmask(mod):
     return "dmask" in (mod.backward.__doc__ or "")
 
 
+def scratch_for(q, lse):
+    """The CUDA backward's workspace (the binding ignores it on the CPU), filled
+    with garbage: the kernels must not depend on what it holds."""
+    B, H, T = lse.shape
+    n = _C.cuda_scratch_bytes(B, H, T, len(q), lse.element_size())
+    return torch.full((n,), 0xFF, dtype=torch.uint8, device=lse.device)
+
+
 def run_binding(mod, q, k, v, w, dout, mask, causal, scale, dp, seed, dmask=False):
     """forward then backward through a binding, into outputs prefilled with
     garbage (both must overwrite); with dmask, also the float mask's gradient
@@ -93,7 +104,7 @@ def run_binding(mod, q, k, v, w, dout, mask, causal, scale, dp, seed, dmask=Fals
     dw = torch.full(tuple(w.shape), 5.0, dtype=dt, device=dev)
     extra = [torch.full(tuple(mask.shape), 5.0, dtype=dt, device=dev)] if dmask else []
     mod.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, mask, causal, scale, dp, seed, 2,
-                 **({"dmask": extra[0]} if dmask else {}))
+                 **({"dmask": extra[0]} if dmask else {}), scratch=scratch_for(q, lse))
     return [out, lse, *dq, *dk, dv, dw, *extra]
 
 
@@ -376,7 +387,7 @@ def test_empty_rows_and_no_keys():
     gq0 = torch.autograd.grad(out.sum(), q[0])[0]
     assert torch.isfinite(gq0).all() and (gq0[:, :, 3] == 0).all() and (gq0[:, :, 4] != 0).any()
     q, k, v, w = sample_inputs(1, 1, 5, 0, 4, 3, 2, device="cuda", requires_grad=True)
-    out = hkt.hkt_attention(q, k, v, w)
+    out = hkt.hkt_attention(q, k, v, w, backend="kernels")
     assert out.shape == (1, 1, 5, 3) and (out == 0).all()
     gq0, gw = torch.autograd.grad(out.sum(), [q[0], w])
     assert (gq0 == 0).all() and (gw == 0).all()
@@ -407,13 +418,14 @@ def test_wrong_device_is_a_clean_error():
     out = torch.empty(1, 2, 9, 4, dtype=torch.float64)  # on the CPU
     with pytest.raises(ValueError, match="out"):
         _C.forward(q, k, v, w, out, torch.empty(1, 2, 9, dtype=torch.float64, device="cuda"))
-    with pytest.raises(ValueError, match="w"):
-        hkt.hkt_attention(q, k, v, w.cpu())
+    for backend in ("kernels", "sdpa"):
+        with pytest.raises(ValueError, match="w"):
+            hkt.hkt_attention(q, k, v, w.cpu(), backend=backend)
 
 
 @needs_gpu
 def test_inputs_from_a_side_stream():
-    # the kernels run on the default stream; inputs written on another stream must be complete
+    # the kernels run on torch's current stream: inputs written there earlier are complete
     q, k, v, w = sample_inputs(2, 2, 300, 300, 32, 32, 3, dtype=torch.float32)
     want = hkt.hkt_attention(q, k, v, w, is_causal=True)
     s = torch.cuda.Stream()
@@ -422,9 +434,163 @@ def test_inputs_from_a_side_stream():
         for _ in range(3):
             big = big @ big / 64  # keep the stream busy
         qg, kg = [x.cuda() * 1 for x in q], [x.cuda() * 1 for x in k]
-        got = hkt.hkt_attention(qg, kg, v.cuda() * 1, w.cuda() * 1, is_causal=True)
+        got = hkt.hkt_attention(qg, kg, v.cuda() * 1, w.cuda() * 1, is_causal=True, backend="kernels")
     torch.cuda.synchronize()
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+@needs_gpu
+def test_kernels_queue_on_the_current_stream_without_waiting():
+    # forward and backward return while their stream is still busy (no device or
+    # stream synchronization), and they run in that stream's order: after the
+    # sleep, before the copy to the host that follows them there
+    B, H, T, S, D, Dv, L = 2, 2, 200, 180, 16, 16, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=torch.float32)
+    gout = torch.randn(B, H, T, Dv, generator=torch.Generator().manual_seed(1))
+    cpu = leaves_on([*q, *k, v, w], "cpu")
+    want = out_and_grads(*split(cpu, L), gout, is_causal=True)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        gpu = leaves_on([*q, *k, v, w], "cuda")
+        gg = gout.cuda()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before hkt's kernels
+        out = hkt.hkt_attention(*split(gpu, L), is_causal=True, backend="kernels")
+        assert not s.query(), "the forward waited for its stream"
+        grads = torch.autograd.grad(out, gpu, gg)
+        assert not s.query(), "the backward waited for its stream"
+        got = [x.to("cpu", non_blocking=False) for x in (out, *grads)]
+    s.synchronize()
+    assert_all_close(got, want, 1e-4, 1e-5)
+
+
+def _graph_case(backend, mask_kind):
+    B, H, T, S, D, Dv, L = 2, 2, 77, 77, 8, 8, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=torch.float32, device="cuda", requires_grad=True)
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(1, H, T, S, device="cuda").requires_grad_()
+    elif mask_kind == "bool":
+        mask = torch.rand(T, S, device="cuda") > 0.3
+    gout = torch.randn(B, H, T, Dv, device="cuda")
+    leaves = [*q, *k, v, w] + ([mask] if mask_kind == "float" else [])
+
+    def step():
+        out = hkt.hkt_attention(q, k, v, w, attn_mask=mask, is_causal=True, backend=backend)
+        return [out, *torch.autograd.grad(out, leaves, gout)]
+
+    return leaves, gout, step
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["kernels", "sdpa"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_cuda_graph_capture_and_replay(backend, mask_kind):
+    # forward + backward captured by torch.cuda.graph: capture fails if anything
+    # synchronizes or calls cudaMalloc; each replay on new input values must give
+    # what an eager call gives
+    leaves, gout, step = _graph_case(backend, mask_kind)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up on a side stream, as torch's docs ask
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static = step()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for _ in range(3):
+        with torch.no_grad():
+            for x in leaves:
+                x.copy_(torch.randn(x.shape, device="cuda", generator=gen))
+            gout.copy_(torch.randn(gout.shape, device="cuda", generator=gen))
+        g.replay()
+        want = step()
+        for a, b in zip(static, want):
+            assert torch.equal(a, b) if backend == "kernels" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_gpu
+def test_dropout_is_refused_under_capture():
+    q, k, v, w = sample_inputs(1, 2, 33, 33, 8, 8, 2, dtype=torch.float32, device="cuda")
+    hkt.hkt_attention(q, k, v, w, dropout_p=0.2)  # warm-up
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="dropout_p: hkt's dropout cannot be captured"):
+        with torch.cuda.graph(g):
+            hkt.hkt_attention(q, k, v, w, dropout_p=0.2)
+
+
+def _compiled_steps(backend, steps=6):
+    """(compiled results, eager results) of `steps` forward+backward calls of a
+    torch.compile(mode="reduce-overhead") function on fresh input values."""
+    B, H, T, S, D, Dv, L = 2, 2, 64, 64, 8, 8, 3
+    mask = torch.rand(1, 1, T, S, device="cuda", generator=torch.Generator("cuda").manual_seed(0)) > 0.2
+
+    def f(q0, q1, q2, k0, k1, k2, v, w):
+        out = hkt.hkt_attention([q0, q1, q2], [k0, k1, k2], v, w, attn_mask=mask, is_causal=True, backend=backend)
+        return out.square().sum()
+
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    got, want = [], []
+    for step in range(steps):
+        q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=torch.float32, device="cuda", seed=step,
+                                   requires_grad=True)
+        xs = [*q, *k, v, w]
+        for fn, res in ((compiled, got), (f, want)):
+            loss = fn(*xs)
+            res.append([loss.detach().clone(), *[g.clone() for g in torch.autograd.grad(loss, xs)]])
+    return got, want
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["kernels", "sdpa"])
+def test_compiled_reduce_overhead(backend):
+    # with the cudagraph_unsafe tag (hkt/ops.py) the hkt ops run between inductor's
+    # CUDA graphs; the sdpa backend is plain torch and is captured whole
+    torch._dynamo.reset()
+    got, want = _compiled_steps(backend)
+    for a, b in zip(got, want):
+        assert_all_close(a, b, 1e-4, 1e-4)
+
+
+_UNTAGGED_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import hkt
+from hkt import _kernels, ops
+assert ops._TAGS == (), "HKT_CUDAGRAPH_SAFE=1 did not drop the tag"
+calls = {"n": 0}
+for name in ("_forward", "_backward"):
+    orig = getattr(_kernels, name)
+    def counted(*a, _orig=orig, **kw):
+        calls["n"] += 1
+        return _orig(*a, **kw)
+    setattr(_kernels, name, counted)
+from test_cuda import _compiled_steps, assert_all_close
+got, want = _compiled_steps("kernels", steps=6)
+for a, b in zip(got, want):
+    assert_all_close(a, b, 1e-4, 1e-4)
+print(json.dumps({"calls": calls["n"]}))
+"""
+
+
+@needs_gpu
+def test_compiled_reduce_overhead_captures_untagged_ops(tmp_path):
+    # The test that decides whether hkt/ops.py may drop torch.Tag.cudagraph_unsafe:
+    # with HKT_CUDAGRAPH_SAFE=1 the ops are registered without it, and under
+    # torch.compile(mode="reduce-overhead") inductor must then capture them in its
+    # CUDA graphs: results equal eager ones on every step, and the ops' Python code
+    # runs only while inductor warms up and records (6 steps x (compiled + eager)
+    # calls; eager alone is 12 forward + 12 backward calls, replays add none).
+    env = dict(os.environ, HKT_CUDAGRAPH_SAFE="1")
+    here = Path(__file__).resolve().parent
+    res = subprocess.run([sys.executable, "-c", _UNTAGGED_SCRIPT, str(here)], env=env, cwd=here,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    calls = json.loads(res.stdout.strip().splitlines()[-1])["calls"]
+    eager = 12  # forward + backward of the 6 eager steps
+    # warm-up and recording run the op's Python a few times; replays do not
+    assert calls <= eager + 6, f"the ops ran {calls - eager} times in 6 compiled steps: not captured"
 
 
 @needs_gpu
@@ -443,11 +609,12 @@ def test_second_gpu():
 @needs_gpu
 def test_bfloat16_and_module_on_gpu():
     q, k, v, w = sample_inputs(1, 2, 45, 38, 8, 8, 3, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-    out = hkt.hkt_attention(q, k, v, w, is_causal=True)
-    assert out.dtype == torch.bfloat16 and out.device.type == "cuda"
     ref = reference(*[[x.detach().double().cpu() for x in xs] for xs in (q, k)], v.detach().double().cpu(),
                     w.detach().double().cpu(), is_causal=True)
-    torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-2, atol=1e-2)
+    for backend, tol in (("kernels", 1e-2), ("sdpa", 3e-2), (None, 3e-2)):
+        out = hkt.hkt_attention(q, k, v, w, is_causal=True, backend=backend)
+        assert out.dtype == torch.bfloat16 and out.device.type == "cuda"
+        torch.testing.assert_close(out.double().cpu(), ref, rtol=tol, atol=tol)
 
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(16, 4, levels=3, batch_first=True, dtype=torch.float64)
@@ -528,7 +695,8 @@ _SHIM = r"""
 #define __grid_constant__
 #define __shared__ static
 typedef int cudaError_t;
-enum { cudaSuccess = 0, emuErrorDivergentWarp = 1 };
+typedef struct emu_stream *cudaStream_t;
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, emuErrorDivergentWarp = 2 };
 struct emu_dim { unsigned x; };
 inline thread_local emu_dim threadIdx, blockIdx;
 inline emu_dim blockDim, gridDim;
@@ -608,8 +776,11 @@ inline T __shfl_xor_sync(unsigned, T x, int o, std::source_location at = std::so
     return y;
 }
 /* blocks run one after another (function-static "shared" arrays are then per
- * block); at most 3 of them, so the kernels' task loops are exercised */
-template <typename K, typename A> inline void emu_launch(K kernel, unsigned grid, unsigned block, const A &a) {
+ * block); at most 3 of them, so the kernels' task loops are exercised.  The
+ * launch is synchronous: the stream only has to be passed. */
+template <typename K, typename A>
+inline void emu_launch(K kernel, unsigned grid, unsigned block, size_t shmem, cudaStream_t, const A &a) {
+    if (shmem) { std::fprintf(stderr, "emulation: dynamic shared memory is not emulated\n"); std::abort(); }
     gridDim.x = grid < 3 ? grid : 3;
     blockDim.x = block;
     for (unsigned b = 0; b < gridDim.x; b++) {
@@ -623,14 +794,15 @@ template <typename K, typename A> inline void emu_launch(K kernel, unsigned grid
 }
 /* a recorded misuse is the launch's error; reading it clears it */
 inline cudaError_t emu_take_error() { return emu_failed.exchange(false) ? emuErrorDivergentWarp : cudaSuccess; }
-inline cudaError_t cudaMalloc(void **p, size_t n) { *p = std::malloc(n); return 0; }
-inline cudaError_t cudaFree(void *p) { std::free(p); return 0; }
-inline cudaError_t cudaDeviceSynchronize() { return emu_take_error(); }
 inline cudaError_t cudaGetLastError() { return emu_take_error(); }
 inline cudaError_t cudaGetDevice(int *d) { *d = 0; return 0; }
 inline cudaError_t cudaSetDevice(int) { return 0; }
-inline const char *cudaGetErrorString(cudaError_t e) { return e ? emu_msg.c_str() : "no error"; }
-inline const char *cudaGetErrorName(cudaError_t e) { return e ? "emuErrorDivergentWarp" : "cudaSuccess"; }
+inline const char *cudaGetErrorString(cudaError_t e) {
+    return e == emuErrorDivergentWarp ? emu_msg.c_str() : e ? "invalid argument" : "no error";
+}
+inline const char *cudaGetErrorName(cudaError_t e) {
+    return e == emuErrorDivergentWarp ? "emuErrorDivergentWarp" : e ? "cudaErrorInvalidValue" : "cudaSuccess";
+}
 """
 
 
@@ -644,9 +816,13 @@ def emulated(tmp_path_factory):
     d = tmp_path_factory.mktemp("cuda_emulation")
     (d / "inc").mkdir()
     (d / "inc" / "cuda_runtime.h").write_text(_SHIM)
-    cu, n = re.subn(r"(\w+<\w+>)<<<([^,]+),\s*([^>]+)>>>\((\w+)\)", r"emu_launch(\1, \2, \3, \4)",
-                    (csrc / "hkt_attention_cuda.cu").read_text())
-    assert n >= 6, "kernel launches missing in hkt_attention_cuda.cu (or the emulation's pattern is stale)"
+    # kernel<real><<<grid, block, shmem, stream>>>(args): every launch names its stream
+    cu, n = re.subn(r"(\w+<\w+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
+                    r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "hkt_attention_cuda.cu").read_text())
+    assert n >= 6 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
+        "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
+    assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu), \
+        "the CUDA entry points must not allocate or synchronize (graph capture, stream order)"
     (d / "emu.cpp").write_text(cu)
     binding = (csrc / "hkt_module.c").read_text()
     key = "if (q0->device.device_type == kDLCUDA) {"
@@ -738,3 +914,70 @@ def test_emulated_dmask(emulated, shape, causal, dropout_p):
     # float32 too
     args32 = dmask_args(shape, torch.float32, causal, dropout_p)
     assert_all_close(run_binding(emulated, *args32, dmask=True), run_binding(_C, *args32, dmask=True), 2e-4, 2e-4)
+
+
+# --------------------------------------------------------------------------- stream and scratch arguments, no GPU
+
+def _small_call(dtype=torch.float64):
+    q, k, v, w = sample_inputs(2, 3, 10, 9, 4, 5, 3, dtype=dtype)
+    B, H, T = 2, 3, 10
+    out, lse = torch.empty(B, H, T, 5, dtype=dtype), torch.empty(B, H, T, dtype=dtype)
+    grads = ([torch.empty_like(x) for x in q], [torch.empty_like(x) for x in k], torch.empty_like(v),
+             torch.empty_like(w))
+    return q, k, v, w, out, lse, grads
+
+
+def test_cuda_scratch_bytes_formula():
+    for B, H, T, L, item in [(2, 3, 100, 3, 4), (1, 1, 1, 1, 8), (4, 16, 4096, 3, 4), (3, 2, 0, 2, 8),
+                             (1, 2, 37, 5, 4)]:
+        G = 2 ** (L - 1)
+        assert _C.cuda_scratch_bytes(B, H, T, L, item) == (B * H * T + B * H * -(-T // G) * L) * item
+    for bad in [(1, 1, 1, 0, 4), (1, 1, 1, 25, 4), (-1, 1, 1, 1, 4), (1, 1, 1, 1, 2)]:
+        with pytest.raises(ValueError, match="cuda_scratch_bytes"):
+            _C.cuda_scratch_bytes(*bad)
+    with pytest.raises(OverflowError):
+        _C.cuda_scratch_bytes(2**62, 2**62, 2**62, 1, 8)
+
+
+def test_stream_argument():
+    q, k, v, w, out, lse, _ = _small_call()
+    want_out, want_lse = out.clone(), lse.clone()
+    _C.forward(q, k, v, w, want_out, want_lse)
+    for stream in (None, 0, 12345):  # ignored on the CPU
+        _C.forward(q, k, v, w, out, lse, stream=stream)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    with pytest.raises(TypeError, match="stream: expected an int"):
+        _C.forward(q, k, v, w, out, lse, stream="default")
+    with pytest.raises(TypeError, match="stream"):
+        _C.forward(q, k, v, w, out, lse, stream=True)
+    with pytest.raises(ValueError, match="stream: expected a cudaStream_t"):
+        _C.forward(q, k, v, w, out, lse, stream=-1)
+    with pytest.raises(ValueError, match="stream"):
+        _C.forward(q, k, v, w, out, lse, stream=2**64)
+
+
+def test_scratch_argument():
+    q, k, v, w, out, lse, (dq, dk, dv, dw) = _small_call()
+    _C.forward(q, k, v, w, out, lse)
+    dout = torch.randn_like(out)
+    n = _C.cuda_scratch_bytes(2, 3, 10, 3, 8)
+    _C.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, scratch=torch.zeros(n, dtype=torch.uint8))
+    want = [x.clone() for x in (*dq, *dk, dv, dw)]
+    _C.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, stream=0)  # the CPU needs no scratch
+    assert all(torch.equal(a, b) for a, b in zip(want, (*dq, *dk, dv, dw)))
+    with pytest.raises(ValueError, match=f"scratch: needs at least {n} bytes"):
+        _C.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, scratch=torch.zeros(n - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scratch: must be aligned to 8 bytes"):
+        _C.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, scratch=torch.zeros(n + 1, dtype=torch.uint8)[1:])
+    with pytest.raises(ValueError, match="shares memory with the output scratch"):
+        _C.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, scratch=dv)
+    with pytest.raises(ValueError, match="scratch: output arrays must be C-contiguous"):
+        _C.backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw,
+                    scratch=torch.zeros(2 * n, dtype=torch.uint8)[::2])
+
+
+def test_emulated_backward_needs_scratch(emulated):
+    q, k, v, w, out, lse, (dq, dk, dv, dw) = _small_call()
+    emulated.forward(q, k, v, w, out, lse)
+    with pytest.raises(ValueError, match="scratch: the CUDA backward needs a device array of at least"):
+        emulated.backward(torch.randn_like(out), q, k, v, w, out, lse, dq, dk, dv, dw)

@@ -1,0 +1,159 @@
+"""HKT attention through torch's scaled_dot_product_attention (the "sdpa" backend).
+
+The HKT score is one dot product of concatenated vectors:
+
+    score[i, j] = scale * sum_l w[l] <q[l][i >> l], k[l][j >> l]>
+                = scale * <Q~[i], K~[j]>,   Q~[i] = concat_l(w[l] q[l][i >> l]),
+                                            K~[j] = concat_l(k[l][j >> l])
+
+so SDPA on Q~ (B, H, T, L*D), K~ (B, H, S, L*D) and v, with the score scale of D
+(not of L*D), computes it, and autograd carries the gradients back through the
+concatenation to every q[l], k[l] and w.  It spends L times the score work of
+one attention (the kernels spend sum 4^-l), but runs on whatever SDPA runs on
+(FlashAttention, memory-efficient or cuDNN kernels on a GPU, in the inputs'
+dtype).  Each row of Q~ and K~ is a repeat of a coarse row, built with expand +
+reshape, whose backward is a plain sum (deterministic).
+
+Differences from plain SDPA that hkt's contract fixes here:
+
+- ``is_causal`` together with ``attn_mask``: one combined mask (SDPA refuses
+  both at once);
+- a query row with no visible key gives zeros and zero gradients: such rows
+  are given an all-visible mask row (finite scores, so nothing becomes NaN in
+  SDPA's forward or backward) and their output is then set to 0, which also
+  zeroes every gradient that flows through them;
+- dropout is refused: SDPA draws its own dropout pattern, not the kernels'
+  (hkt_dropout.h), so the two backends would differ.
+
+No data-dependent branch: the fix-up is applied unconditionally (masked_fill
+with a mask that is usually all False), so this traces under torch.compile and
+can be captured in a CUDA graph.
+"""
+import math
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["sdpa_attention", "concat_levels"]
+
+_MAX_LEVELS = 24
+
+
+def _level_len(n: int, l: int) -> int:
+    return ((n - 1) >> l) + 1 if n > 0 else 0
+
+
+def _repeat_rows(x: Tensor, l: int, n: int) -> Tensor:
+    """(B, H, ceil(n/2^l), D) -> (B, H, n, D), row i = x[..., i >> l, :]."""
+    if l == 0:
+        return x
+    B, H, m, D = x.shape
+    return x.unsqueeze(3).expand(B, H, m, 1 << l, D).reshape(B, H, m << l, D)[:, :, :n]
+
+
+def concat_levels(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor):
+    """(Q~, K~): the concatenated query and key vectors whose plain dot product is
+    sum_l w[l] <q[l][i >> l], k[l][j >> l]> (w (L,) or (H, L), folded into Q~)."""
+    T, S = q[0].shape[2], k[0].shape[2]
+    H = q[0].shape[1]
+    qs, ks = [], []
+    for l in range(len(q)):
+        wl = w[l] if w.dim() == 1 else w[:, l].reshape(1, H, 1, 1)
+        qs.append(_repeat_rows(q[l] * wl, l, T))
+        ks.append(_repeat_rows(k[l], l, S))
+    return torch.cat(qs, dim=-1), torch.cat(ks, dim=-1)
+
+
+def _shape_error(name: str, want, meaning: str, got) -> ValueError:
+    return ValueError(f"{name}: expected shape {tuple(want)} {meaning}, got {tuple(got)}")
+
+
+def check_arguments(q, k, v, w, attn_mask, dropout_p, scale) -> None:
+    """What the extension checks for the kernels, for the inputs SDPA would
+    otherwise take silently (a level one row too long is sliced away by the
+    concatenation, for example).  Types, devices and dtypes are checked by the
+    caller (functional._check_inputs)."""
+    L = len(q)
+    dtype = q[0].dtype
+    named = [(f"q[{l}]", x) for l, x in enumerate(q)] + [(f"k[{l}]", x) for l, x in enumerate(k)]
+    for name, x in named + [("v", v), ("w", w)]:
+        if x.dtype != dtype:
+            raise TypeError(f"{name}: dtype {str(x.dtype)[6:]} does not match q[0]'s {str(dtype)[6:]}")
+    if L > _MAX_LEVELS:
+        raise ValueError(f"q: expected 1 to {_MAX_LEVELS} levels, got {L}")
+    if len(k) != L:
+        raise ValueError(f"k: expected {L} levels like q, got {len(k)}")
+    if q[0].dim() != 4:
+        raise ValueError(f"q[0]: expected 4 dimensions (B, H, T, D), got {q[0].dim()}")
+    B, H, T, D = q[0].shape
+    if D < 1:
+        raise ValueError("q[0]: head dimension D must be at least 1")
+    if k[0].dim() != 4:
+        raise ValueError(f"k[0]: expected 4 dimensions (B, H, S, D), got {k[0].dim()}")
+    S = k[0].shape[2]
+    for l in range(L):
+        f = 1 << l
+        if q[l].shape != (B, H, _level_len(T, l), D):
+            raise _shape_error(f"q[{l}]", (B, H, _level_len(T, l), D), f"= (B, H, ceil(T/{f}), D)", q[l].shape)
+        if k[l].shape != (B, H, _level_len(S, l), D):
+            raise _shape_error(f"k[{l}]", (B, H, _level_len(S, l), D), f"= (B, H, ceil(S/{f}), D)", k[l].shape)
+    if v.dim() != 4:
+        raise ValueError(f"v: expected 4 dimensions (B, H, S, Dv), got {v.dim()}")
+    if v.shape[:3] != (B, H, S):
+        raise _shape_error("v", (B, H, S, v.shape[3]), "= (B, H, S, Dv)", v.shape)
+    if w.dim() == 1:
+        if w.shape != (L,):
+            raise _shape_error("w", (L,), "= (L,)", w.shape)
+    elif w.shape != (H, L):
+        raise _shape_error("w", (H, L), "= (H, L) or (L,)", w.shape)
+    if attn_mask is not None:
+        full = (B, H, T, S)
+        if attn_mask.dim() != 4 or any(m != 1 and m != n for m, n in zip(attn_mask.shape, full)):
+            raise ValueError(f"attn_mask: expected 4 dimensions, each 1 or that of (B, H, T, S) = {full}, "
+                             f"got {tuple(attn_mask.shape)}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1], got {dropout_p:g}")
+    if dropout_p > 0:
+        raise ValueError("dropout_p: the 'sdpa' backend has no dropout (SDPA's own dropout pattern is not the "
+                         "kernels' one); use backend='kernels' (backend=None picks them when dropout_p > 0)")
+    if scale is not None:
+        try:
+            finite = math.isfinite(float(scale))
+        except OverflowError:  # an int beyond the float range
+            finite = False
+        if not finite:
+            raise ValueError(f"scale: must be a finite number, got {scale!r}")
+
+
+def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
+                   is_causal: bool, scale: Optional[float]) -> Tensor:
+    """HKT attention (no dropout) through F.scaled_dot_product_attention.
+    attn_mask is None or 4-D (each dimension 1 or full), bool or floating;
+    arguments already checked (check_arguments)."""
+    T, D = q[0].shape[2], q[0].shape[3]
+    S = k[0].shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    qt, kt = concat_levels(q, k, w)
+    if attn_mask is None:
+        # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
+        # where SDPA gives zeros
+        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=float(scale))
+    causal = None
+    if is_causal:
+        causal = torch.ones(T, S, dtype=torch.bool, device=qt.device).tril()
+    if attn_mask.dtype == torch.bool:
+        visible = attn_mask if causal is None else attn_mask & causal
+        empty = ~visible.any(dim=-1, keepdim=True)
+        mask = visible | empty
+    else:
+        mask = attn_mask.to(qt.dtype)
+        if causal is not None:
+            mask = mask.masked_fill(~causal, float("-inf"))
+        # NaN is visible (it makes its row NaN, as in the kernels)
+        empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
+        mask = mask.masked_fill(empty, 0.0)
+    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=float(scale))
+    return out.masked_fill(empty, 0.0)
