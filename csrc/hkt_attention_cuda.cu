@@ -135,8 +135,8 @@ __device__ static inline real dot(const real *x, const real *y, int64_t n) {
 }
 
 /* The score of (i, j) as the CPU's tile_scores builds it: levels folded from the
- * coarsest down, s = scale w_0 g_0 + (scale w_1 g_1 + (...)), then causal and
- * mask (bool: invisible -> -inf; float: added).  g[l] = <q[l][i>>l], k[l][j>>l]>
+ * coarsest down, s = scale w_0 g_0 + (scale w_1 g_1 + (...)), then the mask
+ * (bool: invisible -> -inf; float: added), then causality.  g[l] = <q[l][i>>l], k[l][j>>l]>
  * is stored when g is not null (the backward's dw needs it). */
 template <typename real>
 __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64_t i, int64_t j, real *g) {
@@ -150,12 +150,14 @@ __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64
         const real wl = scale * weight<real>(p, h, l);
         s = l == p.L - 1 ? wl * gl : wl * gl + s;
     }
-    if (p.causal && j > i) s = -INFINITY;
+    /* float mask first, then hiding, so a NaN in a hidden entry of a float mask
+     * stays hidden (as in the CPU kernels) */
     if (p.mask_kind != HKT_MASK_NONE) {
         const int64_t at = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] + j * p.mask_stride[3];
         if (p.mask_kind == HKT_MASK_BOOL) s = ((const unsigned char *)p.mask)[at] ? s : (real)-INFINITY;
         else s += ((const real *)p.mask)[at];
     }
+    if (p.causal && j > i) s = -INFINITY;
     return s;
 }
 

@@ -240,20 +240,33 @@ static int check_device(const DLTensor *t, const char *name, const DLTensor *ref
     return 0;
 }
 
+static int is_empty(const DLTensor *t) {
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] == 0) return 1;
+    return 0;
+}
+
+/* The kernels read reals as reals: an array starting off its element alignment
+ * (a byte-offset view of a buffer, say) is refused, not read misaligned. */
+static int check_aligned(const DLTensor *t, const char *name) {
+    const uintptr_t es = (uintptr_t)(t->dtype.bits * t->dtype.lanes + 7) / 8;
+    if (es > 1 && !is_empty(t) && (uintptr_t)data_of(t) % es != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: data must start at a multiple of its %d-byte element size",
+                     name, (int)es);
+        return -1;
+    }
+    return 0;
+}
+
 static int check_real(const DLTensor *t, const char *name, const DLTensor *ref) {
     if (t->dtype.code != ref->dtype.code || t->dtype.bits != ref->dtype.bits || t->dtype.lanes != 1) {
         PyErr_Format(PyExc_TypeError, "%s: dtype %s does not match q[0]'s %s", name,
                      dtype_name(t->dtype), dtype_name(ref->dtype));
         return -1;
     }
-    return check_device(t, name, ref);
+    return check_aligned(t, name) || check_device(t, name, ref);
 }
 
-static int is_empty(const DLTensor *t) {
-    for (int d = 0; d < t->ndim; d++)
-        if (t->shape[d] == 0) return 1;
-    return 0;
-}
 
 static int check_strides(const DLTensor *t, const char *name) {
     if (is_empty(t)) return 0; /* nothing is read, strides are arbitrary */
@@ -551,6 +564,7 @@ static const DLTensor *take_mask(hkt_params *p, held *hd, PyObject *mask, const 
     if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && (mt->dtype.code == kDLBool || mt->dtype.code == kDLUInt)) {
         p->mask_kind = HKT_MASK_BOOL;
     } else if (mt->dtype.lanes == 1 && mt->dtype.code == q0->dtype.code && mt->dtype.bits == q0->dtype.bits) {
+        if (check_aligned(mt, "attn_mask")) return NULL;
         p->mask_kind = HKT_MASK_FLOAT;
     } else {
         PyErr_Format(PyExc_TypeError, "attn_mask: dtype must be bool or %s like q[0], got %s",

@@ -130,7 +130,8 @@ def hkt_attention(
     entry that a query row can see makes that row's output NaN, and the
     gradients that flow through it NaN, as in plain arithmetic.  A hidden entry
     (bool mask False, above the diagonal under ``is_causal``, or -inf in a float
-    mask) contributes nothing, even to a NaN row.  NaN in ``v`` reaches every
+    mask over a score that is not NaN) contributes nothing, even to a NaN row;
+    -inf added to a NaN score is NaN, as in SDPA, so that entry is visible.  NaN in ``v`` reaches every
     row that sees that key.  A non-finite value that only hidden entries see
     may or may not show up elsewhere (0 * NaN inside a tile).
 
