@@ -25,6 +25,11 @@ Differences from plain SDPA that hkt's contract fixes here:
 - dropout is refused: SDPA draws its own dropout pattern, not the kernels'
   (hkt_dropout.h), so the two backends would differ.
 
+One rule of the contract (docs/contract.md section 1.9) is SDPA's here, not
+hkt's: a NaN or inf in q, k, w or v may also reach rows in which it is hidden,
+because SDPA hides an entry by adding -inf to its score (-inf + NaN is NaN) and
+multiplies a zero probability by v.
+
 No data-dependent branch: the fix-up is applied unconditionally (masked_fill
 with a mask that is usually all False), so this traces under torch.compile and
 can be captured in a CUDA graph.
