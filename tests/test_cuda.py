@@ -449,11 +449,14 @@ def test_kernels_queue_on_the_current_stream_without_waiting():
     gout = torch.randn(B, H, T, Dv, generator=torch.Generator().manual_seed(1))
     cpu = leaves_on([*q, *k, v, w], "cpu")
     want = out_and_grads(*split(cpu, L), gout, is_causal=True)
+    warm = leaves_on([*q, *k, v, w], "cuda")  # first calls load the kernels
+    out_and_grads(*split(warm, L), gout.cuda(), is_causal=True)
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         gpu = leaves_on([*q, *k, v, w], "cuda")
         gg = gout.cuda()
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before hkt's kernels
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time queued before hkt's kernels
         out = hkt.hkt_attention(*split(gpu, L), is_causal=True, backend="kernels")
         assert not s.query(), "the forward waited for its stream"
         grads = torch.autograd.grad(out, gpu, gg)
@@ -507,7 +510,8 @@ def test_cuda_graph_capture_and_replay(backend, mask_kind):
         g.replay()
         want = step()
         for a, b in zip(static, want):
-            assert torch.equal(a, b) if backend == "kernels" else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+            # the kernels are bitwise deterministic; SDPA's CUDA backward may add with atomics
+            assert torch.equal(a, b) if backend == "kernels" else torch.allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 @needs_gpu
