@@ -1,0 +1,73 @@
+"""Rewrites the README's measured-performance block from the benchmarks' results.
+
+    python benchmarks/readme_tables.py          # after bench_attention.py and bench_module.py
+
+Reads benchmarks/results/attention.json and module.json and replaces what lies
+between the README's ``<!-- perf:begin -->`` and ``<!-- perf:end -->`` lines, so
+every figure there comes from a run and names the CPU it ran on.
+"""
+import json
+import os
+import re
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def machine_line(m, threads):
+    return (f"{m['cpu']} (family {m['family']}, model {m['model']}; {', '.join(m['flags'])}), "
+            f"hkt kernels built for `{m['hkt_cpu_kernels']}`, {threads} threads, torch {m['torch']}")
+
+
+def attention_block(a):
+    rows = {(r["name"], r["T"], r["causal"], r["pass"]): r for r in a["rows"]}
+    Ts = sorted({r["T"] for r in a["rows"]})
+    out = [f"Measured on {machine_line(a['machine'], a['config']['threads'])}; sgemm "
+           f"(torch.mm 2048³) {a['sgemm_gflops']:.0f} GFLOP/s. float32, B=1, H={a['config']['heads']}, "
+           f"D={a['config']['dim']}; medians of interleaved runs, ratios to SDPA in the same process.", "",
+           "| T | causal | HKT L=1 fwd | HKT L=3 fwd | HKT L=1 fwd+bwd | HKT L=3 fwd+bwd | SDPA fwd+bwd |",
+           "|---|---|---|---|---|---|---|"]
+    for causal in (False, True):
+        for T in Ts:
+            cells = [f"{rows[(n, T, causal, p)]['x_sdpa']:.2f}x" for p in ("fwd", "fwd+bwd")
+                     for n in ("hkt L=1", "hkt L=3")]
+            cells = [cells[0], cells[1], cells[2], cells[3]]
+            out.append(f"| {T} | {'yes' if causal else 'no'} | " + " | ".join(cells)
+                       + f" | {rows[('sdpa', T, causal, 'fwd+bwd')]['ms']:.1f} ms |")
+    return out
+
+
+def targets_block(targets):
+    out = ["| measure | target | measured | |", "|---|---|---|---|"]
+    for t in targets:
+        out.append(f"| {t['measure']} | {t['target']} | {t['value']:.3g} | {'met' if t['met'] else '**not met**'} |")
+    return out
+
+
+def main():
+    with open(os.path.join(HERE, "results", "attention.json")) as f:
+        a = json.load(f)
+    with open(os.path.join(HERE, "results", "module.json")) as f:
+        m = json.load(f)
+    lines = attention_block(a)
+    lines += ["", "Every target of the benchmarks, as they printed it (attention, then the module's training "
+              "step against `nn.MultiheadAttention`):", ""]
+    lines += targets_block(a["targets"] + m.get("targets", []))
+    small = a["small_call_seconds"]
+    lines += ["", f"One small call (T=16, B=1, H=4, D=32, L=3): forward under no_grad "
+              f"{small['hkt fwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd'] * 1e6:.0f} µs), forward+backward "
+              f"{small['hkt fwd+bwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd+bwd'] * 1e6:.0f} µs)."]
+    path = os.path.join(ROOT, "README.md")
+    with open(path) as f:
+        text = f.read()
+    block = "<!-- perf:begin -->\n" + "\n".join(lines) + "\n<!-- perf:end -->"
+    new, n = re.subn(r"<!-- perf:begin -->.*?<!-- perf:end -->", lambda _: block, text, flags=re.S)
+    if n != 1:
+        raise SystemExit("README.md: no <!-- perf:begin --> ... <!-- perf:end --> block")
+    with open(path, "w") as f:
+        f.write(new)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
