@@ -53,11 +53,16 @@ def grad_names(L, mask):
 
 
 def assert_same(a, b, what, strict=True):
-    """a (kernels) against b (reference).  strict: equal within TOL, NaN where NaN.
+    """a (kernels) against b (reference).  strict: equal within TOL, NaN where NaN;
+    "finite": equal wherever both are finite.
     Otherwise (gradients of q, k, w when those hold NaN/inf, where the reference's
     matmuls turn 0 * NaN into NaN that the kernels need not reproduce): equal wherever
     the reference is finite, and NaN nowhere the reference is finite."""
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    if strict == "finite":  # only where both are finite: NaN may be on either side
+        fin = torch.isfinite(a) & torch.isfinite(b)
+        torch.testing.assert_close(a[fin], b[fin], **TOL, msg=lambda m: f"{what} (where both are finite): {m}")
+        return
     if strict:
         torch.testing.assert_close(a, b, equal_nan=True, **TOL, msg=lambda m: f"{what}: {m}")
         return
@@ -67,13 +72,15 @@ def assert_same(a, b, what, strict=True):
 
 def assert_matches_reference(q, k, v, w, mask, dout, *, loose=False, got=None, **kw):
     """Forward and every gradient, kernels (``got``, or computed here) vs reference.
-    Returns the kernels' results."""
+    loose: True compares the gradients of q, k and w loosely (assert_same), "all"
+    the output and every gradient where both sides are finite.  Returns the kernels' results."""
     got = got or run(hkt.hkt_attention, q, k, v, w, mask, dout, **kw)
     ref = run(reference, q, k, v, w, mask, dout, **kw)
-    assert_same(got[0], ref[0], "out")
+    assert_same(got[0], ref[0], "out", strict="finite" if loose == "all" else True)
     L = len(q)
     for name, a, b in zip(grad_names(L, mask), got[1], ref[1]):
-        assert_same(a, b, f"grad {name}", strict=not (loose and name[0] in "qkw"))
+        assert_same(a, b, f"grad {name}",
+                    strict="finite" if loose == "all" else not (loose and name[0] in "qkw"))
     return got
 
 
@@ -538,7 +545,16 @@ def build(c):
         if c["mask"] == "float" and c["mask_grad"]:
             mask = leaf(mask)
     dout = randn((B, H, T, Dv))
-    loose = any(item.split()[0] in ("q", "k", "w") for item in inject)
+    # NaN/inf in q, k or w reaches gradients through 0 * NaN in the reference's
+    # matmuls; in v, it reaches the output of rows for which that key is hidden
+    # (a mask, causality, or a -inf score from an inf in k) in the reference and
+    # in whichever tiles of the kernels hold hidden and visible keys together, and
+    # from such an output the kernels' gradients (through rowsum(dO * out)), where
+    # the reference's masked softmax keeps them finite: the contract leaves all of
+    # this open (docs/contract.md, non-finite values), so with NaN in v only the
+    # entries finite on both sides are compared (the targeted tests pin the rest)
+    loose = "all" if any(item.split()[0] == "v" for item in inject) else \
+        any(item.split()[0] in ("q", "k", "w") for item in inject)
     return q, k, v, w, mask, dout, loose
 
 
