@@ -6,7 +6,9 @@ CPython 3.10 and every later 3.x (not the free-threaded builds, which have no
 stable ABI).
 
 DEBUG=1 builds -O0 -g.  HKT_NO_OPENMP=1 builds single-threaded (for compilers
-without OpenMP).
+without OpenMP).  CFLAGS=-DHKT_NO_CLONES builds the hot loops once, for the
+compiler's default target, instead of AVX-512/AVX2/baseline clones picked at
+load time (for toolchains without ifunc support).
 
 HKT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
 (-fsanitize=address,undefined, frame pointers kept, any UB report fatal).  Such

@@ -107,7 +107,8 @@ static ws_layout layout(const hkt_params *p, int backward) {
      * this budget the forward transposes each key tile where it uses it. */
     const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     const size_t budget = p->key_cache_bytes < 0 ? HKT_KEY_CACHE_BYTES : (size_t)p->key_cache_bytes;
-    w.keys_cached = (size_t)ktall * elem * (size_t)(p->num_threads > 0 ? p->num_threads : 1) <= budget;
+    /* divided, not multiplied: ktall * elem may not fit in a size_t for huge S */
+    w.keys_cached = (size_t)ktall <= budget / elem / (size_t)(p->num_threads > 0 ? p->num_threads : 1);
     w.s = at;    at += BQ * BK;
     w.g = at;    at += g;
     w.e = at;    at += g;

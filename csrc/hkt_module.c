@@ -668,9 +668,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
         goto done;
     p->dropout_p = dropout_p;
     p->seed = (uint64_t)seed;
-    /* a knob for tests and tuning, not API: HKT_KEY_CACHE_BYTES=0 forces per-tile key transposes */
-    const char *cache = getenv("HKT_KEY_CACHE_BYTES");
-    p->key_cache_bytes = cache ? strtoll(cache, NULL, 10) : -1;
+    p->key_cache_bytes = -1; /* the default budget; forward's key_cache_bytes= overrides it */
     *q0_out = q0;
     rc = 0;
 done:
@@ -735,13 +733,15 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 
 PyDoc_STRVAR(forward_doc,
 "forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
-"        dropout_p=0.0, seed=0, num_threads=0, stream=None)\n--\n\n"
+"        dropout_p=0.0, seed=0, num_threads=0, stream=None, key_cache_bytes=-1)\n--\n\n"
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
 "(B, H, ceil(S/2^l), D); v (B, H, S, Dv); w (L,) or (H, L).  Writes out\n"
 "(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype, sharing\n"
 "memory with no other argument.  attn_mask: None or 4-D, each dimension 1 or\n"
 "that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
-"num_threads <= 0 uses OpenMP's default; at most 1024.\n\n"
+"num_threads <= 0 uses OpenMP's default; at most 1024.  key_cache_bytes caps\n"
+"the CPU forward's per-thread transposed-key caches, all threads together\n"
+"(negative: 64 MiB); past it, keys are transposed tile by tile.\n\n"
 "CUDA arrays: the kernels are queued on stream, a cudaStream_t as an int\n"
 "(torch.cuda.current_stream().cuda_stream; None or 0: the legacy default\n"
 "stream), and the call returns without waiting for them.  Arrays passed as\n"
@@ -751,16 +751,17 @@ PyDoc_STRVAR(forward_doc,
 
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal",
-                             "scale", "dropout_p", "seed", "num_threads", "stream", NULL};
+                             "scale", "dropout_p", "seed", "num_threads", "stream", "key_cache_bytes", NULL};
     PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *nthreads = NULL;
     PyObject *stream = Py_None;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
+    long long key_cache_bytes = -1;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOO:forward", kwlist, &qs, &ks, &v, &w,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOOL:forward", kwlist, &qs, &ks, &v, &w,
                                      &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads,
-                                     &stream))
+                                     &stream, &key_cache_bytes))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
@@ -772,6 +773,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
                          nthreads ? nthreads : zero, 1, &q0, &mt);
     Py_XDECREF(zero);
     p.stream = stream_handle;
+    p.key_cache_bytes = key_cache_bytes;
     if (rc == 0) rc = check_overlaps(&hd);
     if (rc == 0) rc = run_kernel(&p, 0, q0);
     release_all(&hd);

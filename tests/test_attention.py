@@ -299,13 +299,16 @@ def test_empty_query_length():
     assert (v.grad == 0).all() and (w.grad == 0).all()
 
 
-def test_forward_without_key_cache(monkeypatch):
+def test_forward_without_key_cache():
     # past the key-cache budget the forward transposes keys per tile: same result
     q, k, v, w = sample_inputs(2, 2, 150, 200, 7, 5, 3, dtype=torch.float32)
     cached = hkt.hkt_attention(q, k, v, w, is_causal=True)
-    monkeypatch.setenv("HKT_KEY_CACHE_BYTES", "0")
-    per_tile = hkt.hkt_attention(q, k, v, w, is_causal=True)
-    assert torch.equal(cached, per_tile)
+    runs = {}
+    for budget in (-1, 0):
+        out, lse = torch.empty(2, 2, 150, 5), torch.empty(2, 2, 150)
+        hkt._C.forward(q, k, v, w, out, lse, None, True, key_cache_bytes=budget)
+        runs[budget] = out
+    assert torch.equal(runs[-1], cached) and torch.equal(runs[0], cached)
     q, k, v, w = sample_inputs(1, 2, 97, 130, 13, 7, 3)
     torch.testing.assert_close(hkt.hkt_attention(q, k, v, w), reference(q, k, v, w), rtol=1e-10, atol=1e-10)
 
