@@ -1,0 +1,352 @@
+"""Resumable multi-seed, multi-arm ListOps runs (long runs on few CPU cores).
+
+    python -m hkt.experiments.long_run --threads 1      # ListOps T=512, 3 seeds x 3 arms
+
+One command trains every (seed, arm) pair.  Each run's full state (model,
+AdamW, LR schedule, batch-order generator and permutation, global RNG, step,
+loss average, step times and the eval curve so far) is saved to
+``--ckpt-dir/<arm>_seed<s>.pt`` every ``--chunk`` steps and on SIGINT/SIGTERM;
+the same command started again resumes every run from its checkpoint and skips
+finished ones.  A resumed run continues bitwise as if it had never stopped.
+
+Arms (all from the same seeded :func:`~hkt.experiments.train.build_model`, so a
+seed's arms share batches and, where shapes agree, initial weights):
+
+- ``hkt``: ``hkt.swap_attention(model, levels=--levels)`` (L = 3), ff ``--ff``;
+- ``standard``: ``hkt.swap_attention(model, levels=1)``, i.e. MultiheadHKT with
+  one level, which computes exactly ``nn.MultiheadAttention`` (the same
+  weights, the same function) on the fast kernels; ``--standard-impl mha``
+  keeps ``nn.MultiheadAttention`` instead;
+- ``standard_ff<N>``: the same standard attention with feed-forward width
+  ``--matched-ff`` (default 260), the parameter-matched control.
+
+Order: for each seed in turn, the arms take turns in chunks of ``--chunk``
+steps (``--order all`` rotates over all seeds' runs instead), so partial
+results always cover every arm.  ``--out`` is rewritten after every
+evaluation (each ``--eval-every`` steps): config, arms, per-run eval curves,
+time per training step per arm, and a summary of finished runs.
+"""
+import argparse
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from .train import TASKS, build_model, evaluate, load_task, write_json
+
+__all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all", "main"]
+
+ARM_DEFAULTS = dict(task="listops", seq_len=512, seeds=[0, 1, 2], steps=5000, warmup=250, batch_size=32, lr=1e-3,
+                    weight_decay=0.01, d_model=64, heads=4, layers=2, ff=128, matched_ff=260, dropout=0.0,
+                    levels=3, n_train=20000, n_test=2000, eval_every=250, chunk=250, standard_impl="hkt1",
+                    order="seed")
+
+_STATE_KEYS = ("task", "seq_len", "steps", "warmup", "batch_size", "lr", "weight_decay", "d_model", "heads",
+               "layers", "dropout", "levels", "n_train", "n_test", "standard_impl")
+
+
+def arm_specs(cfg: Dict) -> Dict[str, Dict]:
+    """{arm name: {"attention", "levels", "ff"}} for the three arms."""
+    return {
+        "hkt": {"attention": "hkt", "levels": cfg["levels"], "ff": cfg["ff"]},
+        "standard": {"attention": "standard", "levels": 1, "ff": cfg["ff"]},
+        f"standard_ff{cfg['matched_ff']}": {"attention": "standard", "levels": 1, "ff": cfg["matched_ff"]},
+    }
+
+
+def make_arm_model(cfg: Dict, arm: str, seed: int) -> nn.Module:
+    """The seeded classifier of ``arm``: built with standard attention, then
+    swapped to MultiheadHKT (levels L for ``hkt``, 1 for the standard arms
+    unless ``standard_impl == "mha"``)."""
+    spec = arm_specs(cfg)[arm]
+    model = build_model(cfg["task"], "standard", seq_len=cfg["seq_len"], seed=seed, d_model=cfg["d_model"],
+                        heads=cfg["heads"], layers=cfg["layers"], ff=spec["ff"], dropout=cfg["dropout"])
+    if spec["attention"] == "hkt" or cfg["standard_impl"] == "hkt1":
+        from .. import swap_attention
+        swap_attention(model, levels=spec["levels"])
+    return model
+
+
+def _lr_lambda(cfg: Dict):
+    steps, warmup = cfg["steps"], cfg["warmup"]
+
+    def lr_at(step):  # the schedule of train_classifier: linear warm-up, cosine decay
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    return lr_at
+
+
+def new_run(cfg: Dict, arm: str, seed: int, n_train: int) -> Dict:
+    """Fresh run state: step 0, batches as in train_classifier (a generator
+    seeded by ``seed`` drawing permutations of the training set)."""
+    model = make_arm_model(cfg, arm, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n_train, generator=g)
+    return {"arm": arm, "seed": seed, "model": model, "opt": opt, "sched": sched, "gen": g, "perm": perm, "pos": 0,
+            "step": 0, "loss_ema": None, "times": [], "history": [], "final": None}
+
+
+def save_run(run: Dict, path: str, cfg: Dict) -> None:
+    """Writes the run's state atomically (temporary file, then rename)."""
+    state = {
+        "config": {k: cfg[k] for k in _STATE_KEYS}, "arm": run["arm"], "seed": run["seed"],
+        "ff": arm_specs(cfg)[run["arm"]]["ff"],
+        "model": run["model"].state_dict(), "opt": run["opt"].state_dict(), "sched": run["sched"].state_dict(),
+        "gen": run["gen"].get_state(), "torch_rng": torch.get_rng_state(), "perm": run["perm"], "pos": run["pos"],
+        "step": run["step"], "loss_ema": run["loss_ema"], "times": torch.tensor(run["times"], dtype=torch.float64),
+        "history": run["history"], "final": run["final"],
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_run(path: str, cfg: Dict, arm: str, seed: int, n_train: int) -> Dict:
+    """A run restored from ``path``; ValueError if it was made with another config."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    mine = {k: cfg[k] for k in _STATE_KEYS}
+    if state["config"] != mine or state["arm"] != arm or state["seed"] != seed \
+            or state["ff"] != arm_specs(cfg)[arm]["ff"]:
+        diff = {k: (state["config"].get(k), v) for k, v in mine.items() if state["config"].get(k) != v}
+        raise ValueError(f"{path}: checkpoint made with another configuration ({diff}); "
+                         f"use another --ckpt-dir or the original options")
+    run = new_run(cfg, arm, seed, n_train)
+    run["model"].load_state_dict(state["model"])
+    run["opt"].load_state_dict(state["opt"])
+    run["sched"].load_state_dict(state["sched"])
+    run["gen"].set_state(state["gen"])
+    torch.set_rng_state(state["torch_rng"])
+    run.update(perm=state["perm"], pos=state["pos"], step=state["step"], loss_ema=state["loss_ema"],
+               times=state["times"].tolist(), history=state["history"], final=state["final"])
+    return run
+
+
+class _Stop:
+    requested = False
+
+
+def train_steps(run: Dict, cfg: Dict, data, n: int, *, bar=None, on_eval=None) -> None:
+    """Advances ``run`` by up to ``n`` steps (stops at ``cfg["steps"]`` or on
+    SIGINT/SIGTERM), evaluating every ``eval_every`` steps and at the end."""
+    xtr, ytr, xte, yte = data
+    model, opt, sched, g = run["model"], run["opt"], run["sched"], run["gen"]
+    bs, total, loss_fn = cfg["batch_size"], cfg["steps"], nn.CrossEntropyLoss()
+    model.train()
+    for _ in range(n):
+        if run["step"] >= total or _Stop.requested:
+            break
+        if run["pos"] + bs > len(run["perm"]):
+            run["perm"], run["pos"] = torch.randperm(len(xtr), generator=g), 0
+        idx = run["perm"][run["pos"]:run["pos"] + bs]
+        run["pos"] += bs
+        t0 = time.perf_counter()
+        loss = loss_fn(model(xtr[idx]), ytr[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        run["times"].append(time.perf_counter() - t0)
+        lv = loss.item()
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"{run['arm']} seed {run['seed']}: loss became {lv} at step {run['step']}")
+        run["loss_ema"] = lv if run["loss_ema"] is None else 0.95 * run["loss_ema"] + 0.05 * lv
+        run["step"] += 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"{run['arm']} s{run['seed']} step {run['step']} loss {run['loss_ema']:.3f}",
+                                refresh=False)
+        if run["step"] == total or (cfg["eval_every"] and run["step"] % cfg["eval_every"] == 0):
+            acc = evaluate(model, xte, yte)
+            run["history"].append({"step": run["step"], "loss": run["loss_ema"], "accuracy": acc})
+            if run["step"] == total:
+                run["final"] = {"accuracy": acc, "train_accuracy": evaluate(model, xtr[:1000], ytr[:1000]),
+                                "final_loss": run["loss_ema"]}
+            if on_eval is not None:
+                on_eval()
+
+
+def _time_per_step(times: List[float]) -> Optional[float]:
+    steady = times[3:] if len(times) > 3 else times  # skip the first steps (warm-up of allocator and caches)
+    return statistics.median(steady) if steady else None
+
+
+def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int]) -> Dict:
+    """The results JSON: config, arms, per-run curves, time per step, summary of finished runs."""
+    specs = arm_specs(cfg)
+    out_runs, tps, finished = [], {}, {}
+    for r in runs:
+        t = _time_per_step(r["times"])
+        entry = {"arm": r["arm"], "seed": r["seed"], "step": r["step"], "steps": cfg["steps"],
+                 "finished": r["final"] is not None, "time_per_step": t, "history": r["history"]}
+        if r["final"] is not None:
+            entry.update(r["final"])
+            finished.setdefault(r["arm"], []).append(r["final"]["accuracy"])
+        out_runs.append(entry)
+        if t is not None:
+            tps.setdefault(r["arm"], []).append(t)
+    time_per_step = {a: statistics.median(v) for a, v in tps.items()}
+    if "hkt" in time_per_step and "standard" in time_per_step:
+        time_per_step["hkt_over_standard"] = time_per_step["hkt"] / time_per_step["standard"]
+    summary = {a: {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
+               for a, v in finished.items()}
+    standard_impl = ("MultiheadHKT(levels=1) via hkt.swap_attention: the same function as nn.MultiheadAttention, "
+                     "on the HKT kernels") if cfg["standard_impl"] == "hkt1" else "nn.MultiheadAttention"
+    return {
+        "config": {**{k: cfg[k] for k in _STATE_KEYS}, "seeds": list(cfg["seeds"]), "eval_every": cfg["eval_every"],
+                   "chunk": cfg["chunk"], "order": cfg["order"], "torch_threads": torch.get_num_threads(),
+                   "standard_attention": standard_impl},
+        "arms": {a: {**s, "params": params.get(a)} for a, s in specs.items()},
+        "progress": {"steps_done": sum(r["step"] for r in runs), "steps_total": cfg["steps"] * len(runs),
+                     "runs_finished": sum(r["final"] is not None for r in runs), "runs": len(runs),
+                     "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "time_per_step": time_per_step,
+        "summary": summary,
+        "runs": out_runs,
+    }
+
+
+def _schedule(cfg: Dict, arms: List[str]):
+    """Groups of (arm, seed) keys taking turns: per seed (``order="seed"``) or all at once."""
+    keys = [(a, s) for s in cfg["seeds"] for a in arms]
+    if cfg["order"] == "all":
+        return [keys]
+    return [[(a, s) for a in arms] for s in cfg["seeds"]]
+
+
+def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = True, max_steps: Optional[int] = None,
+            log=sys.stderr) -> Dict:
+    """Trains (or resumes) every run of ``cfg``; returns the results dict.
+
+    ``max_steps`` caps the training steps done by this call (all runs
+    together), for tests and short sessions; the state is saved before returning.
+    """
+    cfg = {**ARM_DEFAULTS, **cfg}
+    data = load_task(cfg["task"], seq_len=cfg["seq_len"], n_train=cfg["n_train"], n_test=cfg["n_test"])
+    n_train = len(data[0])
+    arms = list(arm_specs(cfg))
+    runs, paths, params = {}, {}, {}
+    for s in cfg["seeds"]:
+        for a in arms:
+            paths[a, s] = os.path.join(ckpt_dir, f"{a}_seed{s}.pt")
+            if os.path.exists(paths[a, s]):
+                runs[a, s] = load_run(paths[a, s], cfg, a, s, n_train)
+                print(f"resumed {a} seed {s} at step {runs[a, s]['step']}", file=log, flush=True)
+            else:
+                runs[a, s] = new_run(cfg, a, s, n_train)
+            params[a] = sum(p.numel() for p in runs[a, s]["model"].parameters())
+    ordered = [runs[k] for k in sorted(runs, key=lambda k: (cfg["seeds"].index(k[1]), arms.index(k[0])))]
+
+    def write():
+        if out:
+            write_json(summarise_runs(cfg, ordered, params), out)
+
+    bar = None
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=cfg["steps"] * len(runs), initial=sum(r["step"] for r in runs.values()),
+                       desc="runs", dynamic_ncols=True, mininterval=5.0)
+
+    old = {}
+
+    def stop(signum, frame):
+        _Stop.requested = True
+    _Stop.requested = False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, stop)
+        except ValueError:  # not the main thread
+            pass
+    budget = math.inf if max_steps is None else max_steps
+    try:
+        write()
+        for group in _schedule(cfg, arms):
+            while budget > 0 and not _Stop.requested:
+                todo = [k for k in group if runs[k]["step"] < cfg["steps"]]
+                if not todo:
+                    break
+                for k in todo:
+                    if budget <= 0 or _Stop.requested:
+                        break
+                    r = runs[k]
+                    n = min(cfg["chunk"], budget)
+                    before = r["step"]
+                    train_steps(r, cfg, data, n, bar=bar, on_eval=write)
+                    budget -= r["step"] - before
+                    save_run(r, paths[k], cfg)
+                    if r["final"] is not None and before < cfg["steps"]:
+                        print(f"{k[0]} seed {k[1]} finished: accuracy {r['final']['accuracy']:.4f}", file=log,
+                              flush=True)
+            if budget <= 0 or _Stop.requested:
+                break
+    finally:
+        for k, r in runs.items():  # a stop mid-chunk: keep the steps done
+            if os.path.exists(paths[k]) or r["step"] > 0:
+                save_run(r, paths[k], cfg)
+        write()
+        if bar is not None:
+            bar.close()
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return summarise_runs(cfg, ordered, params)
+
+
+def main(argv=None) -> Dict:
+    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.long_run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ARM_DEFAULTS
+    ap.add_argument("--task", choices=sorted(TASKS), default=d["task"])
+    ap.add_argument("--seq-len", type=int, default=d["seq_len"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=d["seeds"])
+    ap.add_argument("--steps", type=int, default=d["steps"], help="training steps per run")
+    ap.add_argument("--warmup", type=int, default=d["warmup"])
+    ap.add_argument("--batch-size", type=int, default=d["batch_size"])
+    ap.add_argument("--lr", type=float, default=d["lr"])
+    ap.add_argument("--weight-decay", type=float, default=d["weight_decay"])
+    ap.add_argument("--d-model", type=int, default=d["d_model"])
+    ap.add_argument("--heads", type=int, default=d["heads"])
+    ap.add_argument("--layers", type=int, default=d["layers"])
+    ap.add_argument("--ff", type=int, default=d["ff"])
+    ap.add_argument("--matched-ff", type=int, default=d["matched_ff"], help="ff of the parameter-matched standard arm")
+    ap.add_argument("--dropout", type=float, default=d["dropout"])
+    ap.add_argument("--levels", type=int, default=d["levels"], help="HKT levels")
+    ap.add_argument("--n-train", type=int, default=d["n_train"])
+    ap.add_argument("--n-test", type=int, default=d["n_test"])
+    ap.add_argument("--eval-every", type=int, default=d["eval_every"])
+    ap.add_argument("--chunk", type=int, default=d["chunk"], help="steps per turn; a checkpoint after each")
+    ap.add_argument("--order", choices=["seed", "all"], default=d["order"],
+                    help="seed: a seed's arms take turns, seed after seed; all: every run takes turns")
+    ap.add_argument("--standard-impl", choices=["hkt1", "mha"], default=d["standard_impl"],
+                    help="hkt1: MultiheadHKT(levels=1) (= nn.MultiheadAttention, fast kernels); mha: nn.MultiheadAttention")
+    ap.add_argument("--max-steps", type=int, default=None, help="stop (saving) after this many steps in this call")
+    ap.add_argument("--ckpt-dir", default="results/listops512_ckpt")
+    ap.add_argument("--out", default="results/listops512.json")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = {k: getattr(args, k) for k in ARM_DEFAULTS}
+    res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps)
+    p = res["progress"]
+    print(f"{p['steps_done']}/{p['steps_total']} steps, {p['runs_finished']}/{p['runs']} runs finished",
+          file=sys.stderr)
+    return res
+
+
+if __name__ == "__main__":
+    main()
