@@ -202,10 +202,21 @@ def test_deterministic_and_thread_count_independent():
         assert torch.equal(a, b)  # per-(b, h) ownership: thread count does not change the order
 
 
-def test_opcheck():
-    q, k, v, w = sample_inputs(1, 2, 11, 9, 3, 4, 2, requires_grad=True)
-    mask = torch.rand(1, 2, 11, 9) > 0.2
+@pytest.mark.parametrize("needs_grad", ["all", "none", "v only", "q[0] and w", "float mask only"])
+def test_opcheck(needs_grad):
+    # torch.library's checks of the forward op (schema, fake kernel, autograd
+    # registration) with every input, none, or only some of them requiring grad
+    q, k, v, w = sample_inputs(1, 2, 11, 9, 3, 4, 2)
+    wants = {"all": [*q, *k, v, w], "none": [], "v only": [v], "q[0] and w": [q[0], w],
+             "float mask only": []}[needs_grad]
+    for x in wants:
+        x.requires_grad_()
     seed = torch.tensor(5)
+    if needs_grad == "float mask only":
+        fmask = torch.randn(1, 2, 11, 9, dtype=torch.float64, requires_grad=True)
+        torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, fmask, True, 0.0, 0.5, seed))
+        return
+    mask = torch.rand(1, 2, 11, 9) > 0.2
     torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, mask, True, 0.0, 0.5, seed))
     torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, None, False, 0.0, 0.5, seed))
 
