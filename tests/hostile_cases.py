@@ -106,7 +106,7 @@ def bwd(a, **kw):
 def torch_inputs(B=2, H=3, T=10, S=7, D=4, Dv=5, L=3, dtype=None):
     import torch
     sys.path.insert(0, HERE)
-    from conftest import sample_inputs
+    from helpers import sample_inputs
     return sample_inputs(B, H, T, S, D, Dv, L, dtype=dtype or torch.float64)
 
 
@@ -133,12 +133,12 @@ def _capsule(pointer: int, name: bytes):
 _KEEP: List[object] = []
 
 
-# ------------------------------------- the existing bad-input list (test_errors) --
+# ---------------------- the bad-input list of test_errors (helpers.BAD_CASES) --
 
 def _errors_cases():
     sys.path.insert(0, HERE)
-    import test_errors
-    return test_errors
+    import helpers
+    return helpers
 
 
 def _register_error_cases():
@@ -146,10 +146,10 @@ def _register_error_cases():
         t = _errors_cases()
     except Exception:  # collected without torch: the runner registers them itself
         return
-    for name, exc, argname, override in t.CASES:
+    for name, exc, argname, override in t.BAD_CASES:
         def run(override=override):
             import hkt
-            q, k, v, w = t.base()
+            q, k, v, w = t.bad_input_base()
             args = dict(q=q, k=k, v=v, w=w)
             kw = {}
             for key, val in override.items():

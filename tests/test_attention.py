@@ -1,6 +1,5 @@
 """hkt.hkt_attention against the plain-PyTorch reference (float64), SDPA, gradcheck,
 compile and custom-op checks."""
-import math
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from hkt import _C, ops
 from hkt._kernels import dropout_keep_mask
 from hkt.reference import hkt_attention_reference as reference
 
-from conftest import level_len, sample_inputs
+from helpers import MASKS, make_mask, sample_inputs
 
 # (B, H, T, S, D, Dv, L): awkward lengths, S != T, D and Dv not multiples of 8
 SIZES = [
@@ -24,24 +23,6 @@ SIZES = [
     (1, 1, 1025, 257, 5, 3, 4),
     (1, 2, 200, 200, 64, 64, 3),
 ]
-MASKS = [None, "bool", "float", "bool4d"]
-
-
-def make_mask(kind, B, H, T, S, dtype, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    if kind is None:
-        return None
-    if kind == "bool":
-        return torch.rand(T, S, generator=g) > 0.3
-    if kind == "bool4d":  # whole rows masked out too
-        m = torch.rand(B, 1, T, S, generator=g) > 0.5
-        m[:, :, ::5] = False
-        return m
-    m = torch.randn(1, H, T, S, generator=g, dtype=dtype)
-    m[..., ::3, 1::2] = float("-inf")
-    return m
-
-
 def grads(out, tensors, seed=3):
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
     return torch.autograd.grad(out, tensors, g)

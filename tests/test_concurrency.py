@@ -14,7 +14,7 @@ import torch
 import hkt
 from hkt import _C
 
-from conftest import level_len, sample_inputs
+from helpers import level_len, sample_inputs
 from hostile_cases import child_env
 
 N_THREADS = 8
@@ -202,7 +202,7 @@ FORK_SCRIPT = r"""
 import os, pickle, select, signal, sys, time
 import torch, hkt
 sys.path.insert(0, TESTS)
-from conftest import sample_inputs
+from helpers import sample_inputs
 
 torch.set_num_threads(2)
 
@@ -268,7 +268,7 @@ def test_forked_child_via_multiprocessing():
         import multiprocessing as mp, sys
         import numpy as np, torch, hkt
         sys.path.insert(0, %r)
-        from conftest import sample_inputs
+        from helpers import sample_inputs
 
         def compute(_=None):
             torch.set_num_threads(2)

@@ -34,8 +34,7 @@ from hkt import _C, ops
 from hkt._kernels import dropout_keep_mask
 from hkt.reference import hkt_attention_reference as reference
 
-from conftest import sample_inputs
-from test_attention import MASKS, make_mask
+from helpers import MASKS, make_mask, sample_inputs
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _C.has_cuda),
                                reason="needs a CUDA GPU and hkt built with HKT_CUDA=1")

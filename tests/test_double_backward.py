@@ -13,7 +13,7 @@ import hkt
 from hkt import _kernels
 from hkt.reference import hkt_attention_reference
 
-from conftest import sample_inputs
+from helpers import sample_inputs
 
 F64 = torch.float64
 

@@ -10,61 +10,9 @@ import torch
 import hkt
 from hkt import _C
 
-from conftest import sample_inputs
+from helpers import BAD_CASES as CASES, bad_input_base as base, swap
 
 
-def base(dtype=torch.float64):
-    return sample_inputs(2, 3, 10, 7, 4, 5, 3, dtype=dtype)
-
-
-def swap(seq, i, x):
-    seq = list(seq)
-    seq[i] = x
-    return seq
-
-
-def bad_cases():
-    q, k, v, w = base()
-    f32 = base(torch.float32)
-    yield "q-not-seq", TypeError, "q", dict(q=q[0])
-    yield "q-empty", ValueError, "q", dict(q=[])
-    yield "q-item-not-tensor", TypeError, "q[1]", dict(q=swap(q, 1, "x"))
-    yield "q-rank", ValueError, "q[0]", dict(q=swap(q, 0, q[0][0]))
-    yield "q-level-length", ValueError, "q[1]", dict(q=swap(q, 1, torch.randn(2, 3, 4, 4, dtype=torch.float64)))
-    yield "q-level-head-dim", ValueError, "q[2]", dict(q=swap(q, 2, torch.randn(2, 3, 3, 6, dtype=torch.float64)))
-    yield "k-level-length", ValueError, "k[2]", dict(k=swap(k, 2, torch.randn(2, 3, 3, 4, dtype=torch.float64)))
-    yield "k-head-dim", ValueError, "k[0]", dict(k=swap(k, 0, torch.randn(2, 3, 7, 3, dtype=torch.float64)))
-    yield "k-batch", ValueError, "k[0]", dict(k=swap(k, 0, torch.randn(1, 3, 7, 4, dtype=torch.float64)))
-    yield "k-levels", ValueError, "k", dict(k=k[:2])
-    yield "v-length", ValueError, "v", dict(v=torch.randn(2, 3, 8, 5, dtype=torch.float64))
-    yield "v-rank", ValueError, "v", dict(v=torch.randn(3, 7, 5, dtype=torch.float64))
-    yield "v-type", TypeError, "v", dict(v=np.zeros((2, 3, 7, 5)))
-    yield "w-length", ValueError, "w", dict(w=torch.randn(4, dtype=torch.float64))
-    yield "w-heads", ValueError, "w", dict(w=torch.randn(2, 3, dtype=torch.float64))
-    yield "mixed-dtype", TypeError, "k[1]", dict(k=swap(k, 1, f32[1][1]))
-    yield "mixed-dtype-w", TypeError, "w", dict(w=f32[3])
-    yield "half", TypeError, "q[0]", dict(q=[x.half() for x in q], k=[x.half() for x in k], v=v.half(), w=w.half())
-    yield "int", TypeError, "q[0]", dict(q=[x.long() for x in q])
-    yield "device", ValueError, "v", dict(v=torch.empty(2, 3, 7, 5, dtype=torch.float64, device="meta"))
-    yield "nan-scale", ValueError, "scale", dict(scale=float("nan"))
-    yield "inf-scale", ValueError, "scale", dict(scale=float("inf"))
-    yield "str-scale", TypeError, "scale", dict(scale="0.5")
-    yield "mask-shape", ValueError, "attn_mask", dict(attn_mask=torch.ones(10, 8, dtype=torch.bool))
-    yield "mask-dtype", TypeError, "attn_mask", dict(attn_mask=torch.ones(10, 7, dtype=torch.int32))
-    yield "mask-type", TypeError, "attn_mask", dict(attn_mask=[[True]])
-    yield "dropout", ValueError, "dropout_p", dict(dropout_p=1.5)
-    yield "dropout-neg", ValueError, "dropout_p", dict(dropout_p=-0.1)
-    yield "causal-type", TypeError, "is_causal", dict(is_causal="yes")
-    yield "head-dim-zero", ValueError, "q[0]", dict(q=[torch.randn(2, 3, -(-10 // 2**l), 0, dtype=torch.float64)
-                                                     for l in range(3)],
-                                                  k=[torch.randn(2, 3, -(-7 // 2**l), 0, dtype=torch.float64)
-                                                     for l in range(3)])
-    yield "too-many-levels", ValueError, "q", dict(
-        q=[torch.randn(1, 1, 1, 2, dtype=torch.float64)] * 30, k=[torch.randn(1, 1, 1, 2, dtype=torch.float64)] * 30,
-        v=torch.randn(1, 1, 1, 2, dtype=torch.float64), w=torch.randn(30, dtype=torch.float64))
-
-
-CASES = list(bad_cases())
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -109,10 +57,10 @@ def test_interpreter_survives_bad_input():
     script = textwrap.dedent("""
         import sys
         sys.path.insert(0, %r)
-        import test_errors as t, hkt
+        import helpers as t, hkt
         n = 0
-        for name, exc, argname, override in t.CASES:
-            q, k, v, w = t.base()
+        for name, exc, argname, override in t.BAD_CASES:
+            q, k, v, w = t.bad_input_base()
             args = dict(q=q, k=k, v=v, w=w); kw = {}
             for key, val in override.items():
                 (args if key in args else kw)[key] = val

@@ -26,7 +26,7 @@ import hkt
 from hkt import _C
 from hkt.reference import hkt_attention_reference as reference
 
-from conftest import level_len, sample_inputs
+from helpers import level_len, sample_inputs
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

@@ -9,8 +9,7 @@ import hkt
 from hkt import functional
 from hkt.reference import hkt_attention_reference as reference
 
-from conftest import sample_inputs
-from test_attention import MASKS, make_mask
+from helpers import MASKS, make_mask, sample_inputs
 
 # (B, H, T, S, D, Dv, L): T = 1, S != T both ways, L up to 5, odd D and Dv
 SIZES = [

@@ -1,0 +1,97 @@
+"""Helpers the test files share (imported as ``helpers``; pytest puts tests/ on
+the path): random HKT inputs and the attention masks the tests sweep."""
+import numpy as np
+import torch
+
+
+def level_len(n, l):
+    return -(-n // 2**l)
+
+
+def sample_inputs(B, H, T, S, D, Dv, L, *, dtype=torch.float64, per_head=True, requires_grad=False,
+                  device="cpu", seed=0):
+    """Random HKT inputs: q, k lists of L levels, v, w."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_(requires_grad)
+
+    q = [rnd(B, H, level_len(T, l), D) for l in range(L)]
+    k = [rnd(B, H, level_len(S, l), D) for l in range(L)]
+    v = rnd(B, H, S, Dv)
+    w = rnd(H, L) if per_head else rnd(L)
+    return q, k, v, w
+
+
+MASKS = [None, "bool", "float", "bool4d"]
+
+
+def make_mask(kind, B, H, T, S, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "bool":
+        return torch.rand(T, S, generator=g) > 0.3
+    if kind == "bool4d":  # whole rows masked out too
+        m = torch.rand(B, 1, T, S, generator=g) > 0.5
+        m[:, :, ::5] = False
+        return m
+    m = torch.randn(1, H, T, S, generator=g, dtype=dtype)
+    m[..., ::3, 1::2] = float("-inf")
+    return m
+
+
+def bad_input_base(dtype=torch.float64):
+    """The valid call every BAD_CASES entry spoils one argument of."""
+    return sample_inputs(2, 3, 10, 7, 4, 5, 3, dtype=dtype)
+
+
+def swap(seq, i, x):
+    seq = list(seq)
+    seq[i] = x
+    return seq
+
+
+def bad_cases():
+    q, k, v, w = bad_input_base()
+    f32 = bad_input_base(torch.float32)
+    yield "q-not-seq", TypeError, "q", dict(q=q[0])
+    yield "q-empty", ValueError, "q", dict(q=[])
+    yield "q-item-not-tensor", TypeError, "q[1]", dict(q=swap(q, 1, "x"))
+    yield "q-rank", ValueError, "q[0]", dict(q=swap(q, 0, q[0][0]))
+    yield "q-level-length", ValueError, "q[1]", dict(q=swap(q, 1, torch.randn(2, 3, 4, 4, dtype=torch.float64)))
+    yield "q-level-head-dim", ValueError, "q[2]", dict(q=swap(q, 2, torch.randn(2, 3, 3, 6, dtype=torch.float64)))
+    yield "k-level-length", ValueError, "k[2]", dict(k=swap(k, 2, torch.randn(2, 3, 3, 4, dtype=torch.float64)))
+    yield "k-head-dim", ValueError, "k[0]", dict(k=swap(k, 0, torch.randn(2, 3, 7, 3, dtype=torch.float64)))
+    yield "k-batch", ValueError, "k[0]", dict(k=swap(k, 0, torch.randn(1, 3, 7, 4, dtype=torch.float64)))
+    yield "k-levels", ValueError, "k", dict(k=k[:2])
+    yield "v-length", ValueError, "v", dict(v=torch.randn(2, 3, 8, 5, dtype=torch.float64))
+    yield "v-rank", ValueError, "v", dict(v=torch.randn(3, 7, 5, dtype=torch.float64))
+    yield "v-type", TypeError, "v", dict(v=np.zeros((2, 3, 7, 5)))
+    yield "w-length", ValueError, "w", dict(w=torch.randn(4, dtype=torch.float64))
+    yield "w-heads", ValueError, "w", dict(w=torch.randn(2, 3, dtype=torch.float64))
+    yield "mixed-dtype", TypeError, "k[1]", dict(k=swap(k, 1, f32[1][1]))
+    yield "mixed-dtype-w", TypeError, "w", dict(w=f32[3])
+    yield "half", TypeError, "q[0]", dict(q=[x.half() for x in q], k=[x.half() for x in k], v=v.half(), w=w.half())
+    yield "int", TypeError, "q[0]", dict(q=[x.long() for x in q])
+    yield "device", ValueError, "v", dict(v=torch.empty(2, 3, 7, 5, dtype=torch.float64, device="meta"))
+    yield "nan-scale", ValueError, "scale", dict(scale=float("nan"))
+    yield "inf-scale", ValueError, "scale", dict(scale=float("inf"))
+    yield "str-scale", TypeError, "scale", dict(scale="0.5")
+    yield "mask-shape", ValueError, "attn_mask", dict(attn_mask=torch.ones(10, 8, dtype=torch.bool))
+    yield "mask-dtype", TypeError, "attn_mask", dict(attn_mask=torch.ones(10, 7, dtype=torch.int32))
+    yield "mask-type", TypeError, "attn_mask", dict(attn_mask=[[True]])
+    yield "dropout", ValueError, "dropout_p", dict(dropout_p=1.5)
+    yield "dropout-neg", ValueError, "dropout_p", dict(dropout_p=-0.1)
+    yield "causal-type", TypeError, "is_causal", dict(is_causal="yes")
+    yield "head-dim-zero", ValueError, "q[0]", dict(q=[torch.randn(2, 3, -(-10 // 2**l), 0, dtype=torch.float64)
+                                                     for l in range(3)],
+                                                  k=[torch.randn(2, 3, -(-7 // 2**l), 0, dtype=torch.float64)
+                                                     for l in range(3)])
+    yield "too-many-levels", ValueError, "q", dict(
+        q=[torch.randn(1, 1, 1, 2, dtype=torch.float64)] * 30, k=[torch.randn(1, 1, 1, 2, dtype=torch.float64)] * 30,
+        v=torch.randn(1, 1, 1, 2, dtype=torch.float64), w=torch.randn(30, dtype=torch.float64))
+
+
+# (name, exception, argument the message starts with, overrides of bad_input_base's call)
+BAD_CASES = list(bad_cases())
