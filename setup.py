@@ -146,7 +146,7 @@ setup(
     ext_modules=[
         Extension(
             "hkt._C",
-            sources=["csrc/hkt_attention.c", "csrc/hkt_module.c"],
+            sources=["csrc/hkt_attention.c", "csrc/hkt_binding.c"],
             include_dirs=["csrc"],
             depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h"]
             + ([CUDA_SOURCE] if build_ext_cuda.nvcc else []),

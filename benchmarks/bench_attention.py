@@ -21,7 +21,7 @@ import textwrap
 import torch
 
 import hkt
-from hkt.benchmark import (attention_callables, describe_machine, machine_info, max_error, report_targets, score_flops,
+from hkt.timing import (attention_callables, describe_machine, machine_info, max_error, report_targets, score_flops,
                            sgemm_gflops, time_interleaved)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,7 +44,7 @@ def check_correctness():
 MEMORY_SCRIPT = textwrap.dedent("""
     import sys, json, torch, hkt
     import torch.nn.functional as F
-    from hkt.benchmark import make_inputs
+    from hkt.timing import make_inputs
     kind, T, H, D, L = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(int(sys.argv[6]))
 

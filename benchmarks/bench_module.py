@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import hkt
-from hkt.benchmark import describe_machine, machine_info, report_targets, time_interleaved
+from hkt.timing import describe_machine, machine_info, report_targets, time_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

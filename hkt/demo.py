@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from . import _C
-from .benchmark import attention_callables, max_error, time_interleaved
+from .timing import attention_callables, max_error, time_interleaved
 
 
 def attention_table(B=1, H=8, T=1024, D=64, levels=(1, 2, 3), is_causal=False, repeats=5):

@@ -88,7 +88,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*q, *k, v, w, out, lse, attn_mask, seed)
 
 
-def _backward(ctx, grad_out, grad_lse):
+def _forward_op_gradients(ctx, grad_out, grad_lse):
     L = ctx.L
     saved = ctx.saved_tensors
     q, k = list(saved[:L]), list(saved[L:2 * L])
@@ -102,7 +102,7 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, dw, dmask, None, None, None, None
 
 
-torch.library.register_autograd("hkt::attention_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients, setup_context=_setup_context)
 
 
 # ---- double backward ------------------------------------------------------------

@@ -827,9 +827,9 @@ def emulated(tmp_path_factory):
     assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu), \
         "the CUDA entry points must not allocate or synchronize (graph capture, stream order)"
     (d / "emu.cpp").write_text(cu)
-    binding = (csrc / "hkt_module.c").read_text()
+    binding = (csrc / "hkt_binding.c").read_text()
     key = "if (q0->device.device_type == kDLCUDA) {"
-    assert key in binding, "hkt_module.c changed: update the emulation's patch in this test"
+    assert key in binding, "hkt_binding.c changed: update the emulation's patch in this test"
     binding = binding.replace(key, "if (1) {").replace("PyInit__C", "PyInit__Cemu").replace('"hkt._C"', '"_Cemu"')
     (d / "module.c").write_text(binding)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
