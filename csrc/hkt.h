@@ -47,6 +47,8 @@ extern "C" {
 #endif
 
 #define HKT_MAX_LEVELS 24
+/* The CPU kernels' query and key tile (rows and columns of one score block). */
+#define HKT_CPU_TILE 64
 
 enum hkt_dtype { HKT_FLOAT32 = 0, HKT_FLOAT64 = 1 };
 enum hkt_mask_kind { HKT_MASK_NONE = 0, HKT_MASK_BOOL = 1, HKT_MASK_FLOAT = 2 };

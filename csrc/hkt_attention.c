@@ -27,8 +27,8 @@
 
 /* Tile sizes: powers of two, so a tile always holds whole 2^l blocks of every
  * level with 2^l <= 64 and lies inside one block of any coarser level. */
-#define BQ 64
-#define BK 64
+#define BQ HKT_CPU_TILE
+#define BK HKT_CPU_TILE
 #define HKT_KEY_CACHE_BYTES ((size_t)64 << 20)
 
 /* Compile the hot loops for several ISAs and pick one at load time, so one
@@ -554,7 +554,7 @@ static HKT_HOT void FN(forward_task)(const hkt_params *p, const ws_layout *ws, c
     const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
     const int use_dropout = p->dropout_p > 0;
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
-    const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
+    const real kf = (real)keep_scale(p->dropout_p);
     FN(thread_state) *state = (FN(thread_state) *)block;
     real *base = (real *)(block + WS_HEADER);
     real *Sbuf = base + ws->s, *m = base + ws->m, *ready = base + ws->ready;
@@ -700,7 +700,7 @@ static HKT_HOT void FN(backward_pair)(const hkt_params *p, const ws_layout *ws, 
     /* dS = P * (dP * keep / (1 - p) - delta), before the scale */
     if (p->dropout_p > 0) {
         const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
-        const real kf = p->dropout_p < 1 ? (real)(1.0 / (1.0 - p->dropout_p)) : 0;
+        const real kf = (real)keep_scale(p->dropout_p);
         for (int64_t r = 0; r < nq; r++) {
             const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
             const real di = delta[i0 + r];

@@ -451,7 +451,7 @@ static cuda_args make_args(const hkt_params *p) {
     a.p = *p;
     a.seed_mixed = mix64(p->seed);
     a.threshold = keep_threshold(p->dropout_p);
-    a.keep_scale = p->dropout_p < 1 ? 1.0 / (1.0 - p->dropout_p) : 0.0;
+    a.keep_scale = keep_scale(p->dropout_p);
     a.G = (int64_t)1 << (p->L - 1);
     a.nqb = (p->T + a.G - 1) / a.G;
     a.nkb = (p->S + a.G - 1) / a.G;

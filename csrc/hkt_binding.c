@@ -1016,6 +1016,7 @@ static int exec_module(PyObject *m) {
 #endif
     if (PyModule_AddObjectRef(m, "has_cuda", cuda) < 0) return -1;
     if (PyModule_AddIntConstant(m, "max_levels", HKT_MAX_LEVELS) < 0) return -1;
+    if (PyModule_AddIntConstant(m, "cpu_tile", HKT_CPU_TILE) < 0) return -1;
     if (PyModule_AddIntConstant(m, "max_threads", HKT_MAX_THREADS) < 0) return -1;
     static int atfork_registered = 0;
     if (!atfork_registered && pthread_atfork(NULL, NULL, after_fork_in_child) == 0) atfork_registered = 1;

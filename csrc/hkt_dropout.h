@@ -34,6 +34,9 @@ static HKT_HOST_DEVICE inline uint64_t keep_threshold(double p) {
     return (uint64_t)(p * 9007199254740992.0); /* p * 2^53 */
 }
 
+/* What a kept entry is multiplied by: 1 / (1 - p), and 0 when everything is dropped. */
+static HKT_HOST_DEVICE inline double keep_scale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
+
 static HKT_HOST_DEVICE inline int keep_entry(uint64_t seed_mixed, uint64_t threshold, uint64_t index) {
     return (mix64(seed_mixed + index * 0x9e3779b97f4a7c15ULL) >> 11) >= threshold;
 }

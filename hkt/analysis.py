@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple, Union
 
 import torch
+
+from . import _C
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -40,8 +42,8 @@ __all__ = [
     "multiscale_kernel", "best_level_fit", "approximation_error_curve", "plot_approximation_error",
 ]
 
-# The CPU kernel's query and key tile sizes (csrc/hkt_attention.c: BQ, BK).
-KERNEL_TILE = 64
+# The CPU kernel's query and key tile size, as the extension was built with it.
+KERNEL_TILE = _C.cpu_tile
 
 
 # --------------------------------------------------------------------------- cost

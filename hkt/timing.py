@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from .analysis import cost_ratio
 from .functional import hkt_attention
 from .reference import hkt_attention_reference
 
@@ -162,7 +163,7 @@ def attention_callables(B, H, T, D, levels, *, is_causal=False, backward=False, 
 def score_flops(B, H, T, D, L, *, is_causal=False, backward=False) -> float:
     """Nominal floating-point operations of attention with L levels (2 per multiply-add):
     scores T*T*D*sum_l 4^-l, P@V T*T*D; the backward about 2.5x the forward."""
-    levels = sum(4.0 ** -l for l in range(L))
+    levels = cost_ratio(L)
     fwd = 2.0 * B * H * T * T * D * (levels + 1)
     if is_causal:
         fwd /= 2
