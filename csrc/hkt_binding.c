@@ -446,18 +446,22 @@ static int parse_stream(PyObject *obj, held *hd, void **handle) {
 static volatile int forked_child = 0;
 static void after_fork_in_child(void) { forked_child = 1; }
 
+/* obj NULL (not given) or <= 0: OpenMP's default. */
 static int parse_threads(PyObject *obj, int *out) {
-    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
-        char tn[128];
-        PyErr_Format(PyExc_TypeError, "num_threads: expected an int, got %.100s", type_name(obj, tn, sizeof tn));
-        return -1;
-    }
-    int overflow = 0;
-    const long long n = PyLong_AsLongLongAndOverflow(obj, &overflow);
-    if (n == -1 && PyErr_Occurred()) return -1;
-    if (overflow > 0 || n > HKT_MAX_THREADS) {
-        PyErr_Format(PyExc_ValueError, "num_threads: must be at most %d, got %R", HKT_MAX_THREADS, obj);
-        return -1;
+    long long n = 0;
+    if (obj != NULL) {
+        if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+            char tn[128];
+            PyErr_Format(PyExc_TypeError, "num_threads: expected an int, got %.100s", type_name(obj, tn, sizeof tn));
+            return -1;
+        }
+        int overflow = 0;
+        n = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (n == -1 && PyErr_Occurred()) return -1;
+        if (overflow > 0 || n > HKT_MAX_THREADS) {
+            PyErr_Format(PyExc_ValueError, "num_threads: must be at most %d, got %R", HKT_MAX_THREADS, obj);
+            return -1;
+        }
     }
     *out = n > 0 ? (int)n : hkt_default_threads(); /* <= 0 (or a huge negative): OpenMP's default */
     if (*out > HKT_MAX_THREADS) *out = HKT_MAX_THREADS;
@@ -768,10 +772,8 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     const DLTensor *q0, *mt;
     void *stream_handle;
     if (parse_stream(stream, &hd, &stream_handle)) return NULL;
-    PyObject *zero = nthreads ? NULL : PyLong_FromLong(0);
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
-                         nthreads ? nthreads : zero, 1, &q0, &mt);
-    Py_XDECREF(zero);
+                         nthreads, 1, &q0, &mt);
     p.stream = stream_handle;
     p.key_cache_bytes = key_cache_bytes;
     if (rc == 0) rc = check_overlaps(&hd);
@@ -882,10 +884,8 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     const DLTensor *q0, *mt, *t;
     void *stream_handle;
     if (parse_stream(stream, &hd, &stream_handle)) return NULL;
-    PyObject *zero = nthreads ? NULL : PyLong_FromLong(0);
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
-                         nthreads ? nthreads : zero, 0, &q0, &mt);
-    Py_XDECREF(zero);
+                         nthreads, 0, &q0, &mt);
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;

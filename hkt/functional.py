@@ -165,19 +165,11 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     q0 = q[0]
     if q0.dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
         _check_inputs(q, k, v, w)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    _check_scalars(is_causal, dropout_p, scale)
     if attn_mask is not None:
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(_kernels.compute_dtype(q0.dtype))
-        # Kept at its own size (a view with leading 1s, never expanded): the
-        # kernels broadcast it, and a float mask's gradient comes back in its shape.
-        if attn_mask.dim() < 4:
-            attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        attn_mask = _as_4d(attn_mask)
     dropout_p = float(dropout_p)
     if torch.compiler.is_compiling():
         # traced: the registered custom op, which torch.compile understands
@@ -202,16 +194,30 @@ def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     the extension would for the kernels, then plain differentiable torch ops."""
     _check_inputs(q, k, v, w)
     _check_mask(attn_mask, q[0].device)
+    _check_scalars(is_causal, dropout_p, scale)
+    if attn_mask is not None:
+        attn_mask = _as_4d(attn_mask)
+    _sdpa.check_arguments(q, k, v, w, attn_mask, float(dropout_p), scale)
+    return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
+
+
+def _check_scalars(is_causal, dropout_p, scale):
+    """Types of the scalar arguments (their ranges are the extension's, or
+    hkt._sdpa's, to check)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
-    if attn_mask is not None and attn_mask.dim() < 4:
+
+
+def _as_4d(attn_mask: Tensor) -> Tensor:
+    """The mask kept at its own size, as a view with leading 1s (never expanded):
+    the kernels broadcast it, and a float mask's gradient comes back in its shape."""
+    if attn_mask.dim() < 4:
         attn_mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
-    _sdpa.check_arguments(q, k, v, w, attn_mask, float(dropout_p), scale)
-    return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
+    return attn_mask
 
 
 def _scale_value(scale, q0: Tensor) -> float:

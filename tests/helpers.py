@@ -95,3 +95,13 @@ def bad_cases():
 
 # (name, exception, argument the message starts with, overrides of bad_input_base's call)
 BAD_CASES = list(bad_cases())
+
+
+def with_threads(n, fn):
+    """fn() with torch at n threads, the old count restored after."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)

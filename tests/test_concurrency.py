@@ -14,19 +14,10 @@ import torch
 import hkt
 from hkt import _C
 
-from helpers import level_len, sample_inputs
+from helpers import level_len, sample_inputs, with_threads
 from hostile_cases import child_env
 
 N_THREADS = 8
-
-
-def with_threads(n, fn):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
 
 
 def job_inputs(i):

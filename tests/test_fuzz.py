@@ -26,7 +26,7 @@ import hkt
 from hkt import _C
 from hkt.reference import hkt_attention_reference as reference
 
-from helpers import level_len, sample_inputs
+from helpers import level_len, sample_inputs, with_threads
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -556,15 +556,6 @@ def build(c):
     loose = "all" if any(item.split()[0] == "v" for item in inject) else \
         any(item.split()[0] in ("q", "k", "w") for item in inject)
     return q, k, v, w, mask, dout, loose
-
-
-def with_threads(n, fn):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(old)
 
 
 def check_case(c):
