@@ -38,7 +38,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from .train import TASKS, build_model, evaluate, load_task, write_json
+from .train import TASKS, build_model, evaluate, load_task, training_step, write_json
 
 __all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all", "main"]
 
@@ -150,12 +150,7 @@ def train_steps(run: Dict, cfg: Dict, data, n: int, *, bar=None, on_eval=None) -
         idx = run["perm"][run["pos"]:run["pos"] + bs]
         run["pos"] += bs
         t0 = time.perf_counter()
-        loss = loss_fn(model(xtr[idx]), ytr[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = training_step(model, opt, sched, loss_fn, xtr[idx], ytr[idx])
         run["times"].append(time.perf_counter() - t0)
         lv = loss.item()
         if not math.isfinite(lv):

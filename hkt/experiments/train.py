@@ -25,7 +25,7 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TASKS", "Classifier", "build_model", "load_task", "evaluate", "train_classifier", "main"]
+__all__ = ["TASKS", "Classifier", "build_model", "load_task", "evaluate", "training_step", "train_classifier", "main"]
 
 # vocab (token ids, 0 = padding), classes, default sequence length
 TASKS = {
@@ -115,6 +115,19 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 256) -> f
     return correct / max(1, len(x))
 
 
+def training_step(model: nn.Module, opt, sched, loss_fn, x: Tensor, y: Tensor) -> Tensor:
+    """One optimiser step as every training loop here takes it: loss, backward,
+    gradients clipped at norm 1, AdamW, then the learning-rate schedule.
+    Returns the loss."""
+    loss = loss_fn(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss
+
+
 def train_classifier(task: str = "listops", attention: str = "standard", *, seed: int = 0, steps: int = 300,
           batch_size: int = 32, lr: float = 1e-3, weight_decay: float = 0.01, warmup: int = 20,
           seq_len: Optional[int] = None, d_model: int = 64, heads: int = 4, layers: int = 2, ff: int = 128,
@@ -170,12 +183,7 @@ def train_classifier(task: str = "listops", attention: str = "standard", *, seed
         idx = perm[pos:pos + batch_size]
         pos += batch_size
         t0 = time.perf_counter()
-        loss = loss_fn(model(xtr[idx]), ytr[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss = training_step(model, opt, sched, loss_fn, xtr[idx], ytr[idx])
         times.append(time.perf_counter() - t0)
         lv = loss.item()
         if not math.isfinite(lv):
