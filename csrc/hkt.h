@@ -5,9 +5,13 @@
  * Dv value head dim, L levels.  Level l holds Tl = ceil(T/2^l) queries and
  * Sl = ceil(S/2^l) keys:
  *
- *   q[l] (B, H, Tl, D)   k[l] (B, H, Sl, D)   v (B, H, S, Dv)   w (H, L) or (L,)
+ *   q[l] (B, H, Tl, D)   k[l] (B, H_kv, Sl, D)   v (B, H_kv, S, Dv)   w (H, L) or (L,)
  *   score[i, j] = scale * sum_l w[l] * <q[l][i >> l], k[l][j >> l]>  (+ float mask)
  *   out = softmax(score over visible j) @ v       (B, H, T, Dv)
+ *
+ * Grouped-query attention: k and v may have H_kv heads, H a multiple of H_kv;
+ * query head h reads kv head h / (H / H_kv), and dk, dv of a kv head are summed
+ * over its H / H_kv query heads in a fixed order (no copies, no atomics).
  *
  * Every array is described by a pointer and element strides; the last (feature)
  * dimension must have stride 1.  The kernels never allocate: outputs and the
@@ -55,6 +59,7 @@ enum hkt_mask_kind { HKT_MASK_NONE = 0, HKT_MASK_BOOL = 1, HKT_MASK_FLOAT = 2 };
 
 typedef struct {
     int64_t B, H, T, S, D, Dv;
+    int64_t H_kv;              /* heads of k[l], v, dk[l], dv: H_kv >= 1 divides H (or both 0) */
     int L;
     int dtype;                 /* enum hkt_dtype, shared by every real array */
 
@@ -164,6 +169,87 @@ void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
 int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen);
 int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen);
 #endif
+
+/* ---- Packed variable-length batches (hkt_varlen.c, CPU) ----
+ *
+ * nseq sequences packed along one row axis, as flash_attn_varlen_func packs
+ * them: sequence s owns query rows [cu_q[s], cu_q[s+1]) and key rows
+ * [cu_k[s], cu_k[s+1]) of level 0; T_s and S_s are those lengths.  Level l packs
+ * each sequence's ceil(T_s / 2^l) (ceil(S_s / 2^l)) level-l rows one after
+ * another, so its row offsets are the cumulative sums of those counts
+ * (hkt_varlen_level_rows gives the totals).  Every level is built per sequence
+ * (blocks start at the sequence's own start): sequence s is computed exactly as
+ * the (1, H, T_s, D) problem alone, bitwise, and nothing crosses a boundary.
+ *
+ * vp->p describes the packed arrays (B, T, S, mask_kind, dropout_p, dmask and
+ * dw_partial are ignored; no mask, no dropout):
+ *   q[l] (Tl_total, H, D), k[l] (Sl_total, H_kv, D), v (S_total, H_kv, Dv),
+ *   out and dout (T_total, H, Dv), dq[l] / dk[l] / dv like q[l] / k[l] / v:
+ *   pointers at packed row 0, strides {unused, head, row};
+ *   w, dw as for hkt_params; dw is summed over sequences in index order, so it
+ *   is bitwise the same for any num_threads, like every other result;
+ *   lse: H * T_total reals, sequence s's (H, T_s) block contiguous at H * cu_q[s];
+ *   workspace: hkt_varlen_workspace_bytes(vp, backward) bytes from the caller.
+ * Causal masking is per sequence (key j visible to query i when j <= i, both
+ * counted from the sequence's start). */
+typedef struct {
+    hkt_params p;
+    int64_t nseq;
+    const int64_t *cu_q, *cu_k; /* nseq + 1 level-0 offsets each, 0 = cu[0] <= cu[1] <= ... */
+} hkt_varlen_params;
+
+/* Rows of level l over all sequences: sum over s of ceil((cu[s+1] - cu[s]) / 2^l). */
+int64_t hkt_varlen_level_rows(const int64_t *cu, int64_t nseq, int l);
+size_t hkt_varlen_workspace_bytes(const hkt_varlen_params *vp, int backward);
+void hkt_forward_varlen_cpu(const hkt_varlen_params *vp);
+void hkt_backward_varlen_cpu(const hkt_varlen_params *vp);
+
+/* ---- decoding with a KV cache (hkt_decode.c): forward only, CPU ----
+ *
+ * Tn new positions per batch row b, t_i = seqlens[b] + i, against caches of
+ * S_max positions (the caller checks seqlens[b] >= 0 and seqlens[b] + Tn <=
+ * S_max, and that k_cache[l] has ceil(S_max / 2^l) rows or more):
+ *
+ *   q[l] (B, H, Tn, D)        the level-l query of position t_i (its block's)
+ *   k_cache[l] (B, H_kv, >= ceil(S_max/2^l), D)    v_cache (B, H_kv, S_max, Dv)
+ *   score[i, j] = scale * sum_l w[l] * <q[l][i], k_cache[l][j >> l]>,  j <= t_i
+ *   out[i] = softmax(score[i, 0..t_i]) @ v_cache[0..t_i]       (B, H, Tn, Dv)
+ *
+ * Query head h reads kv head h / (H / H_kv).  With v_new not NULL, first
+ * k_new[l] (B, H_kv, Tn, D) and v_new (B, H_kv, Tn, Dv) are written into the
+ * caches, row i at slot t_i >> l of level l (t_i of v_cache), i in order, so
+ * the last new position of a coarse block wins; nothing else is written but out.
+ * No key after t_i is read, so cache slots past seqlens[b] + Tn may hold
+ * anything.  Non-finite values as in hkt_forward_cpu: a NaN or +inf score makes
+ * its row NaN, NaN in v reaches the rows that see it, a row whose every score is
+ * -inf gives zeros.  Bitwise the same for any num_threads. */
+typedef struct {
+    int64_t B, H, H_kv, Tn, D, Dv;
+    int L;
+    int dtype;                 /* enum hkt_dtype */
+    /* strides (batch, head, row) in elements; the last dimension has stride 1 */
+    const void *q[HKT_MAX_LEVELS];
+    int64_t q_stride[HKT_MAX_LEVELS][3];
+    void *k_cache[HKT_MAX_LEVELS];
+    int64_t k_cache_stride[HKT_MAX_LEVELS][3];
+    void *v_cache;
+    int64_t v_cache_stride[3];
+    const void *k_new[HKT_MAX_LEVELS]; /* with v_new: appended first; else unused */
+    int64_t k_new_stride[HKT_MAX_LEVELS][3];
+    const void *v_new;         /* NULL: nothing appended */
+    int64_t v_new_stride[3];
+    const void *w;             /* w[h * w_stride[0] + l * w_stride[1]]; w_stride[0] = 0 for (L,) */
+    int64_t w_stride[2];
+    const int64_t *seqlens;    /* B entries: positions in the cache before this call */
+    double scale;
+    void *out;
+    int64_t out_stride[3];
+    void *workspace;           /* hkt_decode_workspace_bytes(p) bytes, any alignment */
+    int num_threads;
+} hkt_decode_params;
+
+size_t hkt_decode_workspace_bytes(const hkt_decode_params *p);
+void hkt_decode_cpu(const hkt_decode_params *p);
 
 #ifdef __cplusplus
 }

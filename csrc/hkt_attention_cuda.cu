@@ -1,8 +1,8 @@
 /*
  * HKT attention on CUDA: forward and backward, float32 and float64.
  *
- * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H, ceil(S/2^l), D),
- * v (B, H, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
+ * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H_kv, ceil(S/2^l), D),
+ * v (B, H_kv, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
  * Forward writes out and lse (+inf for a row with no visible key); backward
  * OVERWRITES dq[l], dk[l], dv, dw and, when not NULL, dmask.  Same contract,
  * field for field, as hkt_attention.c; every pointer in hkt_params is a device
@@ -122,6 +122,9 @@ __device__ static inline real warp_max(real x) {
 __device__ static inline int64_t warp_index() { return ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
 __device__ static inline int64_t warp_count() { return ((int64_t)gridDim.x * blockDim.x) >> 5; }
 
+/* The kv head that query head h reads (grouped-query attention; H_kv == H: h). */
+__device__ static inline int64_t kv_head(const hkt_params &p, int64_t h) { return h / (p.H / p.H_kv); }
+
 template <typename real>
 __device__ static inline real weight(const hkt_params &p, int64_t h, int l) {
     return ((const real *)p.w)[h * p.w_stride[0] + l * p.w_stride[1]];
@@ -144,7 +147,8 @@ __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64
     real s = 0;
     for (int l = p.L - 1; l >= 0; l--) {
         const real *qr = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1] + (i >> l) * p.q_stride[l][2];
-        const real *kr = (const real *)p.k[l] + b * p.k_stride[l][0] + h * p.k_stride[l][1] + (j >> l) * p.k_stride[l][2];
+        const real *kr = (const real *)p.k[l] + b * p.k_stride[l][0] + kv_head(p, h) * p.k_stride[l][1] +
+                         (j >> l) * p.k_stride[l][2];
         const real gl = dot(qr, kr, p.D);
         if (g) g[l] = gl;
         const real wl = scale * weight<real>(p, h, l);
@@ -173,7 +177,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) forward_kernel(const __gr
     for (int64_t r = warp_index(); r < p.B * p.H * T; r += warp_count()) {
         const int64_t bh = r / T, i = r % T, b = bh / p.H, h = bh % p.H;
         real *orow = (real *)p.out + b * p.out_stride[0] + h * p.out_stride[1] + i * p.out_stride[2];
-        const real *vb = (const real *)p.v + b * p.v_stride[0] + h * p.v_stride[1];
+        const real *vb = (const real *)p.v + b * p.v_stride[0] + kv_head(p, h) * p.v_stride[1];
         for (int64_t e = lane; e < Dv; e += 32) orow[e] = 0;
         real m = -INFINITY, lsum = 0;
         bool nan_row = false;
@@ -259,7 +263,7 @@ __device__ static inline real ds_of(const cuda_args &a, int64_t b, int64_t h, in
     }
     const real P = dev_exp(s - ((const real *)p.lse)[r]);
     const real *dorow = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1] + i * p.dout_stride[2];
-    const real *vrow = (const real *)p.v + b * p.v_stride[0] + h * p.v_stride[1] + j * p.v_stride[2];
+    const real *vrow = (const real *)p.v + b * p.v_stride[0] + kv_head(p, h) * p.v_stride[1] + j * p.v_stride[2];
     const real dp = dot(dorow, vrow, p.Dv);
     real f = 1;
     if (p.dropout_p > 0) {
@@ -313,7 +317,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dq_kernel(const __grid_co
                 const int64_t nk = jend - j0 < 32 ? jend - j0 : 32;
                 for (int l = 0; l < L; l++) {
                     const real wl = scale * weight<real>(p, h, l);
-                    const real *kb = (const real *)p.k[l] + b * p.k_stride[l][0] + h * p.k_stride[l][1];
+                    const real *kb = (const real *)p.k[l] + b * p.k_stride[l][0] + kv_head(p, h) * p.k_stride[l][1];
                     real *dqrow = (real *)p.dq[l] + b * p.dq_stride[l][0] + h * p.dq_stride[l][1] +
                                   (i >> l) * p.dq_stride[l][2];
                     for (int64_t d = lane; d < D; d += 32) {
@@ -335,8 +339,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dq_kernel(const __grid_co
     }
 }
 
-/* dk of every level and dv for the key rows [j_lo, j_hi) of one (b, h): one
- * warp per (b, h, block of G keys), lanes over queries. */
+/* dk of every level and dv for the key rows [j_lo, j_hi) of one (b, kv head):
+ * one warp per (b, kv head, block of G keys), lanes over queries; the query
+ * heads of the kv head's group are added one after another, in order. */
 template <typename real>
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_constant__ cuda_args a) {
     const hkt_params &p = a.p;
@@ -345,19 +350,22 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_c
     const int L = p.L;
     const int64_t T = p.T, S = p.S, D = p.D, Dv = p.Dv;
     const real scale = (real)p.scale;
-    for (int64_t task = warp_index(); task < p.B * p.H * a.nkb; task += warp_count()) {
-        const int64_t bh = task / a.nkb, blk = task % a.nkb, b = bh / p.H, h = bh % p.H;
+    const int64_t group = p.H / p.H_kv;
+    for (int64_t task = warp_index(); task < p.B * p.H_kv * a.nkb; task += warp_count()) {
+        const int64_t bk = task / a.nkb, blk = task % a.nkb, b = bk / p.H_kv, hk = bk % p.H_kv;
         const int64_t j_lo = blk * a.G, j_hi = j_lo + a.G < S ? j_lo + a.G : S;
-        const real *dob = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
-        real *dvb = (real *)p.dv + b * p.dv_stride[0] + h * p.dv_stride[1];
+        real *dvb = (real *)p.dv + b * p.dv_stride[0] + hk * p.dv_stride[1];
         for (int l = 0; l < L; l++) {
-            real *dk = (real *)p.dk[l] + b * p.dk_stride[l][0] + h * p.dk_stride[l][1];
+            real *dk = (real *)p.dk[l] + b * p.dk_stride[l][0] + hk * p.dk_stride[l][1];
             for (int64_t row = j_lo >> l; row <= (j_hi - 1) >> l; row++)
                 for (int64_t d = lane; d < D; d += 32) dk[row * p.dk_stride[l][2] + d] = 0;
         }
         for (int64_t j = j_lo; j < j_hi; j++)
             for (int64_t e = lane; e < Dv; e += 32) dvb[j * p.dv_stride[2] + e] = 0;
-        for (int64_t j = j_lo; j < j_hi; j++) {
+        /* keys in order, and for each key the group's query heads in order */
+        for (int64_t jh = 0; jh < (j_hi - j_lo) * group; jh++) {
+            const int64_t j = j_lo + jh / group, h = hk * group + jh % group;
+            const real *dob = (const real *)p.dout + b * p.dout_stride[0] + h * p.dout_stride[1];
             /* causal: only queries i >= j see key j */
             for (int64_t i0 = p.causal ? j : 0; i0 < T; i0 += 32) {
                 const int64_t i = i0 + lane;
@@ -376,7 +384,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_c
                 for (int l = 0; l < L; l++) {
                     const real wl = scale * weight<real>(p, h, l);
                     const real *qb = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1];
-                    real *dkrow = (real *)p.dk[l] + b * p.dk_stride[l][0] + h * p.dk_stride[l][1] +
+                    real *dkrow = (real *)p.dk[l] + b * p.dk_stride[l][0] + hk * p.dk_stride[l][1] +
                                   (j >> l) * p.dk_stride[l][2];
                     for (int64_t d = lane; d < D; d += 32) {
                         real acc = 0;
@@ -471,7 +479,7 @@ template <typename real>
 static cudaError_t backward_launch(const cuda_args &a, const char **what) {
     const hkt_params &p = a.p;
     cudaStream_t stream = (cudaStream_t)p.stream;
-    const int64_t rows = p.B * p.H * p.T, qtasks = p.B * p.H * a.nqb, ktasks = p.B * p.H * a.nkb;
+    const int64_t rows = p.B * p.H * p.T, qtasks = p.B * p.H * a.nqb, ktasks = p.B * p.H_kv * a.nkb;
     cudaError_t e;
     *what = "backward delta kernel launch";
     if (rows > 0) delta_kernel<real><<<blocks_for(rows), THREADS, 0, stream>>>(a);

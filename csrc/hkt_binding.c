@@ -309,6 +309,21 @@ static int take_4d(const DLTensor *t, const char *name, const DLTensor *ref, con
     return 0;
 }
 
+/* A packed (rows, heads, cols) array (variable-length batches: sequences packed
+ * along rows): shape, dtype, device, strides; fills ptr and strides as hkt_params'
+ * (batch, head, row) ones, {unused, head, row}. */
+static int take_3d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want,
+                   const char *meaning, long long factor, int output, const void **ptr, int64_t *st3) {
+    if (check_real(t, name, ref) || check_shape(t, name, want, 3, meaning, factor) || check_strides(t, name))
+        return -1;
+    if (output && check_contiguous(t, name)) return -1;
+    *ptr = data_of(t);
+    st3[0] = 0;
+    st3[1] = stride_of(t, 1);
+    st3[2] = stride_of(t, 0);
+    return 0;
+}
+
 static int64_t level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 : 0; }
 
 /* A private tuple copy of a list/tuple of arrays: converting an item calls back
@@ -323,6 +338,23 @@ static int sequence_of(PyObject *obj, const char *name, PyObject **tuple) {
     }
     *tuple = PySequence_Tuple(obj);
     return *tuple ? 0 : -1;
+}
+
+/* q and the keys (named kname: "k", "k_cache") as private tuples of the same
+ * number of levels, 1 to HKT_MAX_LEVELS; returns that number, or -1 with an
+ * exception set (*qt / *kt may then hold a tuple, for the caller to release). */
+static int level_tuples(PyObject *qs, PyObject *ks, const char *kname, PyObject **qt, PyObject **kt) {
+    if (sequence_of(qs, "q", qt) || sequence_of(ks, kname, kt)) return -1;
+    const Py_ssize_t L = PyTuple_Size(*qt);
+    if (L < 1 || L > HKT_MAX_LEVELS) {
+        PyErr_Format(PyExc_ValueError, "q: expected 1 to %d levels, got %zd", HKT_MAX_LEVELS, L);
+        return -1;
+    }
+    if (PyTuple_Size(*kt) != L) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %zd levels like q, got %zd", kname, L, PyTuple_Size(*kt));
+        return -1;
+    }
+    return (int)L;
 }
 
 /* ---- sizes ----
@@ -507,13 +539,14 @@ static const DLTensor *take_q0(held *hd, PyObject *obj) {
     return q0;
 }
 
-/* Every level of q and k: shapes (B, H, ceil(n / 2^l), D), fills p's pointers. */
+/* Every level of q and k: shapes (B, H, ceil(T / 2^l), D) and (B, H_kv,
+ * ceil(S / 2^l), D); fills p's pointers. */
 static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, const DLTensor *q0,
                        const DLTensor *k0) {
     char name[32];
     for (int l = 0; l < p->L; l++) {
         int64_t wq[4] = {p->B, p->H, level_len(p->T, l), p->D};
-        int64_t wk[4] = {p->B, p->H, level_len(p->S, l), p->D};
+        int64_t wk[4] = {p->B, p->H_kv, level_len(p->S, l), p->D};
         const DLTensor *t;
         level_name(name, "q", l);
         t = l ? import_array(hd, PyTuple_GetItem(qt, l), name) : q0;
@@ -522,7 +555,7 @@ static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, cons
         note_span(hd, t, name, 0);
         level_name(name, "k", l);
         t = l ? import_array(hd, PyTuple_GetItem(kt, l), name) : k0;
-        if (!t || take_4d(t, name, q0, wk, "= (B, H, ceil(S/%lld), D)", 1LL << l, 0, &p->k[l], p->k_stride[l]))
+        if (!t || take_4d(t, name, q0, wk, "= (B, H_kv, ceil(S/%lld), D)", 1LL << l, 0, &p->k[l], p->k_stride[l]))
             return -1;
         note_span(hd, t, name, 0);
     }
@@ -597,17 +630,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     PyObject *qt = NULL, *kt = NULL;
     int rc = -1;
     memset(p, 0, sizeof *p);
-    if (sequence_of(qs, "q", &qt) || sequence_of(ks, "k", &kt)) goto done;
-    const Py_ssize_t L = PyTuple_Size(qt);
-    if (L < 1 || L > HKT_MAX_LEVELS) {
-        PyErr_Format(PyExc_ValueError, "q: expected 1 to %d levels, got %zd", HKT_MAX_LEVELS, L);
-        goto done;
-    }
-    if (PyTuple_Size(kt) != L) {
-        PyErr_Format(PyExc_ValueError, "k: expected %zd levels like q, got %zd", L, PyTuple_Size(kt));
-        goto done;
-    }
-    p->L = (int)L;
+    if ((p->L = level_tuples(qs, ks, "k", &qt, &kt)) < 0) goto done;
     const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0));
     if (!q0) goto done;
     p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
@@ -618,26 +641,33 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     const DLTensor *k0 = import_array(hd, PyTuple_GetItem(kt, 0), "k[0]");
     if (!k0) goto done;
     if (k0->ndim != 4) {
-        PyErr_Format(PyExc_ValueError, "k[0]: expected 4 dimensions (B, H, S, D), got %d", k0->ndim);
+        PyErr_Format(PyExc_ValueError, "k[0]: expected 4 dimensions (B, H_kv, S, D), got %d", k0->ndim);
         goto done;
     }
     p->S = k0->shape[2];
+    p->H_kv = k0->shape[1];
+    /* grouped-query attention: every query head reads kv head h / (H / H_kv) */
+    if (p->H_kv < 1 ? p->H != 0 || p->H_kv != 0 : p->H % p->H_kv != 0) {
+        PyErr_Format(PyExc_ValueError, "k[0]: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)",
+                     (long long)p->H_kv, (long long)p->H);
+        goto done;
+    }
     if (check_count("q[0]", "B x H x T x D", p->B, p->H, p->T, p->D) ||
-        check_count("k[0]", "B x H x S x D", p->B, p->H, p->S, p->D) ||
+        check_count("k[0]", "B x H_kv x S x D", p->B, p->H_kv, p->S, p->D) ||
         check_count("k[0]", "query-key pairs B x H x T x S", p->B, p->H, p->T, p->S))
         goto done;
     if (take_levels(p, hd, qt, kt, q0, k0)) goto done;
     const DLTensor *vt = import_array(hd, v, "v");
     if (!vt) goto done;
     if (vt->ndim != 4) {
-        PyErr_Format(PyExc_ValueError, "v: expected 4 dimensions (B, H, S, Dv), got %d", vt->ndim);
+        PyErr_Format(PyExc_ValueError, "v: expected 4 dimensions (B, H_kv, S, Dv), got %d", vt->ndim);
         goto done;
     }
     p->Dv = vt->shape[3];
     {
-        int64_t want[4] = {p->B, p->H, p->S, p->Dv};
-        if (check_count("v", "B x H x S x Dv", p->B, p->H, p->S, p->Dv) ||
-            take_4d(vt, "v", q0, want, "= (B, H, S, Dv)", 0, 0, &p->v, p->v_stride))
+        int64_t want[4] = {p->B, p->H_kv, p->S, p->Dv};
+        if (check_count("v", "B x H_kv x S x Dv", p->B, p->H_kv, p->S, p->Dv) ||
+            take_4d(vt, "v", q0, want, "= (B, H_kv, S, Dv)", 0, 0, &p->v, p->v_stride))
             goto done;
         note_span(hd, vt, "v", 0);
     }
@@ -720,9 +750,9 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
     if (!mem) {
         char gib[32]; /* PyErr_Format has no %g */
         snprintf(gib, sizeof gib, "%.3g", ((double)per * p->num_threads + (double)extra) / 1073741824.0);
-        PyErr_Format(PyExc_MemoryError, "k[0]: (B, H, S, D) = (%lld, %lld, %lld, %lld) needs %s GiB of "
+        PyErr_Format(PyExc_MemoryError, "k[0]: (B, H_kv, S, D) = (%lld, %lld, %lld, %lld) needs %s GiB of "
                      "workspace on %d threads, which could not be allocated", (long long)p->B,
-                     (long long)p->H, (long long)p->S, (long long)p->D, gib, p->num_threads);
+                     (long long)p->H_kv, (long long)p->S, (long long)p->D, gib, p->num_threads);
         return -1;
     }
     p->workspace = mem;
@@ -739,7 +769,8 @@ PyDoc_STRVAR(forward_doc,
 "forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
 "        dropout_p=0.0, seed=0, num_threads=0, stream=None, key_cache_bytes=-1)\n--\n\n"
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
-"(B, H, ceil(S/2^l), D); v (B, H, S, Dv); w (L,) or (H, L).  Writes out\n"
+"(B, H_kv, ceil(S/2^l), D); v (B, H_kv, S, Dv), H_kv dividing H (query head h\n"
+"reads kv head h / (H / H_kv)); w (L,) or (H, L).  Writes out\n"
 "(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype, sharing\n"
 "memory with no other argument.  attn_mask: None or 4-D, each dimension 1 or\n"
 "that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
@@ -783,31 +814,47 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
-/* dq / dk: sequences of L outputs shaped like q / k. */
-static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_params *p,
-                      const DLTensor *q0, int is_q, void **ptrs, int64_t (*strides)[3]) {
+/* dq / dk: a sequence of L output arrays, level l of shape want[l] (nd = 4:
+ * (B, heads, rows, D) through take_4d; nd = 3: packed (rows, heads, D) through
+ * take_3d); fills ptrs and strides. */
+static int take_level_outputs(held *hd, PyObject *seq, const char *base, int L, int nd, const int64_t (*want)[4],
+                              const char *meaning, const DLTensor *q0, void **ptrs, int64_t (*strides)[3]) {
     PyObject *tuple;
     char name[32];
+    int rc = -1;
     if (sequence_of(seq, base, &tuple)) return -1;
-    if (PyTuple_Size(tuple) != p->L) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, p->L, PyTuple_Size(tuple));
-        Py_DECREF(tuple);
-        return -1;
+    if (PyTuple_Size(tuple) != L) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, L, PyTuple_Size(tuple));
+        goto done;
     }
-    for (int l = 0; l < p->L; l++) {
-        int64_t want[4] = {p->B, p->H, level_len(is_q ? p->T : p->S, l), p->D};
+    for (int l = 0; l < L; l++) {
         const void *ptr;
         level_name(name, base, l);
         const DLTensor *t = import_array(hd, PyTuple_GetItem(tuple, l), name);
-        if (!t || take_4d(t, name, q0, want, is_q ? "like q" : "like k", 0, 1, &ptr, strides[l])) {
-            Py_DECREF(tuple);
-            return -1;
-        }
+        if (!t || (nd == 4 ? take_4d(t, name, q0, want[l], meaning, 0, 1, &ptr, strides[l])
+                           : take_3d(t, name, q0, want[l], meaning, 0, 1, &ptr, strides[l])))
+            goto done;
         ptrs[l] = (void *)ptr;
         note_span(hd, t, name, 1);
     }
+    rc = 0;
+done:
     Py_DECREF(tuple);
-    return 0;
+    return rc;
+}
+
+/* dq / dk of hkt_attention's backward: shaped like q / k. */
+static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_params *p,
+                      const DLTensor *q0, int is_q, void **ptrs, int64_t (*strides)[3]) {
+    int64_t want[HKT_MAX_LEVELS][4];
+    for (int l = 0; l < p->L; l++) {
+        want[l][0] = p->B;
+        want[l][1] = is_q ? p->H : p->H_kv;
+        want[l][2] = level_len(is_q ? p->T : p->S, l);
+        want[l][3] = p->D;
+    }
+    return take_level_outputs(hd, seq, base, p->L, 4, (const int64_t (*)[4])want, is_q ? "like q" : "like k", q0,
+                              ptrs, strides);
 }
 
 /* dmask: the float mask's gradient, C-contiguous, shaped like the mask. */
@@ -898,7 +945,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (take_grads(&hd, dq, "dq", &p, q0, 1, p.dq, p.dq_stride)) goto done;
     if (take_grads(&hd, dk, "dk", &p, q0, 0, p.dk, p.dk_stride)) goto done;
     {
-        int64_t want[4] = {p.B, p.H, p.S, p.Dv};
+        int64_t want[4] = {p.B, p.H_kv, p.S, p.Dv};
         const void *ptr;
         t = import_array(&hd, dv, "dv");
         if (!t || take_4d(t, "dv", q0, want, "like v", 0, 1, &ptr, p.dv_stride)) goto done;
@@ -996,9 +1043,689 @@ static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(hkt_default_threads());
 }
 
+/* ---- packed variable-length batches (hkt_varlen.c) ----
+ * Arrays are packed along rows: q[l] (rows, H, D) and the like.  A row stride
+ * and a head stride map onto hkt_params' (batch, head, row) strides as
+ * {unused, head, row}. */
+
+/* q[0] or k[0] of a packed call: float32/float64 (q[0] only: the others must
+ * match it), on the CPU, (rows, heads, D) with D >= 1. */
+static const DLTensor *take_packed0(held *hd, PyObject *obj, const char *name, const char *dims) {
+    const DLTensor *t = import_array(hd, obj, name);
+    if (!t) return NULL;
+    if (t->dtype.code != kDLFloat || (t->dtype.bits != 32 && t->dtype.bits != 64) || t->dtype.lanes != 1) {
+        PyErr_Format(PyExc_TypeError, "%s: dtype must be float32 or float64, got %s", name, dtype_name(t->dtype));
+        return NULL;
+    }
+    if (t->device.device_type != kDLCPU) {
+        PyErr_Format(PyExc_ValueError, "%s: packed variable-length attention runs on the CPU only "
+                     "(device type %d)", name, t->device.device_type);
+        return NULL;
+    }
+    if (t->ndim != 3) {
+        PyErr_Format(PyExc_ValueError, "%s: expected 3 dimensions %s, got %d", name, dims, t->ndim);
+        return NULL;
+    }
+    if (t->shape[2] < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: head dimension D must be at least 1", name);
+        return NULL;
+    }
+    return t;
+}
+
+/* cu_seqlens: a 1-D int32 or int64 CPU array of nseq + 1 offsets (nseq = want - 1
+ * when want > 0), starting at 0, never decreasing, ending at total (the rows of
+ * total_of).  Read into cu (want entries, or *n when want is 0: the caller frees). */
+static int take_cu(held *hd, PyObject *obj, const char *name, int64_t want, int64_t total, const char *total_of,
+                   int64_t **cu, int64_t *n) {
+    const DLTensor *t = import_array(hd, obj, name);
+    *cu = NULL;
+    if (!t) return -1;
+    if (t->dtype.code != kDLInt || (t->dtype.bits != 32 && t->dtype.bits != 64) || t->dtype.lanes != 1) {
+        PyErr_Format(PyExc_TypeError, "%s: dtype must be int32 or int64, got %s", name, dtype_name(t->dtype));
+        return -1;
+    }
+    if (t->device.device_type != kDLCPU) {
+        PyErr_Format(PyExc_ValueError, "%s: must be on the CPU (device type %d)", name, t->device.device_type);
+        return -1;
+    }
+    if (t->ndim != 1 || t->shape[0] < 1 || (want > 0 && t->shape[0] != want)) {
+        char got[160];
+        format_shape(got, sizeof got, t->shape, t->ndim);
+        if (want > 0)
+            PyErr_Format(PyExc_ValueError, "%s: expected shape (%lld,) like cu_seqlens_q (nseq + 1 offsets), got %s",
+                         name, (long long)want, got);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: expected a 1-D array of nseq + 1 offsets, got shape %s", name, got);
+        return -1;
+    }
+    const int64_t len = t->shape[0], st = stride_of(t, 0);
+    *cu = malloc(sizeof(int64_t) * (size_t)len);
+    if (!*cu) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    const char *at = data_of(t);
+    for (int64_t s = 0; s < len; s++) {
+        if (t->dtype.bits == 32) {
+            int32_t x;
+            memcpy(&x, at + s * st * 4, 4);
+            (*cu)[s] = x;
+        } else {
+            memcpy(&(*cu)[s], at + s * st * 8, 8);
+        }
+    }
+    if ((*cu)[0] != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: must start at 0, got %s[0] = %lld", name, name, (long long)(*cu)[0]);
+        return -1;
+    }
+    for (int64_t s = 1; s < len; s++)
+        if ((*cu)[s] < (*cu)[s - 1]) {
+            PyErr_Format(PyExc_ValueError, "%s: offsets not increasing: %s[%lld] = %lld after %s[%lld] = %lld",
+                         name, name, (long long)s, (long long)(*cu)[s], name, (long long)(s - 1),
+                         (long long)(*cu)[s - 1]);
+            return -1;
+        }
+    if ((*cu)[len - 1] != total) {
+        PyErr_Format(PyExc_ValueError, "%s: the last offset, %lld, must equal the %lld rows of %s", name,
+                     (long long)(*cu)[len - 1], (long long)total, total_of);
+        return -1;
+    }
+    *n = len;
+    return 0;
+}
+
+/* max_seqlen_q / _k: None, or an int at least the longest sequence (flash-attn
+ * callers pass it; the kernels need no hint, but a wrong one is a bug upstream). */
+static int check_max_seqlen(PyObject *obj, const char *name, const int64_t *cu, int64_t nseq, int64_t *longest) {
+    *longest = 0;
+    for (int64_t s = 0; s < nseq; s++)
+        if (cu[s + 1] - cu[s] > *longest) *longest = cu[s + 1] - cu[s];
+    if (obj == Py_None) return 0;
+    if (PyBool_Check(obj) || !PyLong_Check(obj)) {
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "%s: expected an int or None, got %.100s", name, type_name(obj, tn, sizeof tn));
+        return -1;
+    }
+    int overflow = 0;
+    const long long m = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (m == -1 && PyErr_Occurred()) return -1;
+    if (overflow < 0 || (!overflow && m < *longest)) {
+        PyErr_Format(PyExc_ValueError, "%s: %R is less than the longest sequence, %lld rows", name, obj,
+                     (long long)*longest);
+        return -1;
+    }
+    return 0;
+}
+
+/* q and k of every level: q[l] (Tl_total, H, D), k[l] (Sl_total, H_kv, D), where
+ * level l packs each sequence's ceil(len / 2^l) rows. */
+static int take_packed_levels(hkt_varlen_params *vp, held *hd, PyObject *qt, PyObject *kt, const DLTensor *q0,
+                              const DLTensor *k0) {
+    hkt_params *p = &vp->p;
+    char name[32];
+    for (int l = 0; l < p->L; l++) {
+        int64_t wq[3] = {hkt_varlen_level_rows(vp->cu_q, vp->nseq, l), p->H, p->D};
+        int64_t wk[3] = {hkt_varlen_level_rows(vp->cu_k, vp->nseq, l), p->H_kv, p->D};
+        const DLTensor *t;
+        level_name(name, "q", l);
+        t = l ? import_array(hd, PyTuple_GetItem(qt, l), name) : q0;
+        if (!t || take_3d(t, name, q0, wq, "= (sum of ceil(len/%lld) over cu_seqlens_q, H, D)", 1LL << l, 0,
+                          &p->q[l], p->q_stride[l]))
+            return -1;
+        note_span(hd, t, name, 0);
+        level_name(name, "k", l);
+        t = l ? import_array(hd, PyTuple_GetItem(kt, l), name) : k0;
+        if (!t || take_3d(t, name, q0, wk, "= (sum of ceil(len/%lld) over cu_seqlens_k, H_kv, D)", 1LL << l, 0,
+                          &p->k[l], p->k_stride[l]))
+            return -1;
+        note_span(hd, t, name, 0);
+    }
+    return 0;
+}
+
+/* The part of fill_varlen that needs the arrays of q and k as tuples. */
+static int fill_varlen_qk(hkt_varlen_params *vp, held *hd, PyObject *qt, PyObject *kt, PyObject *cuq,
+                          PyObject *cuk, PyObject *maxq, PyObject *maxk, const DLTensor **q0_out) {
+    hkt_params *p = &vp->p;
+    const DLTensor *q0 = take_packed0(hd, PyTuple_GetItem(qt, 0), "q[0]", "(total_q, H, D)");
+    if (!q0) return -1;
+    p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    p->H = q0->shape[1];
+    p->D = q0->shape[2];
+    const DLTensor *k0 = import_array(hd, PyTuple_GetItem(kt, 0), "k[0]");
+    if (!k0) return -1;
+    if (k0->ndim != 3) {
+        PyErr_Format(PyExc_ValueError, "k[0]: expected 3 dimensions (total_k, H_kv, D), got %d", k0->ndim);
+        return -1;
+    }
+    p->H_kv = k0->shape[1];
+    if (p->H_kv < 1 ? p->H != 0 || p->H_kv != 0 : p->H % p->H_kv != 0) {
+        PyErr_Format(PyExc_ValueError, "k[0]: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)",
+                     (long long)p->H_kv, (long long)p->H);
+        return -1;
+    }
+    p->T = q0->shape[0];
+    p->S = k0->shape[0];
+    int64_t n, longest_q, longest_k;
+    int64_t *cu_q, *cu_k;
+    int rc = take_cu(hd, cuq, "cu_seqlens_q", 0, p->T, "q[0] (total_q)", &cu_q, &n);
+    vp->cu_q = cu_q;
+    if (rc) return -1;
+    rc = take_cu(hd, cuk, "cu_seqlens_k", n, p->S, "k[0] (total_k)", &cu_k, &n);
+    vp->cu_k = cu_k;
+    if (rc) return -1;
+    vp->nseq = n - 1;
+    if (check_max_seqlen(maxq, "max_seqlen_q", cu_q, vp->nseq, &longest_q) ||
+        check_max_seqlen(maxk, "max_seqlen_k", cu_k, vp->nseq, &longest_k) ||
+        check_count("q[0]", "total_q x H x D", p->T, p->H, p->D, 1) ||
+        check_count("k[0]", "total_k x H_kv x D", p->S, p->H_kv, p->D, 1) ||
+        check_count("k[0]", "query-key pairs of the longest sequences H x T x S", 1, p->H, longest_q, longest_k) ||
+        take_packed_levels(vp, hd, qt, kt, q0, k0))
+        return -1;
+    *q0_out = q0;
+    return 0;
+}
+
+/* Parses and checks everything the packed forward and backward share; fills vp
+ * (vp->cu_q and vp->cu_k are malloc'd: free them, also on failure).  out and
+ * lse are the forward's outputs (output = 1) or the backward's inputs (0). */
+static int fill_varlen(hkt_varlen_params *vp, held *hd, PyObject *qs, PyObject *ks, PyObject *v, PyObject *w,
+                       PyObject *out, PyObject *lse, PyObject *cuq, PyObject *cuk, PyObject *maxq,
+                       PyObject *maxk, int causal, PyObject *scale, PyObject *num_threads, int output,
+                       const DLTensor **q0_out) {
+    hkt_params *p = &vp->p;
+    PyObject *qt = NULL, *kt = NULL;
+    const DLTensor *q0 = NULL, *t;
+    int rc = -1;
+    memset(vp, 0, sizeof *vp);
+    if ((p->L = level_tuples(qs, ks, "k", &qt, &kt)) < 0 || fill_varlen_qk(vp, hd, qt, kt, cuq, cuk, maxq, maxk, &q0))
+        goto done;
+    p->B = 1;
+    if (!(t = import_array(hd, v, "v"))) goto done;
+    if (t->ndim != 3) {
+        PyErr_Format(PyExc_ValueError, "v: expected 3 dimensions (total_k, H_kv, Dv), got %d", t->ndim);
+        goto done;
+    }
+    p->Dv = t->shape[2];
+    {
+        int64_t want[3] = {p->S, p->H_kv, p->Dv};
+        if (check_count("v", "total_k x H_kv x Dv", p->S, p->H_kv, p->Dv, 1) ||
+            take_3d(t, "v", q0, want, "= (total_k, H_kv, Dv)", 0, 0, &p->v, p->v_stride))
+            goto done;
+        note_span(hd, t, "v", 0);
+    }
+    if (take_weights(p, hd, w, q0)) goto done;
+    if (!(t = import_array(hd, out, "out"))) goto done;
+    {
+        int64_t want[3] = {p->T, p->H, p->Dv};
+        const void *ptr;
+        if (take_3d(t, "out", q0, want, "= (total_q, H, Dv)", 0, output, &ptr, p->out_stride)) goto done;
+        p->out = (void *)ptr;
+        note_span(hd, t, "out", output);
+    }
+    if (!(t = import_array(hd, lse, "lse"))) goto done;
+    {
+        int64_t want[1] = {p->H * p->T};
+        if (check_real(t, "lse", q0) || check_shape(t, "lse", want, 1, "= (H * total_q,)", 0) ||
+            check_contiguous(t, "lse"))
+            goto done;
+        p->lse = data_of(t);
+        note_span(hd, t, "lse", output);
+    }
+    p->causal = causal;
+    if (parse_scale(scale, p->D, &p->scale) || parse_threads(num_threads, &p->num_threads)) goto done;
+    p->key_cache_bytes = -1;
+    *q0_out = q0;
+    rc = 0;
+done:
+    Py_XDECREF(qt);
+    Py_XDECREF(kt);
+    return rc;
+}
+
+/* Runs the packed kernels with a freshly allocated workspace, GIL released. */
+static int run_varlen(hkt_varlen_params *vp, int backward) {
+    const size_t need = hkt_varlen_workspace_bytes(vp, backward);
+    char *mem = malloc(need);
+    if (!mem) {
+        char gib[32]; /* PyErr_Format has no %g */
+        snprintf(gib, sizeof gib, "%.3g", (double)need / 1073741824.0);
+        PyErr_Format(PyExc_MemoryError, "k[0]: %lld sequences need %s GiB of workspace on %d threads, which "
+                     "could not be allocated", (long long)vp->nseq, gib, vp->p.num_threads);
+        return -1;
+    }
+    vp->p.workspace = mem;
+    Py_BEGIN_ALLOW_THREADS
+    if (backward) hkt_backward_varlen_cpu(vp);
+    else hkt_forward_varlen_cpu(vp);
+    Py_END_ALLOW_THREADS
+    free(mem);
+    return 0;
+}
+
+PyDoc_STRVAR(varlen_forward_doc,
+"varlen_forward(q, k, v, w, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,\n"
+"               max_seqlen_k=None, is_causal=False, scale=None, num_threads=0)\n--\n\n"
+"HKT attention forward over packed variable-length sequences (CPU).\n"
+"cu_seqlens_q, cu_seqlens_k: 1-D int32/int64 arrays of nseq + 1 offsets\n"
+"(0, never decreasing, ending at total_q / total_k): sequence s owns level-0\n"
+"rows [cu[s], cu[s+1]).  q, k: sequences of L arrays (Tl, H, D) and\n"
+"(Sl, H_kv, D), level l packing each sequence's ceil(len / 2^l) rows one after\n"
+"another; v (total_k, H_kv, Dv); w (L,) or (H, L).  Writes out (total_q, H, Dv)\n"
+"and lse (H * total_q,), C-contiguous, of q's dtype, sharing memory with no\n"
+"other argument.  Each sequence is computed as it would be alone.  max_seqlen_*:\n"
+"None or at least the longest sequence.");
+
+static PyObject *py_varlen_forward(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                             "max_seqlen_k", "is_causal", "scale", "num_threads", NULL};
+    PyObject *qs, *ks, *v, *w, *out, *lse, *cuq, *cuk, *maxq = Py_None, *maxk = Py_None, *scale = Py_None;
+    PyObject *nthreads = NULL;
+    int causal = 0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|OOpOO:varlen_forward", kwlist, &qs, &ks, &v, &w, &out,
+                                     &lse, &cuq, &cuk, &maxq, &maxk, &causal, &scale, &nthreads))
+        return NULL;
+    held hd = {.n = 0};
+    hkt_varlen_params vp;
+    const DLTensor *q0;
+    int rc = fill_varlen(&vp, &hd, qs, ks, v, w, out, lse, cuq, cuk, maxq, maxk, causal, scale, nthreads, 1, &q0);
+    if (rc == 0) rc = check_overlaps(&hd);
+    if (rc == 0) rc = run_varlen(&vp, 0);
+    free((void *)vp.cu_q);
+    free((void *)vp.cu_k);
+    release_all(&hd);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* dq / dk of a packed call: shaped like q / k. */
+static int take_packed_grads(held *hd, PyObject *seq, const char *base, const hkt_varlen_params *vp,
+                             const DLTensor *q0, int is_q, void **ptrs, int64_t (*strides)[3]) {
+    const hkt_params *p = &vp->p;
+    int64_t want[HKT_MAX_LEVELS][4];
+    for (int l = 0; l < p->L; l++) {
+        want[l][0] = hkt_varlen_level_rows(is_q ? vp->cu_q : vp->cu_k, vp->nseq, l);
+        want[l][1] = is_q ? p->H : p->H_kv;
+        want[l][2] = p->D;
+    }
+    return take_level_outputs(hd, seq, base, p->L, 3, (const int64_t (*)[4])want, is_q ? "like q" : "like k", q0,
+                              ptrs, strides);
+}
+
+/* dout, dq, dk, dv and dw of a packed backward. */
+static int take_varlen_grads(hkt_varlen_params *vp, held *hd, const DLTensor *q0, PyObject *dout, PyObject *dq,
+                             PyObject *dk, PyObject *dv, PyObject *dw) {
+    hkt_params *p = &vp->p;
+    const DLTensor *t;
+    const void *ptr;
+    int64_t want[3] = {p->T, p->H, p->Dv};
+    if (!(t = import_array(hd, dout, "dout")) ||
+        take_3d(t, "dout", q0, want, "= (total_q, H, Dv)", 0, 0, &p->dout, p->dout_stride))
+        return -1;
+    note_span(hd, t, "dout", 0);
+    if (take_packed_grads(hd, dq, "dq", vp, q0, 1, p->dq, p->dq_stride) ||
+        take_packed_grads(hd, dk, "dk", vp, q0, 0, p->dk, p->dk_stride))
+        return -1;
+    want[0] = p->S;
+    want[1] = p->H_kv;
+    if (!(t = import_array(hd, dv, "dv")) || take_3d(t, "dv", q0, want, "like v", 0, 1, &ptr, p->dv_stride))
+        return -1;
+    p->dv = (void *)ptr;
+    note_span(hd, t, "dv", 1);
+    want[0] = p->H;
+    want[1] = p->L;
+    if (!(t = import_array(hd, dw, "dw")) || check_real(t, "dw", q0) ||
+        (p->w_per_head ? check_shape(t, "dw", want, 2, "= (H, L) like w", 0)
+                       : check_shape(t, "dw", want + 1, 1, "= (L,) like w", 0)) ||
+        check_contiguous(t, "dw"))
+        return -1;
+    p->dw = data_of(t);
+    note_span(hd, t, "dw", 1);
+    return 0;
+}
+
+PyDoc_STRVAR(varlen_backward_doc,
+"varlen_backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, cu_seqlens_q,\n"
+"                cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,\n"
+"                is_causal=False, scale=None, num_threads=0)\n--\n\n"
+"Backward of varlen_forward.  Takes its inputs, out and lse, and dout\n"
+"(total_q, H, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv (like v) and\n"
+"dw (like w; summed over sequences in index order), all C-contiguous and\n"
+"sharing memory with no other argument.");
+
+static PyObject *py_varlen_backward(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw", "cu_seqlens_q",
+                             "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "is_causal", "scale", "num_threads",
+                             NULL};
+    PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw, *cuq, *cuk;
+    PyObject *maxq = Py_None, *maxk = Py_None, *scale = Py_None, *nthreads = NULL;
+    int causal = 0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOOOO|OOpOO:varlen_backward", kwlist, &dout, &qs, &ks, &v,
+                                     &w, &out, &lse, &dq, &dk, &dv, &dw, &cuq, &cuk, &maxq, &maxk, &causal, &scale,
+                                     &nthreads))
+        return NULL;
+    held hd = {.n = 0};
+    hkt_varlen_params vp;
+    const DLTensor *q0;
+    int rc = fill_varlen(&vp, &hd, qs, ks, v, w, out, lse, cuq, cuk, maxq, maxk, causal, scale, nthreads, 0, &q0);
+    if (rc == 0) rc = take_varlen_grads(&vp, &hd, q0, dout, dq, dk, dv, dw);
+    if (rc == 0) rc = check_overlaps(&hd);
+    if (rc == 0) rc = run_varlen(&vp, 1);
+    free((void *)vp.cu_q);
+    free((void *)vp.cu_k);
+    release_all(&hd);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- decoding with a KV cache (hkt_decode.c) ---- */
+
+/* A cache written in place (k and v given) is written by several threads: no
+ * two of its elements may share memory.  With its dimensions sorted by stride,
+ * each stride must reach past everything the smaller ones span. */
+static int check_disjoint(const DLTensor *t, const char *name) {
+    if (is_empty(t)) return 0;
+    int idx[8], n = 0;
+    for (int d = 0; d < t->ndim && n < 8; d++)
+        if (t->shape[d] > 1) idx[n++] = d;
+    for (int a = 1; a < n; a++)
+        for (int b = a; b > 0 && stride_of(t, idx[b]) < stride_of(t, idx[b - 1]); b--) {
+            const int x = idx[b];
+            idx[b] = idx[b - 1];
+            idx[b - 1] = x;
+        }
+    __int128 span = 1; /* elements the smaller strides reach, plus one */
+    for (int a = 0; a < n; a++) {
+        if ((__int128)stride_of(t, idx[a]) < span) {
+            PyErr_Format(PyExc_ValueError, "%s: is written in place (k and v given), so its elements must not "
+                         "overlap each other; dimension %d has stride %lld", name, idx[a],
+                         (long long)stride_of(t, idx[a]));
+            return -1;
+        }
+        span += (__int128)stride_of(t, idx[a]) * (t->shape[idx[a]] - 1);
+    }
+    return 0;
+}
+
+/* cache_seqlens: an int (every batch row) or a 1-D int32/int64 CPU array of B
+ * entries, each >= 0 with room for Tn more positions in S_max.  Read into
+ * *out (B entries; the caller frees it). */
+static int take_seqlens(held *hd, PyObject *obj, int64_t B, int64_t Tn, int64_t S_max, int64_t **out) {
+    *out = malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    if (!*out) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (PyLong_Check(obj) && !PyBool_Check(obj)) {
+        int overflow = 0;
+        const long long n = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        if (n == -1 && PyErr_Occurred()) return -1;
+        for (int64_t b = 0; b < B; b++) (*out)[b] = overflow > 0 ? INT64_MAX : overflow < 0 ? INT64_MIN : n;
+    } else if (PyBool_Check(obj) || PyFloat_Check(obj) || obj == Py_None) {
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "cache_seqlens: expected an int or an int32/int64 array of shape (B,), got "
+                     "%.100s", type_name(obj, tn, sizeof tn));
+        return -1;
+    } else {
+        const DLTensor *t = import_array(hd, obj, "cache_seqlens");
+        if (!t) return -1;
+        if (t->dtype.code != kDLInt || (t->dtype.bits != 32 && t->dtype.bits != 64) || t->dtype.lanes != 1) {
+            PyErr_Format(PyExc_TypeError, "cache_seqlens: dtype must be int32 or int64, got %s", dtype_name(t->dtype));
+            return -1;
+        }
+        if (t->device.device_type != kDLCPU) {
+            PyErr_Format(PyExc_ValueError, "cache_seqlens: must be on the CPU (device type %d)", t->device.device_type);
+            return -1;
+        }
+        const int64_t want[1] = {B};
+        if (check_shape(t, "cache_seqlens", want, 1, "= (B,)", 0)) return -1;
+        const char *at = data_of(t);
+        const int64_t st = B > 1 ? stride_of(t, 0) : 0;
+        for (int64_t b = 0; b < B; b++) {
+            if (t->dtype.bits == 32) {
+                int32_t x;
+                memcpy(&x, at + b * st * 4, 4);
+                (*out)[b] = x;
+            } else {
+                memcpy(&(*out)[b], at + b * st * 8, 8);
+            }
+        }
+    }
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = (*out)[b];
+        if (n < 0) {
+            PyErr_Format(PyExc_ValueError, "cache_seqlens: cache_seqlens[%lld] = %lld is negative", (long long)b,
+                         (long long)n);
+            return -1;
+        }
+        if (n > S_max - Tn) {
+            PyErr_Format(PyExc_ValueError, "v_cache: too small: it holds S_max = %lld positions, and "
+                         "cache_seqlens[%lld] + Tn = %lld + %lld do not fit", (long long)S_max, (long long)b,
+                         (long long)n, (long long)Tn);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* k_cache[0] and v_cache: H_kv (dividing H), S_max and Dv; written = the caches
+ * are outputs (k and v given). */
+static int take_cache0(hkt_decode_params *p, held *hd, PyObject *kt, PyObject *vc, const DLTensor *q0,
+                       int written, int64_t *S_max) {
+    const DLTensor *k0 = import_array(hd, PyTuple_GetItem(kt, 0), "k_cache[0]");
+    if (!k0) return -1;
+    if (k0->ndim != 4) {
+        PyErr_Format(PyExc_ValueError, "k_cache[0]: expected 4 dimensions (B, H_kv, S_max, D), got %d", k0->ndim);
+        return -1;
+    }
+    p->H_kv = k0->shape[1];
+    if (p->H_kv < 1 ? p->H != 0 || p->H_kv != 0 : p->H % p->H_kv != 0) {
+        PyErr_Format(PyExc_ValueError, "k_cache[0]: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)",
+                     (long long)p->H_kv, (long long)p->H);
+        return -1;
+    }
+    const DLTensor *vt = import_array(hd, vc, "v_cache");
+    if (!vt) return -1;
+    if (vt->ndim != 4) {
+        PyErr_Format(PyExc_ValueError, "v_cache: expected 4 dimensions (B, H_kv, S_max, Dv), got %d", vt->ndim);
+        return -1;
+    }
+    *S_max = vt->shape[2];
+    p->Dv = vt->shape[3];
+    const int64_t want[4] = {p->B, p->H_kv, *S_max, p->Dv};
+    const void *ptr;
+    if (check_count("v_cache", "B x H_kv x S_max x Dv", p->B, p->H_kv, *S_max, p->Dv) ||
+        check_count("v_cache", "query-key pairs B x H x Tn x S_max", p->B, p->H, p->Tn, *S_max) ||
+        take_4d(vt, "v_cache", q0, want, "= (B, H_kv, S_max, Dv) like k_cache[0]", 0, 0, &ptr, p->v_cache_stride) ||
+        (written && check_disjoint(vt, "v_cache")))
+        return -1;
+    p->v_cache = (void *)ptr;
+    note_span(hd, vt, "v_cache", written);
+    return 0;
+}
+
+/* q[l] (B, H, Tn, D) and k_cache[l] (B, H_kv, >= ceil(S_max / 2^l), D). */
+static int take_decode_levels(hkt_decode_params *p, held *hd, PyObject *qt, PyObject *kt, const DLTensor *q0,
+                              int64_t S_max, int written) {
+    char name[32];
+    for (int l = 0; l < p->L; l++) {
+        const int64_t wq[4] = {p->B, p->H, p->Tn, p->D};
+        const DLTensor *t;
+        level_name(name, "q", l);
+        t = l ? import_array(hd, PyTuple_GetItem(qt, l), name) : q0;
+        if (!t || take_4d(t, name, q0, wq, "= (B, H, Tn, D) like q[0]", 0, 0, &p->q[l], p->q_stride[l])) return -1;
+        note_span(hd, t, name, 0);
+        level_name(name, "k_cache", l);
+        t = import_array(hd, PyTuple_GetItem(kt, l), name);
+        if (!t) return -1;
+        const int64_t need = level_len(S_max, l);
+        const int64_t wk[4] = {p->B, p->H_kv, t->ndim == 4 && t->shape[2] > need ? t->shape[2] : need, p->D};
+        const void *ptr;
+        if (take_4d(t, name, q0, wk, "= (B, H_kv, at least ceil(S_max/%lld), D)", 1LL << l, 0, &ptr,
+                    p->k_cache_stride[l]) ||
+            (written && check_disjoint(t, name)))
+            return -1;
+        p->k_cache[l] = (void *)ptr;
+        note_span(hd, t, name, written);
+    }
+    return 0;
+}
+
+/* k[l] (B, H_kv, Tn, D) and v (B, H_kv, Tn, Dv), the new positions' keys and
+ * values, both given or neither. */
+static int take_new_kv(hkt_decode_params *p, held *hd, PyObject *ks, PyObject *v, const DLTensor *q0) {
+    if ((ks == Py_None) != (v == Py_None)) {
+        PyErr_Format(PyExc_ValueError, "%s: k and v must be given together (or neither), got %s = None",
+                     ks == Py_None ? "k" : "v", ks == Py_None ? "k" : "v");
+        return -1;
+    }
+    if (ks == Py_None) return 0;
+    PyObject *kt;
+    char name[32];
+    if (sequence_of(ks, "k", &kt)) return -1;
+    int rc = -1;
+    if (PyTuple_Size(kt) != p->L) {
+        PyErr_Format(PyExc_ValueError, "k: expected %d levels like q, got %zd", p->L, PyTuple_Size(kt));
+        goto done;
+    }
+    for (int l = 0; l < p->L; l++) {
+        const int64_t want[4] = {p->B, p->H_kv, p->Tn, p->D};
+        level_name(name, "k", l);
+        const DLTensor *t = import_array(hd, PyTuple_GetItem(kt, l), name);
+        if (!t || take_4d(t, name, q0, want, "= (B, H_kv, Tn, D)", 0, 0, &p->k_new[l], p->k_new_stride[l]))
+            goto done;
+        note_span(hd, t, name, 0);
+    }
+    const DLTensor *t = import_array(hd, v, "v");
+    const int64_t want[4] = {p->B, p->H_kv, p->Tn, p->Dv};
+    if (!t || take_4d(t, "v", q0, want, "= (B, H_kv, Tn, Dv)", 0, 0, &p->v_new, p->v_new_stride)) goto done;
+    note_span(hd, t, "v", 0);
+    rc = 0;
+done:
+    Py_DECREF(kt);
+    return rc;
+}
+
+/* w through take_weights, which fills an hkt_params: (L,) or (H, L). */
+static int take_decode_weights(hkt_decode_params *p, held *hd, PyObject *w, const DLTensor *q0) {
+    hkt_params tmp;
+    memset(&tmp, 0, sizeof tmp);
+    tmp.H = p->H;
+    tmp.L = p->L;
+    if (take_weights(&tmp, hd, w, q0)) return -1;
+    p->w = tmp.w;
+    p->w_stride[0] = tmp.w_per_head ? tmp.w_stride[0] : 0;
+    p->w_stride[1] = tmp.w_stride[1];
+    return 0;
+}
+
+/* Checks every argument of decode and fills p; *seqlens is the caller's to free. */
+static int fill_decode(hkt_decode_params *p, held *hd, PyObject *qs, PyObject *kcs, PyObject *vc, PyObject *w,
+                       PyObject *seqlens, PyObject *out, PyObject *ks, PyObject *v, PyObject *scale,
+                       PyObject *nthreads, int64_t **lens) {
+    PyObject *qt = NULL, *kt = NULL;
+    int rc = -1;
+    const int written = ks != Py_None || v != Py_None;
+    int64_t S_max = 0;
+    memset(p, 0, sizeof *p);
+    *lens = NULL;
+    if ((p->L = level_tuples(qs, kcs, "k_cache", &qt, &kt)) < 0) goto done;
+    /* the device first: take_q0 would suggest a CUDA build, which decodes on the CPU too */
+    const DLTensor *q0 = import_array(hd, PyTuple_GetItem(qt, 0), "q[0]");
+    if (!q0) goto done;
+    if (q0->device.device_type != kDLCPU) {
+        PyErr_Format(PyExc_ValueError, "q[0]: decoding with a KV cache runs on the CPU only (device type %d)",
+                     q0->device.device_type);
+        goto done;
+    }
+    if (!(q0 = take_q0(hd, PyTuple_GetItem(qt, 0)))) goto done;
+    p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    p->B = q0->shape[0];
+    p->H = q0->shape[1];
+    p->Tn = q0->shape[2];
+    p->D = q0->shape[3];
+    if (check_count("q[0]", "B x H x Tn x D", p->B, p->H, p->Tn, p->D) ||
+        take_cache0(p, hd, kt, vc, q0, written, &S_max) || take_decode_levels(p, hd, qt, kt, q0, S_max, written) ||
+        take_decode_weights(p, hd, w, q0) || take_seqlens(hd, seqlens, p->B, p->Tn, S_max, lens) ||
+        take_new_kv(p, hd, ks, v, q0))
+        goto done;
+    p->seqlens = *lens;
+    const DLTensor *ot = import_array(hd, out, "out");
+    const int64_t want[4] = {p->B, p->H, p->Tn, p->Dv};
+    const void *ptr;
+    if (!ot || take_4d(ot, "out", q0, want, "= (B, H, Tn, Dv)", 0, 1, &ptr, p->out_stride)) goto done;
+    p->out = (void *)ptr;
+    note_span(hd, ot, "out", 1);
+    if (parse_scale(scale, p->D, &p->scale) || parse_threads(nthreads, &p->num_threads)) goto done;
+    rc = 0;
+done:
+    Py_XDECREF(qt);
+    Py_XDECREF(kt);
+    return rc;
+}
+
+PyDoc_STRVAR(decode_doc,
+"decode(q, k_cache, v_cache, w, cache_seqlens, out, k=None, v=None, scale=None,\n"
+"       num_threads=0)\n--\n\n"
+"HKT attention of Tn new positions against a KV cache (CPU, forward only).\n"
+"q: L arrays (B, H, Tn, D), row i the level-l query of position\n"
+"t_i = cache_seqlens[b] + i; k_cache: L arrays (B, H_kv, >= ceil(S_max/2^l), D);\n"
+"v_cache (B, H_kv, S_max, Dv), H_kv dividing H; w (L,) or (H, L);\n"
+"cache_seqlens: an int or a 1-D int32/int64 CPU array (B,), each >= 0 and\n"
+"<= S_max - Tn (read, never updated).  Row i sees keys j <= t_i.  Writes out\n"
+"(B, H, Tn, Dv), C-contiguous.  k (L arrays (B, H_kv, Tn, D)) and v\n"
+"(B, H_kv, Tn, Dv), given together, are first written into the caches (level l\n"
+"slot t_i >> l, in order of i); the caches must then share memory with no\n"
+"other argument nor overlap themselves.");
+
+static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"q", "k_cache", "v_cache", "w", "cache_seqlens", "out", "k", "v", "scale",
+                             "num_threads", NULL};
+    PyObject *qs, *kcs, *vc, *w, *seqlens, *out, *ks = Py_None, *v = Py_None, *scale = Py_None, *nthreads = NULL;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOOO:decode", kwlist, &qs, &kcs, &vc, &w, &seqlens, &out,
+                                     &ks, &v, &scale, &nthreads))
+        return NULL;
+    held hd = {.n = 0};
+    hkt_decode_params p;
+    int64_t *lens = NULL;
+    int rc = fill_decode(&p, &hd, qs, kcs, vc, w, seqlens, out, ks, v, scale, nthreads, &lens);
+    if (rc == 0) rc = check_overlaps(&hd);
+    char *mem = NULL;
+    if (rc == 0) {
+        const size_t need = hkt_decode_workspace_bytes(&p);
+        if (!(mem = malloc(need))) {
+            char gib[32]; /* PyErr_Format has no %g */
+            snprintf(gib, sizeof gib, "%.3g", (double)need / 1073741824.0);
+            PyErr_Format(PyExc_MemoryError, "v_cache: decoding needs %s GiB of workspace, which could not be "
+                         "allocated", gib);
+            rc = -1;
+        }
+    }
+    if (rc == 0) {
+        p.workspace = mem;
+        Py_BEGIN_ALLOW_THREADS
+        hkt_decode_cpu(&p);
+        Py_END_ALLOW_THREADS
+    }
+    free(mem);
+    free(lens);
+    release_all(&hd);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"forward", (PyCFunction)(void (*)(void))py_forward, METH_VARARGS | METH_KEYWORDS, forward_doc},
     {"backward", (PyCFunction)(void (*)(void))py_backward, METH_VARARGS | METH_KEYWORDS, backward_doc},
+    {"varlen_forward", (PyCFunction)(void (*)(void))py_varlen_forward, METH_VARARGS | METH_KEYWORDS,
+     varlen_forward_doc},
+    {"varlen_backward", (PyCFunction)(void (*)(void))py_varlen_backward, METH_VARARGS | METH_KEYWORDS,
+     varlen_backward_doc},
+    {"decode", (PyCFunction)(void (*)(void))py_decode, METH_VARARGS | METH_KEYWORDS, decode_doc},
     {"dropout_mask", (PyCFunction)(void (*)(void))py_dropout_mask, METH_VARARGS | METH_KEYWORDS,
      dropout_mask_doc},
     {"default_threads", py_default_threads, METH_NOARGS, "OpenMP's default thread count."},

@@ -12,7 +12,7 @@ from torch.utils.dlpack import to_dlpack
 
 from . import _C
 
-__all__ = ["_forward", "_backward", "dropout_keep_mask", "has_cuda"]
+__all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "dropout_keep_mask", "has_cuda"]
 
 has_cuda = bool(_C.has_cuda)
 
@@ -102,22 +102,33 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dmask (shaped like the float attn_mask) only with mask_grad, else None."""
     in_dtype = q[0].dtype
     dtype, device = compute_dtype(in_dtype), q[0].device
-    dq = [torch.empty(x.shape, dtype=dtype, device=device) for x in q]
-    dk = [torch.empty(x.shape, dtype=dtype, device=device) for x in k]
-    dv = torch.empty(v.shape, dtype=dtype, device=device)
-    dw = torch.empty(w.shape, dtype=dtype, device=device)
+    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
     _C.backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
                 is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask), _stream(device),
                 _dl(scratch))
-    if in_dtype != dtype:
-        dq, dk = [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk]
-        dv, dw = dv.to(in_dtype), dw.to(in_dtype)
+    dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dw, dmask
+
+
+def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype):
+    """Uninitialised dq, dk (per level), dv, dw shaped like the inputs, in the
+    compute dtype, on their device: the backward kernels overwrite them."""
+    device = q[0].device
+    dq = [torch.empty(x.shape, dtype=dtype, device=device) for x in q]
+    dk = [torch.empty(x.shape, dtype=dtype, device=device) for x in k]
+    return dq, dk, torch.empty(v.shape, dtype=dtype, device=device), torch.empty(w.shape, dtype=dtype, device=device)
+
+
+def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dtype: torch.dtype):
+    """The gradients rounded back to the inputs' dtype (bfloat16 runs in float32)."""
+    if dv.dtype == in_dtype:
+        return dq, dk, dv, dw
+    return [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk], dv.to(in_dtype), dw.to(in_dtype)
 
 
 def _dls(xs: Sequence[Tensor]) -> List:
@@ -129,3 +140,57 @@ def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: in
     keep = torch.empty((B, H, T, S), dtype=torch.bool)
     _C.dropout_mask(_dl(keep), int(seed), float(dropout_p))
     return keep
+
+
+def _feat(x: Tensor):
+    """A read-only input with unit stride along features (any other strides are
+    fine), through DLPack, never upcast: the decoding kernels take float32 and
+    float64 only, and a bfloat16 query next to a float32 cache must be refused."""
+    if x.stride(-1) != 1 and x.size(-1) > 1:
+        x = x.contiguous()
+    return to_dlpack(x)
+
+
+def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: Tensor, cache_seqlens,
+            k: Optional[Sequence[Tensor]], v: Optional[Tensor], scale: Optional[float]) -> Tensor:
+    """One decoding step (CPU): returns out (B, H, Tn, Dv) in q's dtype.  With k
+    and v, the kernel first writes them into k_cache / v_cache in place, so the
+    caches go over exactly as they are (a copy would take the writes)."""
+    q0 = q[0]
+    out = torch.empty((*q0.shape[:3], v_cache.shape[-1] if v_cache.dim() else 0), dtype=q0.dtype, device=q0.device)
+    lens = _dl(cache_seqlens) if isinstance(cache_seqlens, Tensor) else cache_seqlens
+    _C.decode([_feat(x) for x in q], [_dl(x) for x in k_cache], _dl(v_cache), _feat(w), lens, _dl(out),
+              None if k is None else [_feat(x) for x in k], None if v is None else _feat(v), scale,
+              torch.get_num_threads())
+    return out
+
+
+def _varlen_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, cu_seqlens_q: Tensor,
+                    cu_seqlens_k: Tensor, max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], is_causal: bool,
+                    scale: Optional[float]) -> Tuple[Tensor, Tensor]:
+    """Packed variable-length forward (CPU).  Returns (out (total_q, H, Dv) in q's
+    dtype, lse (H * total_q,) in the compute dtype: sequence s's (H, T_s) block at
+    H * cu_seqlens_q[s])."""
+    q0 = q[0]
+    dtype = compute_dtype(q0.dtype)
+    lead = q0.shape[:2]  # (total_q, H); a wrong rank is the extension's to name
+    out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
+    lse = torch.empty((lead[0] * lead[1] if len(lead) == 2 else 0,), dtype=dtype, device=q0.device)
+    _C.varlen_forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
+                      _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
+                      torch.get_num_threads())
+    return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
+
+
+def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
+                     lse: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
+                     max_seqlen_k: Optional[int], is_causal: bool, scale: Optional[float]
+                     ) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor]:
+    """Returns (dq per level, dk per level, dv, dw) of the packed forward, in the inputs' dtype."""
+    in_dtype = q[0].dtype
+    dtype = compute_dtype(in_dtype)
+    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
+    _C.varlen_backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
+                       _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _dl(cu_seqlens_q), _dl(cu_seqlens_k),
+                       max_seqlen_q, max_seqlen_k, is_causal, scale, torch.get_num_threads())
+    return _in_dtype(dq, dk, dv, dw, in_dtype)

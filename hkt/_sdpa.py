@@ -6,7 +6,7 @@ The HKT score is one dot product of concatenated vectors:
                 = scale * <Q~[i], K~[j]>,   Q~[i] = concat_l(w[l] q[l][i >> l]),
                                             K~[j] = concat_l(k[l][j >> l])
 
-so SDPA on Q~ (B, H, T, L*D), K~ (B, H, S, L*D) and v, with the score scale of D
+so SDPA on Q~ (B, H, T, L*D), K~ (B, H_kv, S, L*D) and v, with the score scale of D
 (not of L*D), computes it, and autograd carries the gradients back through the
 concatenation to every q[l], k[l] and w.  It spends L times the score work of
 one attention (the kernels spend sum 4^-l), but runs on whatever SDPA runs on
@@ -96,18 +96,21 @@ def check_arguments(q, k, v, w, attn_mask, dropout_p, scale) -> None:
     if D < 1:
         raise ValueError("q[0]: head dimension D must be at least 1")
     if k[0].dim() != 4:
-        raise ValueError(f"k[0]: expected 4 dimensions (B, H, S, D), got {k[0].dim()}")
-    S = k[0].shape[2]
+        raise ValueError(f"k[0]: expected 4 dimensions (B, H_kv, S, D), got {k[0].dim()}")
+    Hk, S = k[0].shape[1], k[0].shape[2]
+    if (Hk < 1 and (H != 0 or Hk != 0)) or (Hk >= 1 and H % Hk != 0):
+        raise ValueError(f"k[0]: its {Hk} heads (H_kv) must divide q[0]'s {H} heads (H)")
     for l in range(L):
         f = 1 << l
         if q[l].shape != (B, H, _level_len(T, l), D):
             raise _shape_error(f"q[{l}]", (B, H, _level_len(T, l), D), f"= (B, H, ceil(T/{f}), D)", q[l].shape)
-        if k[l].shape != (B, H, _level_len(S, l), D):
-            raise _shape_error(f"k[{l}]", (B, H, _level_len(S, l), D), f"= (B, H, ceil(S/{f}), D)", k[l].shape)
+        if k[l].shape != (B, Hk, _level_len(S, l), D):
+            raise _shape_error(f"k[{l}]", (B, Hk, _level_len(S, l), D), f"= (B, H_kv, ceil(S/{f}), D)",
+                               k[l].shape)
     if v.dim() != 4:
-        raise ValueError(f"v: expected 4 dimensions (B, H, S, Dv), got {v.dim()}")
-    if v.shape[:3] != (B, H, S):
-        raise _shape_error("v", (B, H, S, v.shape[3]), "= (B, H, S, Dv)", v.shape)
+        raise ValueError(f"v: expected 4 dimensions (B, H_kv, S, Dv), got {v.dim()}")
+    if v.shape[:3] != (B, Hk, S):
+        raise _shape_error("v", (B, Hk, S, v.shape[3]), "= (B, H_kv, S, Dv)", v.shape)
     if w.dim() == 1:
         if w.shape != (L,):
             raise _shape_error("w", (L,), "= (L,)", w.shape)
@@ -142,10 +145,11 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     qt, kt = concat_levels(q, k, w)
+    gqa = kt.shape[1] != qt.shape[1]  # grouped-query: SDPA reads kv head h // (H // H_kv), as the kernels do
     if attn_mask is None:
         # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
         # where SDPA gives zeros
-        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=float(scale))
+        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=float(scale), enable_gqa=gqa)
     causal = None
     if is_causal:
         causal = torch.ones(T, S, dtype=torch.bool, device=qt.device).tril()
@@ -160,5 +164,5 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         # NaN is visible (it makes its row NaN, as in the kernels)
         empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
         mask = mask.masked_fill(empty, 0.0)
-    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=float(scale))
+    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=float(scale), enable_gqa=gqa)
     return out.masked_fill(empty, 0.0)

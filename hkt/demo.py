@@ -3,7 +3,7 @@
 1. HKT attention (L = 1, 2, 3) side by side with torch's SDPA on random data: the
    largest error against the plain-PyTorch reference (float64, output and
    gradients) and the time per call in float32.
-2. A short ListOps run (``hkt.experiments.demo``): the same small Transformer
+2. A short ListOps run (``hkt.experiments.listops_compare``): the same small Transformer
    trained with standard attention and with HKT, ending in an accuracy and
    per-step overhead table.  ``--no-listops`` skips it.
 """
@@ -41,9 +41,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     attention_table(H=args.heads, T=args.T, D=args.dim, is_causal=args.causal)
     if not args.no_listops:
-        from .experiments import demo as listops_demo
+        from .experiments import listops_compare
         print()
-        listops_demo.main(["--steps", str(args.listops_steps)])
+        listops_compare.main(["--steps", str(args.listops_steps)])
 
 
 if __name__ == "__main__":

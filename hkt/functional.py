@@ -99,8 +99,12 @@ def hkt_attention(
 
     Args:
         q: L tensors, ``q[l]`` of shape (B, H, ceil(T / 2^l), D).
-        k: L tensors, ``k[l]`` of shape (B, H, ceil(S / 2^l), D).
-        v: (B, H, S, Dv) values at full resolution.
+        k: L tensors, ``k[l]`` of shape (B, H_kv, ceil(S / 2^l), D).  H_kv
+            may be smaller than H if it divides it (grouped-query attention,
+            H_kv = 1 multi-query): query head h reads kv head h // (H // H_kv),
+            without copies; the gradient of a kv head is summed over its query
+            heads in a fixed order (bitwise the same for any thread count).
+        v: (B, H_kv, S, Dv) values at full resolution.
         w: level weights, (L,) or (H, L); used as given (not normalised).
         attn_mask: as in ``scaled_dot_product_attention``: bool (True = may
             attend) or float (added to the score), broadcastable to (B, H, T, S).

@@ -12,8 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from . import kvcache as _kvcache
 from .functional import hkt_attention
 from .reference import masked_probs
+from .varlen import hkt_attention_varlen, pack_levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
 
@@ -104,6 +106,15 @@ class MultiheadHKT(nn.Module):
 
     ``levels=1`` registers no coarse parameters and no ``level_logits``.
 
+    ``num_kv_heads`` (default ``num_heads``) gives grouped-query attention:
+    keys and values get ``num_kv_heads`` heads of ``head_dim`` features
+    (``num_kv_heads * head_dim = kv_dim`` outputs of every key and value
+    projection, level 0's and the coarse ones; ``in_proj_weight`` is then
+    (embed_dim + 2 kv_dim, embed_dim)) and query head h reads kv head
+    ``h // (num_heads // num_kv_heads)``, with no copies (the kernels index
+    the shared heads).  ``num_kv_heads=1`` is multi-query attention.  Only the
+    default has nn.MultiheadAttention's parameter shapes.
+
     ``add_bias_kv`` / ``add_zero_attn`` append one key/value slot each to level
     0 exactly as MHA does (S' = S + 1 or S + 2).  For the coarse levels the key
     stream's *input* is extended by the same number of zero tokens before
@@ -113,6 +124,19 @@ class MultiheadHKT(nn.Module):
     the projection bias alone.  Appended slots are visible to every query, as in
     MHA, also under ``is_causal`` (MHA pads its causal mask with an allowed
     column).
+
+    ``pack_padding=True`` (also a settable attribute) skips the padding of
+    right-padded batches: a self-attention call (``query is key is value``)
+    with a ``key_padding_mask`` whose padding is at the end of every sequence
+    (bool True, or float -inf, after the last real token; otherwise
+    ``ValueError`` naming ``key_padding_mask``) computes only the real tokens,
+    packed, with :func:`hkt.hkt_attention_varlen` (the levels are built on the
+    padded batch and packed: causal downsampling gives the real tokens the
+    levels of the sequence alone).  Padded query positions then output zeros
+    (and get zero weights), where MHA lets them attend to the real keys.  The
+    padded computation runs instead, with the same zeros, under TorchScript,
+    ``torch.export`` / ``torch.compile``, on CUDA, with ``attn_mask``,
+    ``add_bias_kv`` / ``add_zero_attn`` or dropout in training.
 
     Differences from ``nn.MultiheadAttention``:
 
@@ -164,12 +188,19 @@ class MultiheadHKT(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None, *,
-                 levels: int = 3, downsample_kernel: int = 2) -> None:
+                 levels: int = 3, downsample_kernel: int = 2, num_kv_heads: Optional[int] = None,
+                 pack_padding: bool = False) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
         if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
+                or num_heads % num_kv_heads != 0):
+            raise ValueError(f"num_kv_heads: expected an int >= 1 that divides num_heads ({num_heads}), got "
+                             f"{num_kv_heads!r}")
         if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
             raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
         if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
@@ -181,32 +212,36 @@ class MultiheadHKT(nn.Module):
         self.vdim = vdim if vdim is not None else embed_dim
         self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         self.dropout = dropout
         self.batch_first = batch_first
         self.head_dim = embed_dim // num_heads
+        # features of one key or value projection: num_kv_heads heads of head_dim
+        Ekv = self.kv_dim = num_kv_heads * self.head_dim
         self.add_zero_attn = add_zero_attn
         self.levels = levels
         self.downsample_kernel = downsample_kernel
+        self.pack_padding = bool(pack_padding)
 
         # Level 0: nn.MultiheadAttention's parameters, names and shapes.
         if self._packed_in_proj:
-            self.in_proj_weight = nn.Parameter(torch.empty((3 * embed_dim, embed_dim), **factory_kwargs))
+            self.in_proj_weight = nn.Parameter(torch.empty((embed_dim + 2 * Ekv, embed_dim), **factory_kwargs))
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
             self.register_parameter("v_proj_weight", None)
         else:
             self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory_kwargs))
-            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory_kwargs))
-            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory_kwargs))
+            self.k_proj_weight = nn.Parameter(torch.empty((Ekv, self.kdim), **factory_kwargs))
+            self.v_proj_weight = nn.Parameter(torch.empty((Ekv, self.vdim), **factory_kwargs))
             self.register_parameter("in_proj_weight", None)
         if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory_kwargs))
+            self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * Ekv, **factory_kwargs))
         else:
             self.register_parameter("in_proj_bias", None)
         self.out_proj = NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory_kwargs)
         if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
-            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
+            self.bias_k = nn.Parameter(torch.empty((1, 1, Ekv), **factory_kwargs))
+            self.bias_v = nn.Parameter(torch.empty((1, 1, Ekv), **factory_kwargs))
         else:
             self.bias_k = self.bias_v = None
 
@@ -216,10 +251,10 @@ class MultiheadHKT(nn.Module):
             self.q_downsample = nn.Parameter(torch.empty((Lc, K, embed_dim), **factory_kwargs))
             self.k_downsample = nn.Parameter(torch.empty((Lc, K, self.kdim), **factory_kwargs))
             self.coarse_q_proj_weight = nn.Parameter(torch.empty((Lc, embed_dim, embed_dim), **factory_kwargs))
-            self.coarse_k_proj_weight = nn.Parameter(torch.empty((Lc, embed_dim, self.kdim), **factory_kwargs))
+            self.coarse_k_proj_weight = nn.Parameter(torch.empty((Lc, Ekv, self.kdim), **factory_kwargs))
             if bias:
                 self.coarse_q_proj_bias = nn.Parameter(torch.empty((Lc, embed_dim), **factory_kwargs))
-                self.coarse_k_proj_bias = nn.Parameter(torch.empty((Lc, embed_dim), **factory_kwargs))
+                self.coarse_k_proj_bias = nn.Parameter(torch.empty((Lc, Ekv), **factory_kwargs))
             else:
                 self.register_parameter("coarse_q_proj_bias", None)
                 self.register_parameter("coarse_k_proj_bias", None)
@@ -264,6 +299,8 @@ class MultiheadHKT(nn.Module):
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, levels={self.levels}, " \
             f"downsample_kernel={self.downsample_kernel}"
+        if self.num_kv_heads != self.num_heads:
+            s += f", num_kv_heads={self.num_kv_heads}"
         if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
             s += f", kdim={self.kdim}, vdim={self.vdim}"
         if self.dropout:
@@ -287,10 +324,10 @@ class MultiheadHKT(nn.Module):
     def _level0_weights(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         # written with `is None` tests on the attributes (not _packed_in_proj) so
         # that TorchScript drops the branch for the parameters this module lacks
-        E = self.embed_dim
+        E, Ekv = self.embed_dim, self.kv_dim
         packed = self.in_proj_weight
         if packed is not None:
-            wq, wk, wv = packed[:E], packed[E:2 * E], packed[2 * E:]
+            wq, wk, wv = packed[:E], packed[E:E + Ekv], packed[E + Ekv:]
         else:
             q_w, k_w, v_w = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
             if q_w is None or k_w is None or v_w is None:
@@ -301,7 +338,7 @@ class MultiheadHKT(nn.Module):
         bk: Optional[Tensor] = None
         bv: Optional[Tensor] = None
         if bias is not None:
-            bq, bk, bv = bias[:E], bias[E:2 * E], bias[2 * E:]
+            bq, bk, bv = bias[:E], bias[E:E + Ekv], bias[E + Ekv:]
         return wq, wk, wv, bq, bk, bv
 
     @classmethod
@@ -411,6 +448,47 @@ class MultiheadHKT(nn.Module):
         if key_padding_mask is not None:
             merged = merged + key_padding_mask.view(B, 1, 1, T).expand(-1, self.num_heads, -1, -1)
         return merged, 2
+
+    def _pack_padding_rows(self, key_padding_mask: Optional[Tensor], self_attention: bool, B: int,
+                           S: int) -> Optional[Tensor]:
+        """With ``pack_padding``, for a self-attention call with a (checked)
+        ``key_padding_mask``: which tokens are real, (B, S) bool; else None.
+        Refuses padding that is not at the end of its sequence (the packed
+        computation keeps each sequence's first tokens) and a float mask with
+        entries other than 0 and -inf (packing cannot add them)."""
+        if not self.pack_padding or key_padding_mask is None or not self_attention:
+            return None
+        kpm = key_padding_mask.reshape(B, S)
+        if kpm.dtype == torch.bool:
+            real = ~kpm
+        else:
+            real = kpm != float("-inf")
+        if not torch.jit.is_scripting():
+            if torch.compiler.is_compiling():
+                return real  # traced: no data-dependent checks (the padded path runs)
+        if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
+            raise ValueError("key_padding_mask: with pack_padding a float mask may hold only 0 (keep) and -inf "
+                             "(padding)")
+        trailing = torch.arange(S, device=real.device).unsqueeze(0) < real.sum(dim=1, keepdim=True)
+        if not bool(torch.equal(real, trailing)):
+            raise ValueError("key_padding_mask: with pack_padding the padding must be at the end of every "
+                             "sequence (True / -inf after the last real token only)")
+        return real
+
+    def _packed_attention(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, real: Tensor,
+                          is_causal: bool) -> Tensor:
+        """pack_padding's attention (B, H, T, hd): each sequence's real tokens
+        only, packed level by level (the causal downsampling makes a right-padded
+        sequence's first ceil(len / 2^l) level-l rows those of the sequence
+        alone), through :func:`hkt.hkt_attention_varlen`, then scattered back
+        with zeros at the padded rows."""
+        lengths = real.sum(dim=1)
+        cu = F.pad(torch.cumsum(lengths, 0), [1, 0]).cpu()
+        out = hkt_attention_varlen(pack_levels(qs, lengths), pack_levels(ks, lengths), pack_levels([v], lengths)[0],
+                                   w, cu, cu, is_causal=is_causal)
+        B, T = real.shape
+        full = out.new_zeros((B, T, out.shape[1], out.shape[2])).index_put((real,), out)
+        return full.transpose(1, 2)
 
     def _build_mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool,
                     B: int, T: int, S: int, n_extra: int, unbatched: bool, dtype: torch.dtype,
@@ -547,23 +625,24 @@ class MultiheadHKT(nn.Module):
 
         wq, wk, wv, bq, bk, bv = self._level0_weights()
         packed = self.in_proj_weight
+        Hk, Ekv = self.num_kv_heads, self.kv_dim
         if packed is not None and query is key and key is value:
-            q0, k0, v = F.linear(query, packed, self.in_proj_bias).chunk(3, dim=-1)
+            q0, k0, v = F.linear(query, packed, self.in_proj_bias).split([E, Ekv, Ekv], dim=-1)
         else:
             q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
         n_extra = 0
         bias_k, bias_v = self.bias_k, self.bias_v
         if bias_k is not None and bias_v is not None:
-            k0 = torch.cat([k0, bias_k.expand(B, 1, E)], dim=1)
-            v = torch.cat([v, bias_v.expand(B, 1, E)], dim=1)
+            k0 = torch.cat([k0, bias_k.expand(B, 1, Ekv)], dim=1)
+            v = torch.cat([v, bias_v.expand(B, 1, Ekv)], dim=1)
             n_extra += 1
         if self.add_zero_attn:
-            k0 = torch.cat([k0, k0.new_zeros(B, 1, E)], dim=1)
-            v = torch.cat([v, v.new_zeros(B, 1, E)], dim=1)
+            k0 = torch.cat([k0, k0.new_zeros(B, 1, Ekv)], dim=1)
+            v = torch.cat([v, v.new_zeros(B, 1, Ekv)], dim=1)
             n_extra += 1
 
-        qs, ks = [_heads(q0, H, hd)], [_heads(k0, H, hd)]
+        qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
         qd, kd = self.q_downsample, self.k_downsample
         cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
         if qd is not None and kd is not None and cqw is not None and ckw is not None:
@@ -574,23 +653,31 @@ class MultiheadHKT(nn.Module):
                 xq = causal_downsample(xq, qd[l - 1])
                 xk = causal_downsample(xk, kd[l - 1])
                 qs.append(_heads(F.linear(xq, cqw[l - 1], None if cqb is None else cqb[l - 1]), H, hd))
-                ks.append(_heads(F.linear(xk, ckw[l - 1], None if ckb is None else ckb[l - 1]), H, hd))
+                ks.append(_heads(F.linear(xk, ckw[l - 1], None if ckb is None else ckb[l - 1]), Hk, hd))
         w = self.level_weights()
 
         mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,
                                         q0.dtype, q0.device)
         dropout_p = float(self.dropout) if self.training else 0.0
-        vh = _heads(v, H, hd)
+        vh = _heads(v, Hk, hd)
+        real = self._pack_padding_rows(key_padding_mask, query is key and key is value, B, S)
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
+        elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
+              and q0.device.type == "cpu" and not torch.compiler.is_compiling()):
+            out = self._packed_attention(qs, ks, vh, w, real, causal)
         else:
             out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))
+        if real is not None:  # pack_padding: padded query rows give zeros, whichever path ran
+            out = out.masked_fill(~real.unsqueeze(-1), 0.0)
 
         weights: Optional[Tensor] = None
         if need_weights:
             # the combined HKT probabilities, in plain torch (O(T*S) memory, as MHA's weights)
             probs = masked_probs(qs, ks, w, mask, causal, None)
+            if real is not None:
+                probs = probs.masked_fill(~real.view(B, 1, T, 1), 0.0)
             weights = probs.mean(dim=1) if average_attn_weights else probs
         if unbatched:
             out = out.squeeze(0)
@@ -599,6 +686,46 @@ class MultiheadHKT(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def init_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> "_kvcache.DecodeCache":
+        """A cache for :meth:`decode`: ``batch_size`` sequences of at most
+        ``max_len`` tokens, empty (``hkt.kvcache.DecodeCache``).  It holds, per
+        level, the downsampling state (the last ``downsample_kernel`` inputs of
+        the query and key streams), the coarse keys so far, and the values.
+
+        device, dtype: default the module's (float32 or float64 only).
+
+        Raises:
+            ValueError for options decode does not support (``add_bias_kv``,
+            ``add_zero_attn``, ``kdim`` / ``vdim`` other than ``embed_dim``) and
+            ``batch_size`` / ``max_len`` below 1; TypeError for other dtypes.
+        """
+        return _kvcache.init_cache(self, batch_size, max_len, device=device, dtype=dtype)
+
+    def decode(self, x: Tensor, cache: "_kvcache.DecodeCache") -> Tensor:
+        """Incremental causal self-attention: the output for the next ``n`` tokens
+        of each sequence, given the ``cache`` of those before (from
+        :meth:`init_cache`), which it advances by ``n``.
+
+        ``x``: the new tokens' embeddings, (B, n, E) with ``batch_first``, else
+        (n, B, E); query = key = value = x.  Returns the output in the same
+        layout, equal (to rounding) to the last ``n`` rows of
+        ``self(seq, seq, seq, is_causal=True, need_weights=False)[0]`` over the
+        whole sequence so far, however it is split into calls (one token at a
+        time, or chunks; coarse blocks may be partly filled).  Level l's query
+        and key of block p are made when its first token, 2^l p, arrives.
+        Runs the CPU decoding kernel (:func:`hkt.hkt_attention_with_kvcache`),
+        with ``getattr(self, "num_kv_heads", num_heads)`` kv heads.
+
+        Inference only: call it under ``torch.no_grad()`` or
+        ``torch.inference_mode()`` (``RuntimeError`` otherwise: the kernel has
+        no backward).  ``ValueError`` for ``add_bias_kv``, ``add_zero_attn``,
+        ``kdim`` / ``vdim`` other than ``embed_dim``, training mode with
+        ``dropout > 0``, a wrong shape of ``x`` or more tokens than the cache
+        has room for; ``TypeError`` for an ``x`` of another dtype or device than
+        the cache.
+        """
+        return _kvcache.decode(self, x, cache)
 
 
 def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:

@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 __all__ = ["hkt_attention_reference", "attention_probs", "masked_probs", "combined_scores", "level_terms",
-           "upsample_level"]
+           "upsample_level", "repeat_kv"]
+
+
+def repeat_kv(x: Tensor, H: int) -> Tensor:
+    """Grouped-query attention spelled out: x (B, H_kv, n, d) with its kv heads
+    repeated to H heads, query head h reading kv head h // (H // H_kv)."""
+    Hk = x.shape[1]
+    return x if Hk == H else x.repeat_interleave(H // Hk, dim=1)
 
 
 def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
@@ -31,7 +38,7 @@ def level_terms(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[flo
         scale = 1.0 / math.sqrt(D)
     L = len(q)
     w2 = w.unsqueeze(0).expand(H, L) if w.dim() == 1 else w
-    return [scale * w2[:, l].view(1, H, 1, 1) * upsample_level(q[l] @ k[l].transpose(-1, -2), l, T, S)
+    return [scale * w2[:, l].view(1, H, 1, 1) * upsample_level(q[l] @ repeat_kv(k[l], H).transpose(-1, -2), l, T, S)
             for l in range(L)]
 
 
@@ -94,7 +101,8 @@ def hkt_attention_reference(
 ):
     """HKT attention exactly as docs/contract.md section 1 defines it.
 
-    Same arguments as :func:`hkt.hkt_attention`.  Dropout needs an explicit
+    Same arguments as :func:`hkt.hkt_attention` (k and v may have fewer heads
+    than q: grouped-query attention, :func:`repeat_kv`).  Dropout needs an explicit
     ``dropout_mask`` (B, H, T, S) of kept entries (e.g. from
     ``hkt._C.dropout_mask``), so results are reproducible.  With
     ``return_probs`` also returns P (B, H, T, S) before dropout.
@@ -105,5 +113,5 @@ def hkt_attention_reference(
         if dropout_mask is None:
             raise ValueError("dropout_mask: required when dropout_p > 0")
         Pd = P * dropout_mask.to(P.dtype) / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(P)
-    out = Pd @ v
+    out = Pd @ repeat_kv(v, P.shape[1])
     return (out, P) if return_probs else out

@@ -82,17 +82,19 @@ def report_targets(targets: List[tuple]) -> List[Dict[str, object]]:
     return rows
 
 
-def make_inputs(B, H, T, S, D, L, *, Dv=None, dtype=torch.float32, requires_grad=True, seed=0):
-    """Random q, k (lists of L levels), v and convex per-head w."""
+def make_inputs(B, H, T, S, D, L, *, Dv=None, dtype=torch.float32, requires_grad=True, seed=0, kv_heads=None):
+    """Random q, k (lists of L levels), v and convex per-head w; k and v with
+    kv_heads heads (default H: no grouped-query attention)."""
     g = torch.Generator().manual_seed(seed)
     Dv = D if Dv is None else Dv
+    Hk = H if kv_heads is None else kv_heads
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
 
     q = [rnd(B, H, -(-T // 2**l), D) for l in range(L)]
-    k = [rnd(B, H, -(-S // 2**l), D) for l in range(L)]
-    v = rnd(B, H, S, Dv)
+    k = [rnd(B, Hk, -(-S // 2**l), D) for l in range(L)]
+    v = rnd(B, Hk, S, Dv)
     w = torch.softmax(torch.randn(H, L, generator=g), -1).to(dtype).requires_grad_(requires_grad)
     return q, k, v, w
 

@@ -9,16 +9,18 @@ def level_len(n, l):
 
 
 def sample_inputs(B, H, T, S, D, Dv, L, *, dtype=torch.float64, per_head=True, requires_grad=False,
-                  device="cpu", seed=0):
-    """Random HKT inputs: q, k lists of L levels, v, w."""
+                  device="cpu", seed=0, kv_heads=None):
+    """Random HKT inputs: q, k lists of L levels, v, w; k and v with kv_heads
+    heads (default H)."""
     g = torch.Generator().manual_seed(seed)
+    Hk = H if kv_heads is None else kv_heads
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_(requires_grad)
 
     q = [rnd(B, H, level_len(T, l), D) for l in range(L)]
-    k = [rnd(B, H, level_len(S, l), D) for l in range(L)]
-    v = rnd(B, H, S, Dv)
+    k = [rnd(B, Hk, level_len(S, l), D) for l in range(L)]
+    v = rnd(B, Hk, S, Dv)
     w = rnd(H, L) if per_head else rnd(L)
     return q, k, v, w
 
@@ -105,3 +107,61 @@ def with_threads(n, fn):
         return fn()
     finally:
         torch.set_num_threads(old)
+
+
+# ---- low-precision tolerances, derived rather than fixed
+
+def _double_leaves(xs):
+    return [x.detach().double().requires_grad_() for x in xs]
+
+
+def _lowp_leaves(xs, dtype):
+    return [x.detach().to(dtype).requires_grad_() for x in xs]
+
+
+def assert_within_lowp_error(run, reference, q, k, v, w, dtype, *, factor=2.0, dout_seed=0, **kwargs):
+    """The output and every gradient of ``run`` (the kernels, fed ``dtype``
+    inputs) must be as close to the float64 ``reference`` as ``factor`` times
+    the error that plain PyTorch (``reference`` run in ``dtype`` itself) makes
+    on the same data, plus a few ulps of ``dtype`` at the result's magnitude
+    for results plain PyTorch gets exactly.  The way flash-attention sets
+    its tolerances: the bar is what the precision allows on this data, not a
+    number picked once."""
+    L = len(q)
+    leaves64 = _double_leaves([*q, *k, v, w])
+    leaves_lo = _lowp_leaves([*q, *k, v, w], dtype)
+    leaves = _lowp_leaves([*q, *k, v, w], dtype)
+
+    def results(fn, xs):
+        out = fn(xs[:L], xs[L:2 * L], xs[2 * L], xs[2 * L + 1], **kwargs)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(dout_seed), dtype=torch.float64)
+        grads = torch.autograd.grad(out, xs, dout.to(out.dtype))
+        return [out, *grads]
+
+    want = results(reference, leaves64)
+    plain = results(reference, leaves_lo)
+    got = results(run, leaves)
+    names = ["out"] + [f"dq[{l}]" for l in range(L)] + [f"dk[{l}]" for l in range(L)] + ["dv", "dw"]
+    ulp = torch.finfo(dtype).eps
+    for name, g, p, r in zip(names, got, plain, want):
+        assert g.dtype == dtype, f"{name}: dtype {g.dtype}, expected {dtype}"
+        base = (p.double() - r).abs().max().item()
+        bound = factor * base + 4 * ulp * r.abs().max().item()
+        err = (g.double() - r).abs().max().item()
+        assert err <= bound, (f"{name}: error {err:.3g} against float64 is more than {factor} x plain PyTorch's "
+                              f"{dtype} error {base:.3g} (+ 4 ulps)")
+
+
+# ---- one torch thread per test (this section is appended, so its import is here)
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every test of a module that imports this runs on one torch thread, the
+    old count restored after: training runs compared step for step then
+    reduce in one fixed order, and stay off a shared machine's other cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

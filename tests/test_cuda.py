@@ -838,15 +838,18 @@ def emulated(tmp_path_factory):
                            capture_output=True, text=True)
     if probe.returncode:  # a compiler without C++20: nothing to emulate with, not a failure of hkt
         pytest.skip(f"the emulation needs g++ with -std=c++20: {probe.stderr.strip()[:200]}")
+    cpu_sources = sorted(c for c in csrc.glob("*.c") if c.name != "hkt_binding.c")
     for cmd in (
         ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA", "-c",
          str(d / "emu.cpp"), "-o", str(d / "emu.o")],
         ["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", f"-I{inc}", "-DHKT_WITH_CUDA",
          "-c", str(d / "module.c"), "-o", str(d / "module.o")],
-        ["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", "-c",
-         str(csrc / "hkt_attention.c"), "-o", str(d / "attn.o")],
-        ["g++", "-shared", "-pthread", "-fopenmp", str(d / "emu.o"), str(d / "module.o"), str(d / "attn.o"), "-o",
-         str(d / f"_Cemu{suffix}")],
+        # every CPU source the binding links against (the attention kernels, and
+        # whatever else csrc/ holds beside the binding)
+        *(["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", "-c", str(c), "-o",
+           str(d / f"{c.stem}.o")] for c in cpu_sources),
+        ["g++", "-shared", "-pthread", "-fopenmp", str(d / "emu.o"), str(d / "module.o"),
+         *(str(d / f"{c.stem}.o") for c in cpu_sources), "-o", str(d / f"_Cemu{suffix}")],
     ):
         subprocess.run(cmd, check=True, capture_output=True)
     spec = importlib.util.spec_from_file_location("_Cemu", d / f"_Cemu{suffix}")
@@ -896,6 +899,21 @@ def test_emulated_cuda_kernels_match_cpu(emulated, size, dtype, mask, causal, dr
     got = run_binding(emulated, *args, dmask=dmask)
     tol = 1e-9 if dtype == torch.float64 else 2e-4
     assert_all_close(got, want, tol, tol)
+
+
+@pytest.mark.parametrize("size", [(2, 4, 2, 9, 11, 3, 2), (1, 6, 1, 33, 20, 4, 3), (1, 4, 2, 40, 40, 5, 1)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_grouped_query(emulated, size, causal):
+    """k and v with H_kv < H heads: the dk/dv kernel sums each kv head's query
+    heads itself, so it must match the CPU kernels (and the reference)."""
+    B, H, Hk, T, S, D, L = size
+    q, k, v, w = sample_inputs(B, H, T, S, D, D, L, kv_heads=Hk, seed=T + S)
+    dout = torch.randn(B, H, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    args = (q, k, v, w, dout, None, causal, None, 0.0, 0)
+    got = run_binding(emulated, *args)
+    assert_all_close(got, run_binding(_C, *args), 1e-9, 1e-9)
+    assert got[2 + L].shape == (B, Hk, S, D)  # dk[0]: one gradient per kv head
 
 
 @pytest.mark.parametrize("name", NON_FINITE)

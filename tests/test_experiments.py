@@ -8,7 +8,7 @@ from torch import nn
 
 import hkt
 from hkt.experiments import build_model, load_task, train_classifier
-from hkt.experiments import demo, reproduce
+from hkt.experiments import listops_compare, reproduce
 from hkt.experiments import train as train_cli
 
 from data_fixtures import write_fake_cifar, write_fake_imdb
@@ -112,7 +112,7 @@ def test_reproduce_cli(tmp_path):
 
 
 def test_demo_prints_table(capsys):
-    res = demo.main(["--steps", "2"] + TINY)
+    res = listops_compare.main(["--steps", "2"] + TINY)
     out = capsys.readouterr().out
     assert "standard" in out and "HKT (L=3)" in out and "1.3125" in out
     assert set(res) == {"standard", "hkt"}

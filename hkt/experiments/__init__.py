@@ -2,7 +2,10 @@
 
     python -m hkt.experiments.train --task listops --attention hkt --seed 0 --out run.json
     python -m hkt.experiments.reproduce --task listops --seeds 0 1 2 --out results/listops.json
-    python -m hkt.experiments.demo           # a 2-3 minute HKT vs standard ListOps run
+    python -m hkt.experiments.listops_compare  # a 2-3 minute HKT vs standard ListOps run
+    python -m hkt.experiments.bytelm train   # byte-level LM on the stdlib's sources; then `... bytelm generate`
+    python -m hkt.experiments.lm_run         # resumable LM comparison, HKT levels 1, 2, 3 at T=1024
+    python -m hkt.experiments.trained_analysis --checkpoint CKPT --out DIR   # what a trained model learned
 
 Extras: ``pip install "hkt[experiments]"`` adds tqdm (progress bars; without it
 training runs without them) and matplotlib (the plot of ``hkt.experiments.theory``).

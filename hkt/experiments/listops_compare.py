@@ -1,6 +1,6 @@
 """A short ListOps run of HKT against standard attention (about 2-3 minutes on 2 cores).
 
-    python -m hkt.experiments.demo [--steps 800] [--seq-len 128] [--threads 1]
+    python -m hkt.experiments.listops_compare [--steps 800] [--seq-len 128] [--threads 1]
 
 Trains the same small Transformer twice, from the same initialisation and
 batches, once with ``nn.MultiheadAttention`` and once after
@@ -30,14 +30,14 @@ def format_table(results, levels: int) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.demo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.listops_compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.set_defaults(steps=800, n_train=10000, n_test=1000, threads=1)
     args = ap.parse_args(argv)
     if args.task != "listops":
-        ap.error("the demo runs ListOps only (use hkt.experiments.train for the other tasks)")
+        ap.error("this comparison runs ListOps only (use hkt.experiments.train for the other tasks)")
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = training_kwargs(args)

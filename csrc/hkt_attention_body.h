@@ -1,0 +1,736 @@
+/*
+ * HKT attention on the CPU: forward and backward for one real type.
+ *
+ * Not a header of declarations: the kernels' body, included once by
+ * hkt_cpu_f32.c and once by hkt_cpu_f64.c, each defining `real`
+ * (float, double), REAL_IS_FLOAT and REAL_LOG first.  Every function is static,
+ * so both translation units use the same plain names; the entry points are
+ * forward() and backward() at the end (hkt_cpu.h, hkt.h).
+ *
+ * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H_kv, ceil(S/2^l), D),
+ * v (B, H_kv, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
+ *
+ * Flash-style: queries and keys are walked in BQ x BK tiles; a tile's score is
+ * built from each level's small Gram block (computed once per 2^l x 2^l block,
+ * the 1 + 1/4 + 1/16 ... cost) and consumed by an online softmax.  Nothing of
+ * size T x S is ever stored; the forward keeps one log-sum-exp per row and the
+ * backward recomputes the tile scores from it.  Each thread works in its own
+ * workspace block, whose regions ws_layout (hkt_cpu.h) names.
+ */
+#include "hkt_cpu.h"
+#include "hkt_dropout.h"
+#include "hkt_real.h"
+
+#include <math.h>
+#include <string.h>
+
+
+/* ---- GEMM: C (M, N) = [C +] alpha * op(A) @ B, row-major with leading dimensions;
+ * op(A) = A (M, K) or, with trans_a, A^T where A is stored (K, M).  Register-blocked
+ * R x (NV vectors) micro-tiles: 4 x 4 keeps 16 accumulators in zmm registers, and
+ * 4 loads plus 4 broadcasts feed 16 FMAs. */
+#define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN)                                            \
+    static inline __attribute__((always_inline)) void NAME(                                \
+        int64_t K, real alpha, const real *restrict A, int64_t lda, const real *restrict B,    \
+        int64_t ldb, real *restrict C, int64_t ldc, int accumulate) {                          \
+        VT c[R][NV];                                                                            \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (VT){0};            \
+        for (int64_t kk = 0; kk < K; kk++) {                                                    \
+            VT b[NV];                                                                           \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++)                               \
+                memcpy(&b[v], B + kk * ldb + v * (VLEN), sizeof(VT));                           \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                              \
+                const real a = A[AIDX];                                                         \
+                _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] += a * b[v];      \
+            }                                                                                   \
+        }                                                                                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) {                             \
+                real *p = C + r * ldc + v * (VLEN);                                             \
+                VT o = alpha * c[r][v], old;                                                    \
+                if (accumulate) {                                                               \
+                    memcpy(&old, p, sizeof(VT));                                                \
+                    o += old;                                                                   \
+                }                                                                               \
+                memcpy(p, &o, sizeof(VT));                                                      \
+            }                                                                                   \
+    }
+#define DEFINE_TILE(NAME, R, NV, AIDX) DEFINE_TILE_OF(NAME, R, NV, AIDX, vec, VL)
+
+/* Narrow columns (coarse levels of short sequences): 32- and 16-byte vectors, so
+ * only what is left below 4 (2) reals runs scalar. */
+typedef real vech __attribute__((vector_size(32)));
+typedef real vecq __attribute__((vector_size(16)));
+DEFINE_TILE_OF(tile_8xh, 8, 1, r * lda + kk, vech, VL / 2)
+DEFINE_TILE_OF(tile_1xh, 1, 1, r * lda + kk, vech, VL / 2)
+DEFINE_TILE_OF(tile_t8xh, 8, 1, kk * lda + r, vech, VL / 2)
+DEFINE_TILE_OF(tile_t1xh, 1, 1, kk * lda + r, vech, VL / 2)
+DEFINE_TILE_OF(tile_8xq, 8, 1, r * lda + kk, vecq, VL / 4)
+DEFINE_TILE_OF(tile_1xq, 1, 1, r * lda + kk, vecq, VL / 4)
+DEFINE_TILE_OF(tile_t8xq, 8, 1, kk * lda + r, vecq, VL / 4)
+DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
+
+/* narrower column blocks (coarse levels, small Dv) take more rows, so every
+ * block still keeps 16 (8) accumulators busy */
+DEFINE_TILE(tile_4x4, 4, 4, r * lda + kk)
+DEFINE_TILE(tile_1x4, 1, 4, r * lda + kk)
+DEFINE_TILE(tile_8x2, 8, 2, r * lda + kk)
+DEFINE_TILE(tile_1x2, 1, 2, r * lda + kk)
+DEFINE_TILE(tile_8x1, 8, 1, r * lda + kk)
+DEFINE_TILE(tile_1x1, 1, 1, r * lda + kk)
+DEFINE_TILE(tile_t4x4, 4, 4, kk * lda + r)
+DEFINE_TILE(tile_t1x4, 1, 4, kk * lda + r)
+DEFINE_TILE(tile_t8x2, 8, 2, kk * lda + r)
+DEFINE_TILE(tile_t1x2, 1, 2, kk * lda + r)
+DEFINE_TILE(tile_t8x1, 8, 1, kk * lda + r)
+DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
+
+static HKT_HOT void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                             int64_t lda, const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
+    /* row i of op(A) starts at A + i * as, and op(A)[i][kk] = A[i * as + kk * ks] */
+    const int64_t as = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
+    int64_t j = 0;
+#define HKT_TILES(R, NV, TR, T1, TTR, TT1)                                                               \
+    for (; j + NV * VL <= N; j += NV * VL) {                                                             \
+        int64_t i = 0;                                                                                   \
+        if (trans_a) {                                                                                   \
+            for (; i + R <= M; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i < M; i++) TT1(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
+        } else {                                                                                         \
+            for (; i + R <= M; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
+        }                                                                                                \
+    }
+    HKT_TILES(4, 4, tile_4x4, tile_1x4, tile_t4x4, tile_t1x4)
+    HKT_TILES(8, 2, tile_8x2, tile_1x2, tile_t8x2, tile_t1x2)
+    HKT_TILES(8, 1, tile_8x1, tile_1x1, tile_t8x1, tile_t1x1)
+#undef VL
+#define VL (VL_FULL / 2)
+    HKT_TILES(8, 1, tile_8xh, tile_1xh, tile_t8xh, tile_t1xh)
+#undef VL
+#define VL (VL_FULL / 4)
+    HKT_TILES(8, 1, tile_8xq, tile_1xq, tile_t8xq, tile_t1xq)
+#undef VL
+#define VL VL_FULL
+#undef HKT_TILES
+    if (j < N) {
+        for (int64_t i = 0; i < M; i++) {
+            real *crow = C + i * ldc;
+            for (int64_t n = j; n < N; n++) {
+                real acc = 0;
+                for (int64_t kk = 0; kk < K; kk++) acc += A[i * as + kk * ks] * B[kk * ldb + n];
+                crow[n] = accumulate ? crow[n] + alpha * acc : alpha * acc;
+            }
+        }
+    }
+}
+
+/* dst[c] = src[c >> 1] for c < n: a grid row upsampled by 2 */
+static inline void expand2(const real *restrict src, int64_t n, real *restrict dst) {
+    int64_t c = 0;
+    for (; c + 2 * VL <= n; c += 2 * VL) {
+        const vec s = vload(src + c / 2);
+        vstore(dst + c, __builtin_shuffle(s, dup_lo));
+        vstore(dst + c + VL, __builtin_shuffle(s, dup_hi));
+    }
+    for (; c < n; c++) dst[c] = src[c >> 1];
+}
+
+/* dst[c] = src[2c] + src[2c + 1] (the last alone if n is odd): a row summed over pairs */
+static inline void pairsum(const real *restrict src, int64_t n, real *restrict dst) {
+    int64_t c = 0;
+    for (; 2 * c + 2 * VL <= n; c += VL) {
+        const vec a = vload(src + 2 * c), b = vload(src + 2 * c + VL);
+        vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+    }
+    for (; 2 * c < n; c++) dst[c] = src[2 * c] + (2 * c + 1 < n ? src[2 * c + 1] : 0);
+}
+
+/* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions */
+static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_t lds, real *dst, int64_t ldd) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
+}
+
+
+/* x[c] = exp(x[c] - m).  With m NaN (a row holding a visible NaN or +inf score)
+ * every entry is NaN except hidden ones (-inf), which stay exactly 0: a hidden
+ * key contributes nothing, even to a NaN row. */
+static inline void exp_shift(real *restrict x, int64_t n, real m) {
+    if (m != m) {
+        for (int64_t c = 0; c < n; c++) x[c] = x[c] == -INFINITY ? 0 : NAN;
+        return;
+    }
+    for (int64_t c = 0; c < n; c++) x[c] = exp_nonpos(x[c] - m);
+}
+
+
+/* x[0..n) added lane-wise into one 64-byte vector (x[c] to lane c % VL): a row
+ * sum kept in lanes, reduced once per row at the end (lanes_total), in the same
+ * order whatever ISA the clone runs on, so results stay bitwise equal across
+ * machines. */
+static inline vec row_lanes(const real *restrict x, int64_t n) {
+    vec acc = {0};
+    int64_t c = 0;
+    for (; c + VL <= n; c += VL) acc += vload(x + c);
+    if (c < n) {
+        real tail[VL] = {0};
+        memcpy(tail, x + c, sizeof(real) * (size_t)(n - c));
+        acc += vload(tail);
+    }
+    return acc;
+}
+
+static inline real lanes_total(vec acc) {
+    real part[VL];
+    vstore(part, acc);
+    for (int64_t width = VL / 2; width >= 1; width /= 2)
+        for (int64_t e = 0; e < width; e++) part[e] += part[e + width];
+    return part[0];
+}
+
+static inline real weight(const hkt_params *p, int64_t h, int l) {
+    return ((const real *)p->w)[h * p->w_stride[0] + l * p->w_stride[1]];
+}
+
+/* Level-l rows [r0, r0 + rl) and cols [c0, c0 + cl) that tile [i0,i1) x [j0,j1) touches. */
+typedef struct {
+    int64_t r0, rl, c0, cl;
+} span;
+
+static inline span level_span(int l, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    span s;
+    s.r0 = i0 >> l;
+    s.rl = ((i1 - 1) >> l) + 1 - s.r0;
+    s.c0 = j0 >> l;
+    s.cl = ((j1 - 1) >> l) + 1 - s.c0;
+    return s;
+}
+
+/* Transposes key rows [j0, j1) of every level into kt[l] (D, ld[l]) at column
+ * offset (j0 >> l) - base_col[l]: the score GEMM's B operand, (D, keys). */
+static void load_keys(const hkt_params *p, int64_t b, int64_t h, int64_t j0, int64_t j1, real *const *kt,
+                      const int64_t *ld, const int64_t *base_col) {
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, 0, 1, j0, j1);
+        const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + kv_head(p, h) * p->k_stride[l][1];
+        transpose(sp.cl, p->D, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2], kt[l] + sp.c0 - base_col[l], ld[l]);
+    }
+}
+
+/* Transposes one key tile of every level into the workspace's kt region
+ * (D, cl) each, and points kt[l] / ktld[l] at it. */
+static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t j0,
+                          int64_t j1, const real **kt, int64_t *ktld) {
+    real *buf[HKT_MAX_LEVELS];
+    int64_t col0[HKT_MAX_LEVELS];
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, 0, 1, j0, j1);
+        buf[l] = base + ws->key_tile + ws->key_tile_off[l];
+        ktld[l] = sp.cl;
+        col0[l] = sp.c0;
+        kt[l] = buf[l];
+    }
+    load_keys(p, b, h, j0, j1, buf, ktld, col0);
+}
+
+/* S (nq, BK) = scale * sum_l w[l] * upsample(G_l), with G_l = q[l] k[l]^T over the
+ * tile (kept in the workspace for the backward's dw).  kt[l] points at the tile's
+ * first transposed key column of level l, with leading dimension ktld[l].
+ *
+ * Coarse levels are folded from the coarsest down, E_l = scale w_l G_l + up2(E_{l+1}),
+ * so each level costs one pass over its own grid; up2 duplicates rows and columns.
+ * Tiles start at multiples of 64, so a level's first row and column inside a tile
+ * are even whenever it has more than one: the parent of (a, c) is (a >> 1, c >> 1).
+ * Then masking: invisible entries become -inf, a float mask is added. */
+static HKT_HOT void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                                int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
+    const int64_t D = p->D, nq = i1 - i0, nk = j1 - j0;
+    const int L = p->L;
+    real *S = base + ws->scores, *tmp = base + ws->row_tmp;
+    const real scale = (real)p->scale;
+    for (int l = 0; l < L; l++) {
+        span sp = level_span(l, i0, i1, j0, j1);
+        const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+        gemm(0, sp.rl, sp.cl, D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2], kt[l], ktld[l],
+             base + ws->gram + ws->gram_off[l], sp.cl, 0);
+    }
+    const real *up = NULL; /* E_{l+1}, row length up_cl */
+    int64_t up_cl = 0;
+    for (int l = L - 1; l >= 0; l--) {
+        span sp = level_span(l, i0, i1, j0, j1);
+        const real *G = base + ws->gram + ws->gram_off[l];
+        real *E = l ? base + ws->folded + ws->gram_off[l] : S;
+        const int64_t lde = l ? sp.cl : BK;
+        const real wl = scale * weight(p, h, l);
+        for (int64_t a = 0; a < sp.rl; a++) {
+            const real *g = G + a * sp.cl;
+            real *e = E + a * lde;
+            if (!up) {
+                for (int64_t c = 0; c < sp.cl; c++) e[c] = wl * g[c];
+                continue;
+            }
+            if (a % 2 == 0) expand2(up + (a >> 1) * up_cl, sp.cl, tmp);
+            for (int64_t c = 0; c < sp.cl; c++) e[c] = wl * g[c] + tmp[c];
+        }
+        up = E;
+        up_cl = sp.cl;
+    }
+    /* the float mask is added first, so hiding (causal, bool) wins over whatever
+     * it holds: a NaN in a hidden entry of a float mask stays hidden */
+    const int64_t ms3 = p->mask_stride[3];
+    if (p->mask_kind == HKT_MASK_FLOAT)
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            const real *m = (const real *)p->mask + b * p->mask_stride[0] + h * p->mask_stride[1] +
+                            (i0 + r) * p->mask_stride[2] + j0 * ms3;
+            for (int64_t c = 0; c < nk; c++) srow[c] += m[c * ms3];
+        }
+    if (p->causal && j1 - 1 > i0) {
+        /* on the diagonal: key j > i is hidden */
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            for (int64_t c = i0 + r - j0 + 1 > 0 ? i0 + r - j0 + 1 : 0; c < nk; c++) srow[c] = -INFINITY;
+        }
+    }
+    if (p->mask_kind == HKT_MASK_BOOL)
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            const unsigned char *m = (const unsigned char *)p->mask + b * p->mask_stride[0] + h * p->mask_stride[1] +
+                                     (i0 + r) * p->mask_stride[2] + j0 * ms3;
+            for (int64_t c = 0; c < nk; c++) srow[c] = m[c * ms3] ? srow[c] : -INFINITY;
+        }
+}
+
+/* Per-thread state at the head of each workspace block. */
+typedef struct {
+    int64_t cached_bh;
+} thread_state;
+
+/* forward: one task per (b, h, query tile); each task owns its out rows.  The
+ * transposed keys of the current (b, h) stay in the thread's workspace, so each
+ * key tile is transposed once per thread, not once per query tile. */
+static HKT_HOT void forward_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
+                                 int64_t qt) {
+    const int64_t T = p->T, S = p->S, Dv = p->Dv;
+    const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
+    const int use_dropout = p->dropout_p > 0;
+    const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
+    const real kf = (real)keep_scale(p->dropout_p);
+    thread_state *state = (thread_state *)block;
+    real *base = (real *)(block + WS_HEADER);
+    real *Sbuf = base + ws->scores, *m = base + ws->row_max, *ready = base + ws->keys_ready;
+    real *lsum = base + ws->row_sums; /* row r's partial sums: VL lanes at lsum + r * VL */
+    real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
+    const real *vb = (const real *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
+    real *ktall[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
+    const real *kt[HKT_MAX_LEVELS];
+    for (int l = 0; l < p->L; l++) {
+        ktall[l] = base + ws->keys_all + ws->keys_all_off[l];
+        ktld[l] = hkt_keys_all_ld(p, l);
+        zero[l] = 0;
+    }
+    const int64_t nkt = (S + BK - 1) / BK;
+    /* keyed by the kv head: the query heads of one group, run one after another,
+     * share the transposed keys */
+    if (state->cached_bh != b * p->H_kv + kv_head(p, h)) {
+        state->cached_bh = b * p->H_kv + kv_head(p, h);
+        for (int64_t x = 0; x < nkt; x++) ready[x] = 0;
+    }
+
+    for (int64_t r = 0; r < nq; r++) {
+        m[r] = -INFINITY;
+        vstore(lsum + r * VL, (vec){0});
+        real *orow = ob + r * p->out_stride[2];
+        for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
+    }
+    const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
+    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+        const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
+        if (ws->keys_cached) {
+            if (!ready[j0 / BK]) {
+                load_keys(p, b, h, j0, j1, ktall, ktld, zero);
+                ready[j0 / BK] = 1;
+            }
+            for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+        } else {
+            int64_t tld[HKT_MAX_LEVELS];
+            load_key_tile(p, ws, base, b, h, j0, j1, kt, tld);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld);
+        }
+        /* online softmax: rescale what out holds so far, then add this tile's P @ V */
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = Sbuf + r * BK;
+            const real mx = row_max(srow, nk);
+            if (mx == -INFINITY) { /* nothing visible in this tile */
+                for (int64_t c = 0; c < nk; c++) srow[c] = 0;
+                continue;
+            }
+            /* NaN wins, so a NaN score poisons its row for good */
+            const real mnew = mx > m[r] || mx != mx ? mx : m[r];
+            const real alpha = m[r] == -INFINITY ? 0 : exp_nonpos(m[r] - mnew);
+            exp_shift(srow, nk, mnew);
+            if (alpha != 1) {
+                real *orow = ob + r * p->out_stride[2];
+                for (int64_t e = 0; e < Dv; e++) orow[e] *= alpha;
+            }
+            vstore(lsum + r * VL, vload(lsum + r * VL) * alpha + row_lanes(srow, nk));
+            m[r] = mnew;
+            if (use_dropout) {
+                const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
+                for (int64_t c = 0; c < nk; c++) srow[c] = keep_entry(sm, th, rowidx + (uint64_t)c) ? srow[c] * kf : 0;
+            }
+        }
+        gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
+    }
+    real *lse = (real *)p->lse + (b * p->H + h) * T + i0;
+    for (int64_t r = 0; r < nq; r++) {
+        real *orow = ob + r * p->out_stride[2];
+        const real total = lanes_total(vload(lsum + r * VL));
+        if (total > 0) {
+            const real inv = 1 / total;
+            for (int64_t e = 0; e < Dv; e++) orow[e] *= inv;
+            lse[r] = m[r] + REAL_LOG(total);
+        } else if (total == 0) {
+            /* no visible key: zeros, and +inf so the backward's P is exactly 0 */
+            for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
+            lse[r] = INFINITY;
+        } else {
+            /* a visible NaN or +inf score: the softmax of the row is NaN */
+            for (int64_t e = 0; e < Dv; e++) orow[e] = NAN;
+            lse[r] = NAN;
+        }
+    }
+}
+
+static void forward(const hkt_params *p) {
+    const ws_layout ws = hkt_ws_layout(p, 0);
+    const size_t wsb = hkt_workspace_bytes(p, 0);
+    const int64_t nqt = (p->T + BQ - 1) / BQ, nbh = p->B * p->H, ntask = nbh * nqt;
+    const int nt = num_threads(p);
+    for (int x = 0; x < nt; x++) ((thread_state *)((char *)p->workspace + (size_t)x * wsb))->cached_bh = -1;
+    /* (b, h)-major so a thread's cached keys stay useful; within a (b, h) the
+     * costlier causal tiles further down go first. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+    for (int64_t t = 0; t < ntask; t++) {
+        const int64_t bh = t / nqt, qt = nqt - 1 - t % nqt;
+        char *block = (char *)p->workspace + (size_t)thread_id() * wsb;
+        forward_task(p, &ws, block, bh / p->H, bh % p->H, qt);
+    }
+}
+
+/* dS of one (query tile, key tile) pair, recomputed from the forward's lse:
+ *
+ * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
+ * dP = dO v^T; dS = P * (dP * keep/(1-p) - delta), delta = rowsum(dO * out)
+ *
+ * Reads the tile's transposed keys kt/ktld and values (values_t, (Dv, BK)).
+ * Leaves the tile's scores' Gram blocks in gram (for dw), P in scores, dS
+ * (nq, BK, before the scale) in dscores and, with dropout, the dropped P in
+ * pdrop; returns the P that weighed v (scores or pdrop). */
+static HKT_HOT const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                        int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
+                                        const int64_t *ktld) {
+    const int64_t T = p->T, S = p->S, Dv = p->Dv, nq = i1 - i0, nk = j1 - j0;
+    real *Sb = base + ws->scores, *dP = base + ws->dscores, *Vt = base + ws->values_t, *Pd = base + ws->pdrop;
+    const real *delta = (const real *)p->dw_partial + (b * p->H + h) * T; /* shared (B, H, T) */
+    const real *lse = (const real *)p->lse + (b * p->H + h) * T;
+    const real *dorows =
+        (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
+    tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+    /* A row whose lse or delta is not finite (NaN from a visible NaN score, +inf
+     * lse for a row with nothing visible) must still give hidden entries dS = 0,
+     * not 0 * NaN: remember which entries are hidden before the exp. */
+    unsigned char odd_row[BQ], hidden[BQ][BK];
+    for (int64_t r = 0; r < nq; r++) {
+        real *srow = Sb + r * BK;
+        odd_row[r] = !(isfinite(lse[i0 + r]) && isfinite(delta[i0 + r]));
+        if (odd_row[r])
+            for (int64_t c = 0; c < nk; c++) hidden[r][c] = srow[c] == -INFINITY;
+        exp_shift(srow, nk, lse[i0 + r]); /* P */
+    }
+    gemm(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
+    const real *Pv = Sb; /* the P that weighed v: dropped or not */
+    /* dS = P * (dP * keep / (1 - p) - delta), before the scale */
+    if (p->dropout_p > 0) {
+        const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
+        const real kf = (real)keep_scale(p->dropout_p);
+        for (int64_t r = 0; r < nq; r++) {
+            const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
+            const real di = delta[i0 + r];
+            real *srow = Sb + r * BK, *dprow = dP + r * BK, *pdrow = Pd + r * BK;
+            for (int64_t c = 0; c < nk; c++) {
+                const real f = keep_entry(sm, th, rowidx + (uint64_t)c) ? kf : 0;
+                pdrow[c] = srow[c] * f;
+                dprow[c] = srow[c] * (dprow[c] * f - di);
+            }
+        }
+        Pv = Pd;
+    } else {
+        for (int64_t r = 0; r < nq; r++) {
+            const real di = delta[i0 + r];
+            const real *srow = Sb + r * BK;
+            real *dprow = dP + r * BK;
+            for (int64_t c = 0; c < nk; c++) dprow[c] = srow[c] * (dprow[c] - di);
+        }
+    }
+    for (int64_t r = 0; r < nq; r++)
+        if (odd_row[r])
+            for (int64_t c = 0; c < nk; c++)
+                if (hidden[r][c]) dP[r * BK + c] = 0;
+    return Pv;
+}
+
+/* backward of one (query tile, key tile) pair: dS (tile_dscores), then
+ *
+ * dv = Pdrop^T dO; dq_l = scale w_l sum2^l(dS) k_l; dk_l = scale w_l sum2^l(dS)^T q_l;
+ * dw_l = scale sum(sum2^l(dS) * q_l k_l^T)
+ *
+ * want_kv adds to dv, dk and dwacc (the key side), want_q to dq (the query side);
+ * with neither it only leaves dS in dscores (for the mask's gradient).
+ * kt/ktld are the key tile's transposed keys, values_t (Dv, BK) its transposed values.
+ * All gradients accumulate: the caller orders the pairs. */
+static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                  int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
+                                  const int64_t *ktld, int want, real *dwacc) {
+    const int64_t D = p->D, Dv = p->Dv, nq = i1 - i0, nk = j1 - j0;
+    const int L = p->L;
+    const real scale = (real)p->scale;
+    real *dP = base + ws->dscores, *tmp = base + ws->row_tmp;
+    const real *dorows =
+        (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
+    const int64_t hk = kv_head(p, h);
+    real *dvb = (real *)p->dv + b * p->dv_stride[0] + hk * p->dv_stride[1];
+
+    const real *Pv = tile_dscores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+    if (!(want & (WANT_KV | WANT_Q))) return;
+    if (want & WANT_KV)
+        gemm(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2], p->dv_stride[2],
+             1); /* dv += P^T dO */
+    /* per level: dS summed over 2^l blocks, level by level
+     * from the one below; then that level's dq, or dk and dw */
+    const real *dsl_prev = dP;
+    int64_t ld_prev = BK, rl_prev = nq, cl_prev = nk;
+    for (int l = 0; l < L; l++) {
+        span sp = level_span(l, i0, i1, j0, j1);
+        const real *dsl = dP;
+        int64_t ldsl = BK;
+        if (l > 0) {
+            real *out = base + ws->dscores_coarse + ws->gram_off[l];
+            for (int64_t a = 0; a < sp.rl; a++) {
+                const real *r0 = dsl_prev + 2 * a * ld_prev;
+                if (2 * a + 1 < rl_prev) {
+                    const real *r1 = r0 + ld_prev;
+                    for (int64_t c = 0; c < cl_prev; c++) tmp[c] = r0[c] + r1[c];
+                    pairsum(tmp, cl_prev, out + a * sp.cl);
+                } else {
+                    pairsum(r0, cl_prev, out + a * sp.cl);
+                }
+            }
+            dsl = out;
+            ldsl = sp.cl;
+        }
+        dsl_prev = dsl;
+        ld_prev = ldsl;
+        rl_prev = sp.rl;
+        cl_prev = sp.cl;
+        const real wl = scale * weight(p, h, l);
+        if (want & WANT_Q) {
+            const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
+            real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
+            gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                 dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
+        }
+        if (want & WANT_KV) {
+            const real *G = base + ws->gram + ws->gram_off[l];
+            real dws = 0;
+            for (int64_t a = 0; a < sp.rl; a++) dws += dot(sp.cl, dsl + a * ldsl, G + a * sp.cl);
+            dwacc[l] += scale * dws;
+            const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+            real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
+            gemm(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
+                 dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
+        }
+    }
+}
+
+/* Loads key tile j0 (transposed keys of every level, transposed values). */
+static void backward_keys(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t j0,
+                          int64_t j1, const real **kt, int64_t *ktld) {
+    const real *vb = (const real *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
+    load_key_tile(p, ws, base, b, h, j0, j1, kt, ktld);
+    transpose(j1 - j0, p->Dv, vb + j0 * p->v_stride[2], p->v_stride[2], base + ws->values_t, BK);
+}
+
+/* Key tiles [kt0, kt1) of kv head hk against every query tile that sees them,
+ * for each query head of hk's group, in (key tile, query head, query tile)
+ * order, for the given sides; the key side's dw partials go to dw_partial.
+ * The tile's keys and values are loaded once for the whole group. */
+static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t hk,
+                                int64_t kt0, int64_t kt1, int want) {
+    const real *kt[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS];
+    real *dwacc = base + ws->dw_acc;
+    const int64_t nkt = (p->S + BK - 1) / BK, group = p->H / p->H_kv;
+    for (int64_t t = kt0; t < kt1; t++) {
+        const int64_t j0 = t * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+        backward_keys(p, ws, base, b, hk * group, j0, j1, kt, ktld);
+        for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+            for (int l = 0; l < p->L; l++) dwacc[l] = 0;
+            /* causal: query tiles that end before j0 see none of these keys */
+            for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < p->T; i0 += BQ)
+                backward_pair(p, ws, base, b, h, i0, i0 + BQ < p->T ? i0 + BQ : p->T, j0, j1, kt, ktld, want, dwacc);
+            real *dwp = (real *)p->dw_partial + p->B * p->H * p->T + ((b * p->H + h) * nkt + t) * p->L;
+            if (want & WANT_KV)
+                for (int l = 0; l < p->L; l++) dwp[l] = dwacc[l];
+        }
+    }
+}
+
+/* dq of query tiles [qt0, qt1) in the same key-major order as the one-pass
+ * schedule, so both schedules add every gradient in the same order. */
+static void backward_queries_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                   int64_t qt0, int64_t qt1) {
+    const real *kt[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS];
+    const int64_t iend = qt1 * BQ < p->T ? qt1 * BQ : p->T;
+    const int64_t jend = p->causal ? (iend < p->S ? iend : p->S) : p->S;
+    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+        const int64_t j1 = j0 + BK < p->S ? j0 + BK : p->S;
+        backward_keys(p, ws, base, b, h, j0, j1, kt, ktld);
+        for (int64_t q = qt0; q < qt1; q++) {
+            const int64_t i0 = q * BQ, i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
+            if (p->causal && i1 - 1 < j0) continue;
+            backward_pair(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, WANT_Q, NULL);
+        }
+    }
+}
+
+/* The float mask's gradient: dmask (dmask_shape; each dim 1 or full) is dS summed
+ * over the dims where it is 1.  A task owns the dmask block (mb, mh, query tile
+ * mqt, key tile mkt) — a whole dim where that dim is summed — and adds every
+ * (b, h, query tile, key tile) pair that lands in it, in a fixed order: no races,
+ * the same bits for any thread count.  Scores are recomputed for this (one more
+ * pass over the pairs, paid only when the mask needs a gradient). */
+static void backward_mask_task(const hkt_params *p, const ws_layout *ws, real *base, int64_t mb, int64_t mh,
+                               int64_t mqt, int64_t mkt) {
+    const int64_t *ms = p->dmask_shape;
+    const int own_b = ms[0] == p->B, own_h = ms[1] == p->H, own_i = ms[2] == p->T, own_j = ms[3] == p->S;
+    const int64_t nqt = (p->T + BQ - 1) / BQ, nkt = (p->S + BK - 1) / BK;
+    const int64_t qt0 = own_i ? mqt : 0, qt1 = own_i ? mqt + 1 : nqt;
+    const int64_t kt0 = own_j ? mkt : 0, kt1 = own_j ? mkt + 1 : nkt;
+    real *dm = (real *)p->dmask + (mb * ms[1] + mh) * ms[2] * ms[3];
+    const real *dS = base + ws->dscores;
+    const real *kt[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS];
+    /* zero the block first: the backward overwrites */
+    for (int64_t i = own_i ? qt0 * BQ : 0; i < (own_i ? (qt1 * BQ < p->T ? qt1 * BQ : p->T) : 1); i++)
+        for (int64_t j = own_j ? kt0 * BK : 0; j < (own_j ? (kt1 * BK < p->S ? kt1 * BK : p->S) : 1); j++)
+            dm[i * ms[3] + j] = 0;
+    for (int64_t b = own_b ? mb : 0; b < (own_b ? mb + 1 : p->B); b++)
+        for (int64_t h = own_h ? mh : 0; h < (own_h ? mh + 1 : p->H); h++)
+            for (int64_t t = kt0; t < kt1; t++) {
+                const int64_t j0 = t * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+                backward_keys(p, ws, base, b, h, j0, j1, kt, ktld);
+                for (int64_t q = qt0; q < qt1; q++) {
+                    const int64_t i0 = q * BQ, i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
+                    if (p->causal && i1 - 1 < j0) continue;
+                    backward_pair(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 0, NULL);
+                    for (int64_t r = 0; r < i1 - i0; r++) {
+                        const real *drow = dS + r * BK;
+                        real *mrow = dm + (own_i ? i0 + r : 0) * ms[3];
+                        if (own_j) {
+                            for (int64_t c = 0; c < j1 - j0; c++) mrow[j0 + c] += drow[c];
+                        } else {
+                            real sum = 0;
+                            for (int64_t c = 0; c < j1 - j0; c++) sum += drow[c];
+                            mrow[0] += sum;
+                        }
+                    }
+                }
+            }
+}
+
+/* Zeroes query head (b, h)'s dq rows and, once per group (its first query
+ * head), its kv head's dk and dv rows (the backward overwrites); fills
+ * delta = rowsum(dO * out), the softmax backward's per-row term. */
+static void backward_prepare(const hkt_params *p, int64_t b, int64_t h) {
+    const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv, hk = kv_head(p, h);
+    const int first_of_group = h % (p->H / p->H_kv) == 0;
+    for (int l = 0; l < p->L; l++) {
+        const int64_t Tl = T > 0 ? ((T - 1) >> l) + 1 : 0, Sl = S > 0 ? ((S - 1) >> l) + 1 : 0;
+        real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
+        real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
+        for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
+        if (first_of_group)
+            for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
+    }
+    real *dvb = (real *)p->dv + b * p->dv_stride[0] + hk * p->dv_stride[1];
+    if (first_of_group)
+        for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
+    const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
+    const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
+    real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
+    for (int64_t i = 0; i < T; i++) delta[i] = dot(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
+}
+
+/* Two schedules, bitwise equal results:
+ *  - one task per (b, kv head), owning all the gradient rows of the kv head and
+ *    of its group of query heads (no atomics): used when there are at least as
+ *    many (b, kv head) as threads;
+ *  - otherwise two passes: key chunks of one (b, kv head) write dk, dv and dw
+ *    partials, query chunks of one (b, h) write dq.  A chunk spans 2^(L-1) rows
+ *    (at least one 64-row tile), so no coarse-level row is shared between chunks;
+ *    scores are recomputed in both passes, the price of using every thread.
+ * dw is reduced from per-(b, h, key tile) partials in a fixed order. */
+static void backward(const hkt_params *p) {
+    const ws_layout ws = hkt_ws_layout(p, 1);
+    const size_t wsb = hkt_workspace_bytes(p, 1);
+    const int64_t nbh = p->B * p->H, nbk = p->B * p->H_kv, nkt = (p->S + BK - 1) / BK, nqt = (p->T + BQ - 1) / BQ;
+    const int nt = num_threads(p);
+    const int64_t span = ((int64_t)1 << (p->L - 1)) > BK ? ((int64_t)1 << (p->L - 1)) / BK : 1; /* tiles per chunk */
+    const int64_t nkc = (nkt + span - 1) / span, nqc = (nqt + span - 1) / span;
+#define BASE ((real *)((char *)p->workspace + (size_t)thread_id() * wsb + WS_HEADER))
+#pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t t = 0; t < nbh; t++) backward_prepare(p, t / p->H, t % p->H);
+    if (nbk >= nt) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < nbk; t++)
+            backward_keys_range(p, &ws, BASE, t / p->H_kv, t % p->H_kv, 0, nkt, WANT_KV | WANT_Q);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < nbk * nkc; t++) {
+            const int64_t bk = t / nkc, c = t % nkc;
+            backward_keys_range(p, &ws, BASE, bk / p->H_kv, bk % p->H_kv, c * span,
+                                (c + 1) * span < nkt ? (c + 1) * span : nkt, WANT_KV);
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < nbh * nqc; t++) {
+            const int64_t bh = t / nqc, c = nqc - 1 - t % nqc; /* causal: costlier chunks first */
+            backward_queries_range(p, &ws, BASE, bh / p->H, bh % p->H, c * span,
+                                   (c + 1) * span < nqt ? (c + 1) * span : nqt);
+        }
+    }
+    if (p->dmask) {
+        const int64_t *ms = p->dmask_shape;
+        const int64_t mqt = ms[2] == p->T ? nqt : 1, mkt = ms[3] == p->S ? nkt : 1;
+        const int64_t ntask = ms[0] * ms[1] * mqt * mkt;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+        for (int64_t t = 0; t < ntask; t++)
+            backward_mask_task(p, &ws, BASE, t / (mkt * mqt) / ms[1], t / (mkt * mqt) % ms[1], t / mkt % mqt, t % mkt);
+    }
+#undef BASE
+    /* dw[h, l] = sum over b and key tiles of the partials (and over h when w is shared) */
+    real *dw = (real *)p->dw;
+    const real *part = (const real *)p->dw_partial + nbh * p->T;
+    const int64_t nw = p->w_per_head ? p->H * p->L : p->L;
+    for (int64_t x = 0; x < nw; x++) dw[x] = 0;
+    for (int64_t b = 0; b < p->B; b++)
+        for (int64_t h = 0; h < p->H; h++)
+            for (int64_t t = 0; t < nkt; t++)
+                for (int l = 0; l < p->L; l++)
+                    dw[(p->w_per_head ? h * p->L : 0) + l] += part[((b * p->H + h) * nkt + t) * p->L + l];
+}

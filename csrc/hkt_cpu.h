@@ -1,0 +1,112 @@
+/*
+ * hkt_cpu.h -- what the CPU kernel files share (private to csrc/, not installed).
+ *
+ * The CPU kernels are bodies written once for a type `real`
+ * (hkt_attention_body.h, hkt_decode_body.h, with hkt_real.h's helpers) and
+ * compiled once per real type: hkt_cpu_f32.c and hkt_cpu_f64.c each define
+ * `real` and include them, so their static functions have plain names in each
+ * translation unit.  hkt_attention.c and hkt_decode.c hold the type-free parts:
+ * the workspace layouts, hkt.h's entry points and the dispatch by dtype.
+ */
+#ifndef HKT_CPU_H
+#define HKT_CPU_H
+
+#include "hkt.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Tile sizes: powers of two, so a tile always holds whole 2^l blocks of every
+ * level with 2^l <= 64 and lies inside one block of any coarser level. */
+#define BQ HKT_CPU_TILE
+#define BK HKT_CPU_TILE
+/* Default cap on the forward's per-thread transposed-key caches, all threads together. */
+#define HKT_KEY_CACHE_BYTES ((size_t)64 << 20)
+/* Bytes at the head of each thread's workspace block, before the reals: per-thread state. */
+#define WS_HEADER 64
+
+/* Compile the hot loops for several ISAs and pick one at load time, so one
+ * build runs anywhere and still uses AVX2/AVX-512 where present. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(HKT_NO_CLONES)
+#define HKT_CLONES 1
+#define HKT_HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HKT_CLONES 0
+#define HKT_HOT
+#endif
+
+/* One thread's workspace (after WS_HEADER): offsets, in reals, of its regions.
+ * Sizes: a tile is BQ x BK; "levels" regions hold one block per level (level l:
+ * rows_max(l) x cols_max(l), at *_off[l]). */
+typedef struct {
+    int64_t scores;         /* BQ x BK: the tile's scores, then P */
+    int64_t gram;           /* levels: q[l] k[l]^T of the tile's blocks (the backward's dw needs them) */
+    int64_t folded;         /* levels: scale w_l G_l + up2(folded of level l + 1) */
+    int64_t row_tmp;        /* one row: an upsampled or pair-summed row */
+    int64_t key_tile;       /* levels: the tile's keys transposed, (D, cols) per level */
+    /* backward only */
+    int64_t dscores;        /* BQ x BK: dP, then dS */
+    int64_t pdrop;          /* BQ x BK: P after dropout */
+    int64_t dscores_coarse; /* levels: dS summed over 2^l x 2^l blocks */
+    int64_t values_t;       /* (Dv, BK): the tile's values transposed */
+    int64_t dw_acc;         /* L: dw of the current key tile */
+    /* forward only */
+    int64_t keys_all;       /* levels: one (b, kv head)'s keys transposed, (D, hkt_keys_all_ld) each */
+    int64_t keys_ready;     /* one flag per key tile: already in keys_all */
+    int64_t row_max;        /* BQ: running max per query row */
+    int64_t row_sums;       /* BQ x one 64-byte vector: running lane sums per row */
+    int64_t total;
+    int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
+    int keys_cached;        /* forward: keys_all is used (it fits the key_cache_bytes budget) */
+} ws_layout;
+
+ws_layout hkt_ws_layout(const hkt_params *p, int backward);
+/* Row length of level l's transposed keys in keys_all. */
+int64_t hkt_keys_all_ld(const hkt_params *p, int l);
+
+static inline int64_t rows_max(int l) { return (BQ >> l) > 0 ? (BQ >> l) : 1; }
+static inline int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
+static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static inline int num_threads(const hkt_params *p) { return p->num_threads > 0 ? p->num_threads : 1; }
+
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* The kv head that query head h reads (grouped-query attention; H_kv == H: h). */
+static inline int64_t kv_head(const hkt_params *p, int64_t h) { return h / (p->H / p->H_kv); }
+
+/* which side of the backward a pass computes */
+enum { WANT_KV = 1, WANT_Q = 2 };
+
+/* Decoding (hkt_decode.c): keys per chunk, between these (see hkt_decode_plan). */
+#define DECODE_CHUNK_MIN 256
+#define DECODE_CHUNK_MAX 1024
+
+/* How a call is cut up, and where its workspace goes (byte offsets past the
+ * 64-byte-aligned start; total is SIZE_MAX when the sizes overflow). */
+typedef struct {
+    int64_t C, nch, longest;   /* keys per chunk, chunks per row, keys of the longest row */
+    size_t partials, scratch;  /* offsets: partials after the counters, then per-thread scratch */
+    size_t per_thread, total;
+} hkt_decode_plan_t;
+
+hkt_decode_plan_t hkt_decode_plan(const hkt_decode_params *p);
+
+/* The per-type entry points (hkt_cpu_f32.c, hkt_cpu_f64.c). */
+void hkt_forward_f32(const hkt_params *p);
+void hkt_backward_f32(const hkt_params *p);
+void hkt_decode_f32(const hkt_decode_params *p);
+void hkt_forward_f64(const hkt_params *p);
+void hkt_backward_f64(const hkt_params *p);
+void hkt_decode_f64(const hkt_decode_params *p);
+
+#endif

@@ -1,0 +1,13 @@
+/* The CPU kernels in float64: the attention and decoding bodies with real = double. */
+#include <math.h>
+
+typedef double real;
+#define REAL_IS_FLOAT 0
+#define REAL_LOG log
+#define REAL_EXP exp
+#include "hkt_attention_body.h"
+#include "hkt_decode_body.h"
+
+void hkt_forward_f64(const hkt_params *p) { forward(p); }
+void hkt_backward_f64(const hkt_params *p) { backward(p); }
+void hkt_decode_f64(const hkt_decode_params *p) { decode(p); }

@@ -1,0 +1,89 @@
+/*
+ * hkt_real.h -- small helpers the CPU kernel bodies (hkt_attention_body.h,
+ * hkt_decode_body.h) share for one real type: the 64-byte vector type, loads and
+ * stores, a dot product, the vectorisable exp of the softmax and the row max.
+ * Like those bodies it needs `real` and REAL_IS_FLOAT defined first; a
+ * translation unit includes it once (the guard), for its one real type.
+ */
+#ifndef HKT_REAL_H
+#define HKT_REAL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* One 64-byte vector: a zmm register with AVX-512, two ymm with AVX2. */
+#define VL_FULL ((int64_t)(64 / sizeof(real)))
+#define VL VL_FULL
+typedef real vec __attribute__((vector_size(64)));
+#if REAL_IS_FLOAT
+typedef int32_t ivec __attribute__((vector_size(64)));
+static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+static const ivec dup_hi = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#else
+typedef int64_t ivec __attribute__((vector_size(64)));
+static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3};
+static const ivec dup_hi = {4, 4, 5, 5, 6, 6, 7, 7};
+static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14};
+static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15};
+#endif
+
+static inline __attribute__((always_inline)) vec vload(const real *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void vstore(real *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline real dot(int64_t n, const real *restrict x, const real *restrict y) {
+    real acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t e = 0; e < n; e++) acc += x[e] * y[e];
+    return acc;
+}
+
+/* exp(x) for x <= 0 (the softmax's exp(score - max), or exp(score - lse) in the
+ * backward); -inf gives exactly 0, NaN stays NaN. */
+#if REAL_IS_FLOAT
+static inline float exp_nonpos(float x) {
+    /* Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial
+     * (relative error ~2e-7): vectorises, unlike a libm call. */
+    /* NaN takes the -87 branch here (no undefined float-to-int cast below) and
+     * comes out as NaN at the end */
+    const float xc = x >= -87.0f ? (x > 0.0f ? 0.0f : x) : -87.0f;
+    const float t = xc * 1.44269504088896341f;
+    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < -87.0f ? 0.0f : (x == x ? p * scale : x);
+}
+#else
+static inline double exp_nonpos(double x) { return exp(x); }
+#endif
+
+/* Largest of x[0..n), NaN possibly skipped; -inf when nothing is visible, or NaN
+ * if then some entry is NaN (a NaN anywhere else reaches the row sum through the
+ * exp, so only this case needs the extra look). */
+static inline real row_max(const real *restrict x, int64_t n) {
+    real mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t c = 0; c < n; c++) mx = x[c] > mx ? x[c] : mx;
+    if (mx == -INFINITY)
+        for (int64_t c = 0; c < n; c++)
+            if (x[c] != x[c]) return NAN;
+    return mx;
+}
+
+#endif

@@ -1,0 +1,312 @@
+"""Decoding with a KV cache: :func:`hkt_attention_with_kvcache`, and the cache
+behind :meth:`hkt.MultiheadHKT.init_cache` / :meth:`hkt.MultiheadHKT.decode`.
+
+Causal HKT can be decoded token by token: with causal downsampling anchored at
+2^l p, the level-l query and key of block p depend only on tokens <= 2^l p, so
+they are known as soon as that token arrives, and a position t needs nothing
+after t.
+"""
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _kernels
+from .functional import _check_tensor
+
+__all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
+
+
+def _any_requires_grad(*args) -> bool:
+    for a in args:
+        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(x, Tensor) and x.requires_grad:
+                return True
+    return False
+
+
+def hkt_attention_with_kvcache(
+    q: Sequence[Tensor],
+    k_cache: Sequence[Tensor],
+    v_cache: Tensor,
+    w: Tensor,
+    cache_seqlens: Union[Tensor, int],
+    k: Optional[Sequence[Tensor]] = None,
+    v: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+) -> Tensor:
+    r"""HKT attention of Tn new positions against a key/value cache (causal
+    decoding), in the style of FlashAttention's ``flash_attn_with_kvcache``.
+
+    New position i of batch row b is ``t_i = cache_seqlens[b] + i``; it attends
+    to the cached keys ``j <= t_i``::
+
+        score[i, j] = scale * sum_l w[l] * <q[l][:, :, i], k_cache[l][:, :, j >> l]>
+        out[i]      = softmax_j(score[i, j], j <= t_i) @ v_cache[:, :, j]
+
+    which is row t_i of the causal :func:`hkt.hkt_attention` over the whole
+    sequence 0 .. t_i.
+
+    Args:
+        q: L tensors, ``q[l]`` (B, H, Tn, D): the level-l query of each new
+            position, i.e. the coarse query of its block ``t_i >> l`` (pass one
+            row per new position; positions in one block repeat it).
+        k_cache: L tensors, ``k_cache[l]`` (B, H_kv, Sl_max, D) with
+            Sl_max >= ceil(S_max / 2^l): slot p holds the key of level-l block p.
+        v_cache: (B, H_kv, S_max, Dv).  H must be a multiple of H_kv; query head
+            h reads kv head ``h // (H // H_kv)`` (grouped-query attention, no
+            copies; H_kv = H is ordinary multi-head attention).
+        w: level weights, (L,) or (H, L), as in :func:`hkt.hkt_attention`.
+        cache_seqlens: positions already in the cache before this call, an int
+            (every batch row) or an int32/int64 tensor (B,) on the CPU; each
+            >= 0 and at most S_max - Tn.  It is read, never updated: the caller
+            adds Tn after the call.
+        k, v: optional, given together: ``k[l]`` (B, H_kv, Tn, D) the level-l key
+            of each new position (its block's coarse key) and ``v`` (B, H_kv, Tn,
+            Dv).  They are written into the caches *in place* before the
+            attention: ``k[l][:, :, i]`` into slot ``t_i >> l`` of ``k_cache[l]``
+            (new positions in one block carry the same coarse key; the last one
+            wins), ``v[:, :, i]`` into slot ``t_i`` of ``v_cache``.  The caches
+            must then not overlap each other or any other argument.
+        scale: score scale, default 1 / sqrt(D).
+
+    Returns:
+        (B, H, Tn, Dv), in q's dtype.  Slots of the caches after position
+        ``cache_seqlens[b] + Tn - 1`` are never read, so they may hold anything.
+
+    Cost: scoring one new token against S cached keys takes S·D multiply-adds
+    at level 0 and S·D / 2^l at level l, O(S·D·(1 + 1/2 + 1/4 + ...)) < 2 S·D
+    (1.75 S·D for L = 3).  The full op's coarse levels cost 1/4 per level
+    because a level-l score is shared by a 2^l x 2^l block of (query, key)
+    pairs; a single query row shares it only along the key side (2^l keys), so
+    each level halves, not quarters, the work.  The value side costs S·Dv as in
+    standard attention.
+
+    Computation: C kernels (float32 and float64), OpenMP over (batch, head, key
+    chunk) with a fixed-order combine of the chunks (split-K, as in
+    flash-decoding), so results are bitwise the same for any thread count.
+    Non-finite values follow :func:`hkt.hkt_attention`: NaN in a query, key or
+    weight a row sees makes that row NaN; NaN in ``v`` reaches the rows that see
+    its key; a row whose every score is -inf gives zeros.
+
+    CPU only: CUDA tensors raise ``ValueError`` (no silent fallback).  Not
+    differentiable: with grad mode on, an input that requires grad raises
+    ``RuntimeError`` (call it under ``torch.no_grad()`` or
+    ``torch.inference_mode()``); a gradient is never silently missing.
+
+    Raises:
+        TypeError / ValueError naming the argument: wrong types, ranks, shapes
+        or dtypes (float32 / float64 only, all alike), a cache too small for
+        ``cache_seqlens + Tn`` or a coarse cache with fewer than
+        ceil(S_max / 2^l) slots, a negative ``cache_seqlens``, H not divisible
+        by H_kv, only one of k and v, overlapping written caches, a
+        non-finite scale.
+    """
+    if torch.is_grad_enabled() and _any_requires_grad(q, k_cache, v_cache, w, k, v):
+        raise RuntimeError("hkt_attention_with_kvcache: not differentiable (forward-only decoding kernel), but an "
+                           "input requires grad; call it under torch.no_grad() or torch.inference_mode()")
+    try:
+        return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
+    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
+        # nothing is checked in Python on the way in; when something failed, say
+        # which argument the extension could not see was wrong, if one was
+        _check_decode_inputs(q, k_cache, v_cache, w, k, v)
+        raise
+
+
+def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:
+    """What the extension cannot name: sequences of tensors, dense, on q[0]'s
+    device (shapes, dtypes and everything else are the extension's)."""
+    for name, xs in (("q", q), ("k_cache", k_cache), ("k", k)):
+        if xs is None and name == "k":
+            continue
+        if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)):
+            raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got {type(xs).__name__}")
+        if len(xs) == 0:
+            raise ValueError(f"{name}: expected at least one level, got an empty sequence")
+    if not isinstance(q[0], Tensor):
+        raise TypeError(f"q[0]: expected a torch.Tensor, got {type(q[0]).__name__}")
+    device = q[0].device
+    for name, xs in (("q", q), ("k_cache", k_cache), ("k", k)):
+        for l, x in enumerate(xs or ()):
+            _check_tensor(x, name, l, None, device)
+    for name, x in (("v_cache", v_cache), ("w", w), ("v", v)):
+        if x is not None or name != "v":
+            _check_tensor(x, name, None, None, device)
+
+
+class DecodeCache:
+    """What :meth:`hkt.MultiheadHKT.decode` keeps between calls, for a batch of
+    ``batch_size`` sequences of at most ``max_len`` tokens (made by
+    :meth:`hkt.MultiheadHKT.init_cache`).
+
+    Attributes (H_kv = the module's kv heads, hd = head_dim, K = downsample_kernel):
+        length: tokens decoded so far (the same for every sequence).
+        k: L tensors, ``k[l]`` (B, H_kv, ceil(max_len / 2^l), hd): the level-l
+            keys of the blocks begun so far.
+        v: (B, H_kv, max_len, hd), the values so far.
+        q_inputs, k_inputs: for each level l >= 1, the downsampling state: the
+            last K inputs (B, K, embed_dim) of the query stream and of the key
+            stream at level l - 1 (zeros before the start, as causal
+            downsampling pads), from which level l's next block is computed
+            when its first token arrives.
+        q_coarse: for each level l >= 1, (B, H, 1, hd): the level-l query of
+            the latest block begun, which the following tokens of that block
+            reuse.
+    """
+
+    def __init__(self, k: List[Tensor], v: Tensor, q_inputs: List[Tensor], k_inputs: List[Tensor],
+                 q_coarse: List[Tensor], max_len: int) -> None:
+        self.k, self.v = k, v
+        self.q_inputs, self.k_inputs, self.q_coarse = q_inputs, k_inputs, q_coarse
+        self.max_len = max_len
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.v.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"DecodeCache(batch_size={self.batch_size}, length={self.length}, max_len={self.max_len}, "
+                f"levels={len(self.k)}, dtype={self.v.dtype}, device={self.v.device})")
+
+
+def _check_decodable(mha) -> None:
+    """Options decode does not implement (they are not causal self-attention
+    over one token stream, or not deterministic)."""
+    if mha.bias_k is not None:
+        raise ValueError("add_bias_kv: MultiheadHKT.decode does not support add_bias_kv=True")
+    if mha.add_zero_attn:
+        raise ValueError("add_zero_attn: MultiheadHKT.decode does not support add_zero_attn=True")
+    if mha.kdim != mha.embed_dim or mha.vdim != mha.embed_dim:
+        raise ValueError(f"kdim/vdim: MultiheadHKT.decode is self-attention and needs kdim = vdim = embed_dim "
+                         f"({mha.embed_dim}), got kdim={mha.kdim}, vdim={mha.vdim}")
+
+
+def _positive_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name}: must be at least 1, got {x}")
+    return x
+
+
+def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -> DecodeCache:
+    """:meth:`hkt.MultiheadHKT.init_cache`."""
+    _check_decodable(mha)
+    batch_size, max_len = _positive_int(batch_size, "batch_size"), _positive_int(max_len, "max_len")
+    ref = mha.out_proj.weight
+    device = ref.device if device is None else torch.device(device)
+    dtype = ref.dtype if dtype is None else dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype: decoding runs in float32 or float64, got {dtype}")
+    B, L, K, E, hd = batch_size, mha.levels, mha.downsample_kernel, mha.embed_dim, mha.head_dim
+    Hk = getattr(mha, "num_kv_heads", mha.num_heads)
+    kw = {"device": device, "dtype": dtype}
+    k = [torch.zeros(B, Hk, -(-max_len // 2**l), hd, **kw) for l in range(L)]
+    v = torch.zeros(B, Hk, max_len, hd, **kw)
+    q_inputs = [torch.zeros(B, K, E, **kw) for _ in range(L - 1)]
+    k_inputs = [torch.zeros(B, K, E, **kw) for _ in range(L - 1)]
+    q_coarse = [torch.zeros(B, mha.num_heads, 1, hd, **kw) for _ in range(L - 1)]
+    return DecodeCache(k, v, q_inputs, k_inputs, q_coarse, max_len)
+
+
+def _downsample_new(history: Tensor, taps: Tensor, first: int, lo: int, hi: int) -> Tensor:
+    """Elements [lo, hi) of causal_downsample(x) (hkt.modules), where ``history``
+    holds x's elements [first, ...): out[p] = sum_r taps[r] * x[2p - r], summed
+    in causal_downsample's order so the two agree to the last bit."""
+    idx = torch.arange(2 * lo - first, 2 * hi - first, 2, device=history.device)
+    out = history[:, idx] * taps[0]
+    for r in range(1, taps.shape[0]):
+        out = out + history[:, idx - r] * taps[r]
+    return out
+
+
+def _heads(x: Tensor, H: int, hd: int) -> Tensor:
+    """(B, n, H * hd) -> (B, H, n, hd)."""
+    return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
+
+
+def _check_step(mha, x, cache) -> Tensor:
+    """x as (B, n, E), after checking it against the module and the cache."""
+    if not isinstance(cache, DecodeCache):
+        raise TypeError(f"cache: expected the DecodeCache of mha.init_cache(...), got {type(cache).__name__}")
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        want = "(B, n, E)" if mha.batch_first else "(n, B, E)"
+        raise ValueError(f"x: expected 3 dimensions {want}, got shape {tuple(x.shape)}")
+    if not mha.batch_first:
+        x = x.transpose(0, 1)
+    B, n, E = x.shape
+    if E != mha.embed_dim:
+        raise ValueError(f"x: expected {mha.embed_dim} features (embed_dim), got {E}")
+    if B != cache.batch_size:
+        raise ValueError(f"x: batch size {B} does not match the cache's {cache.batch_size}")
+    if cache.length + n > cache.max_len:
+        raise ValueError(f"x: {n} new tokens do not fit in the cache: it holds {cache.length} of max_len = "
+                         f"{cache.max_len}")
+    if x.dtype != cache.v.dtype or x.device != cache.v.device:
+        raise TypeError(f"x: is {x.dtype} on {x.device}, but the cache is {cache.v.dtype} on {cache.v.device}")
+    if len(cache.k) != mha.levels or cache.k[0].shape[1] != getattr(mha, "num_kv_heads", mha.num_heads):
+        raise ValueError("cache: was made by another module (levels or kv heads differ)")
+    if mha.training and mha.dropout > 0:
+        raise ValueError(f"dropout: MultiheadHKT.decode has no dropout, but the module is in training mode with "
+                         f"dropout={mha.dropout}; call mha.eval()")
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in mha.parameters())):
+        raise RuntimeError("MultiheadHKT.decode: inference only (the decoding kernel has no backward); call it "
+                           "under torch.no_grad() or torch.inference_mode()")
+    return x
+
+
+def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
+    """:meth:`hkt.MultiheadHKT.decode`."""
+    _check_decodable(mha)
+    x = _check_step(mha, x, cache)
+    B, n, _ = x.shape
+    H, Hk = mha.num_heads, getattr(mha, "num_kv_heads", mha.num_heads)
+    t0, K, hd = cache.length, mha.downsample_kernel, mha.head_dim
+    wq, wk, wv, _, _, _ = mha._level0_weights()
+    q0, k0, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).split(
+        [wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+    qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
+    q_inputs, k_inputs, q_coarse = list(cache.q_inputs), list(cache.k_inputs), list(cache.q_coarse)
+    pos = torch.arange(t0, t0 + n, device=x.device)
+    xq = xk = x  # the new elements of level l-1's query and key streams
+    cqb, ckb = mha.coarse_q_proj_bias, mha.coarse_k_proj_bias
+    for l in range(1, mha.levels):
+        # level l-1 gained elements [first, ...) and level l gains [lo, hi): those
+        # whose first token arrived now (block p begins at token 2^l p)
+        first, lo, hi = -(-t0 // 2 ** (l - 1)), -(-t0 // 2**l), -(-(t0 + n) // 2**l)
+        if xq.shape[1] > 0:  # the downsampling state moves on
+            hist_q = torch.cat([q_inputs[l - 1], xq], dim=1)
+            hist_k = torch.cat([k_inputs[l - 1], xk], dim=1)
+            q_inputs[l - 1], k_inputs[l - 1] = hist_q[:, -K:], hist_k[:, -K:]
+        if hi == lo:
+            # every new token (if any) lies in block lo - 1, begun earlier: its
+            # query is kept, its key is in the cache (copied, as the kernel
+            # refuses inputs that overlap the caches it writes)
+            xq = xk = xq[:, :0]
+            qs.append(q_coarse[l - 1].expand(-1, -1, n, -1))
+            ks.append(cache.k[l][:, :, lo - 1:lo].repeat(1, 1, n, 1))
+            continue
+        xq = _downsample_new(hist_q, mha.q_downsample[l - 1], first - K, lo, hi)
+        xk = _downsample_new(hist_k, mha.k_downsample[l - 1], first - K, lo, hi)
+        q_new = _heads(F.linear(xq, mha.coarse_q_proj_weight[l - 1], None if cqb is None else cqb[l - 1]), H, hd)
+        k_new = _heads(F.linear(xk, mha.coarse_k_proj_weight[l - 1], None if ckb is None else ckb[l - 1]), Hk, hd)
+        # each new token's block: lo - 1 (begun earlier) or one of the new ones
+        rows = (pos >> l) - (lo - 1)
+        q_all = torch.cat([q_coarse[l - 1], q_new], dim=2)
+        prev = max(lo - 1, 0)
+        k_all = torch.cat([cache.k[l][:, :, prev:prev + 1], k_new], dim=2)
+        qs.append(q_all[:, :, rows])
+        ks.append(k_all[:, :, rows])
+        q_coarse[l - 1] = q_all[:, :, -1:]
+    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, mha.level_weights(), t0, ks, _heads(v, Hk, hd))
+    # the state moves on only once the step went through
+    cache.q_inputs, cache.k_inputs, cache.q_coarse = q_inputs, k_inputs, q_coarse
+    cache.length = t0 + n
+    out = mha.out_proj(out.transpose(1, 2).reshape(B, n, mha.embed_dim))
+    return out if mha.batch_first else out.transpose(0, 1)

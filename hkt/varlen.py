@@ -1,0 +1,157 @@
+"""Packed variable-length batches: hkt.hkt_attention_varlen, in the style of
+flash_attn_varlen_func, and the helpers that lay out its levels."""
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import _kernels
+from .functional import _check_inputs, _check_scalars
+
+__all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
+
+
+def varlen_level_offsets(cu_seqlens: Tensor, levels: int) -> List[Tensor]:
+    """Row offsets of every level of a packed batch.
+
+    Level l packs each sequence's ceil(len / 2^l) level-l rows one after
+    another, so its offsets are the cumulative sums of those counts.
+
+    Args:
+        cu_seqlens: (nseq + 1,) int32 or int64 level-0 offsets (0, then the
+            running total of the sequence lengths), as for
+            :func:`hkt_attention_varlen`.
+        levels: L.
+
+    Returns:
+        L tensors shaped and typed like ``cu_seqlens``; entry l holds the level-l
+        row offsets, entry 0 is ``cu_seqlens`` itself, and ``offsets[l][-1]`` is
+        the number of rows ``q[l]`` (or ``k[l]``) must have.
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64, device=cu_seqlens.device)
+    return [torch.cat([zero, torch.cumsum((lens + (2 ** l - 1)) // 2 ** l, 0)]).to(cu_seqlens.dtype)
+            for l in range(levels)]
+
+
+def pack_levels(xs: Sequence[Tensor], lengths: Tensor) -> List[Tensor]:
+    """Packs padded per-level tensors into the layout of :func:`hkt_attention_varlen`.
+
+    Args:
+        xs: L tensors, ``xs[l]`` of shape (B, H, n_l, D) (``q[l]`` or ``k[l]`` as
+            :func:`hkt.hkt_attention` takes them), sequence b's real rows first.
+        lengths: (B,) level-0 lengths of the sequences.
+
+    Returns:
+        L tensors (sum_b ceil(lengths[b] / 2^l), H, D): the first
+        ceil(lengths[b] / 2^l) rows of every batch element, in batch order.
+        Differentiable (the padded rows get zero gradient).
+    """
+    out = []
+    for l, x in enumerate(xs):
+        rows = (lengths.to(torch.int64) + (2 ** l - 1)) // 2 ** l
+        keep = torch.arange(x.shape[2], device=x.device) < rows.to(x.device)[:, None]  # (B, n_l)
+        out.append(x.transpose(1, 2)[keep])
+    return out
+
+
+def hkt_attention_varlen(
+    q: Sequence[Tensor],
+    k: Sequence[Tensor],
+    v: Tensor,
+    w: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tensor:
+    r"""HKT attention over sequences of different lengths packed along one axis,
+    as ``flash_attn_varlen_func`` takes them; nothing is padded or computed for
+    padding.
+
+    Sequence s owns level-0 query rows ``cu_seqlens_q[s] : cu_seqlens_q[s+1]``
+    and key rows ``cu_seqlens_k[s] : cu_seqlens_k[s+1]``.  Every level is built
+    per sequence: level l packs each sequence's ceil(len / 2^l) rows one after
+    another (offsets: :func:`varlen_level_offsets`; from padded tensors:
+    :func:`pack_levels`), so a level-l block never spans two sequences.  Each
+    sequence's result is exactly :func:`hkt.hkt_attention` on that sequence
+    alone (bitwise, on the CPU kernels).
+
+    Args:
+        q: L tensors, ``q[l]`` (sum_s ceil(T_s / 2^l), H, D).
+        k: L tensors, ``k[l]`` (sum_s ceil(S_s / 2^l), H_kv, D); H_kv divides H
+            (query head h reads kv head h // (H // H_kv)).
+        v: (total_k, H_kv, Dv).
+        w: level weights (L,) or (H, L), shared by all sequences.
+        cu_seqlens_q, cu_seqlens_k: (nseq + 1,) int32 or int64 CPU tensors:
+            0, then non-decreasing, ending at total_q (total_k) rows.  Lengths
+            may be 0, and T_s may differ from S_s.
+        max_seqlen_q, max_seqlen_k: accepted for flash-attn compatibility; None,
+            or at least the longest sequence (checked, not needed).
+        is_causal: within each sequence, key j visible to query i when j <= i
+            (counted from the sequence's start).
+        scale: default 1 / sqrt(D).
+
+    Returns:
+        (total_q, H, Dv).  A query of a sequence with no keys gives zeros.
+        Gradients flow to every ``q[l]``, ``k[l]``, ``v`` and ``w`` (the
+        gradient of ``w`` summed over sequences in a fixed order: bitwise the
+        same for any thread count).
+
+    CPU only; float32, float64 (own precision) and bfloat16 (computed in
+    float32); eager mode (no TorchScript, no custom op for torch.compile yet).
+    No attention mask and no dropout.
+
+    Raises:
+        TypeError / ValueError naming the argument: wrong dtypes, ranks or
+        shapes (``q[l]`` must have exactly the rows the offsets give), offsets
+        that do not start at 0, decrease ("offsets not increasing") or do not
+        end at the number of rows, a ``max_seqlen_*`` below the longest
+        sequence, H not divisible by H_kv.
+    """
+    try:
+        return _varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
+    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
+        # what the extension cannot name: not tensors at all, mixed bfloat16
+        _check_inputs(q, k, v, w)
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64 offsets, got "
+                                f"{type(cu).__name__}")
+        raise
+
+
+def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
+    if q[0].dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
+        _check_inputs(q, k, v, w)
+    _check_scalars(is_causal, 0.0, scale)
+    if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
+                                    v.requires_grad or w.requires_grad):
+        return _VarlenAttention.apply(len(q), cu_q, cu_k, max_q, max_k, is_causal, scale, *q, *k, v, w)
+    return _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)[0]
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """Autograd for :func:`hkt_attention_varlen`: the packed kernels forward and
+    backward (no double backward)."""
+
+    @staticmethod
+    def forward(ctx, L, cu_q, cu_k, max_q, max_k, is_causal, scale, *qkvw):
+        q, k, v, w = list(qkvw[:L]), list(qkvw[L:2 * L]), qkvw[2 * L], qkvw[2 * L + 1]
+        out, lse = _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)
+        ctx.save_for_backward(*qkvw, out, lse, cu_q, cu_k)
+        ctx.L, ctx.args = L, (max_q, max_k, is_causal, scale)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        L, saved = ctx.L, ctx.saved_tensors
+        q, k = list(saved[:L]), list(saved[L:2 * L])
+        v, w, out, lse, cu_q, cu_k = saved[2 * L:]
+        dq, dk, dv, dw = _kernels._varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
+        return (None,) * 7 + (*dq, *dk, dv, dw)
