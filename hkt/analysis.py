@@ -18,8 +18,9 @@ the module's ``forward`` does: (T, E) unbatched, (T, B, E), or (B, T, E) with
 * Prop 3.4: :meth:`hkt.MultiheadHKT.from_mha` reproduces standard attention;
   :func:`causal_conv_as_hkt` builds a MultiheadHKT that computes a given causal
   convolution.
-* Thm 4.3 / Prop 4.4: :func:`approximation_error_curve` and
-  :func:`plot_approximation_error`.
+* Thm 4.3 / Prop 4.4: :func:`approximation_error_curve` (synthetic multi-scale
+  data), :func:`kernel_approximation_curve` (any kernel matrices, e.g. a trained
+  model's activations) and :func:`plot_approximation_error`.
 """
 import math
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ __all__ = [
     "level_queries_keys", "LevelScores", "level_scores", "split_symmetric", "bilinear_forms",
     "level_scores_from_forms", "PSDCondition", "psd_condition", "kernel_eigenvalues",
     "causal_conv1d", "causal_conv_as_hkt",
-    "multiscale_kernel", "best_level_fit", "approximation_error_curve", "plot_approximation_error",
+    "multiscale_kernel", "best_level_fit", "approximation_error_curve", "kernel_approximation_curve",
+    "plot_approximation_error",
 ]
 
 # The CPU kernel's query and key tile size, as the extension was built with it.
@@ -61,7 +63,7 @@ def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causa
                      tile: int = KERNEL_TILE) -> int:
     """Multiply-adds the CPU forward kernel spends on score Gram blocks.
 
-    Mirrors csrc/hkt_attention.c: queries and keys are walked in ``tile`` x
+    Mirrors csrc/hkt_attention_body.h: queries and keys are walked in ``tile`` x
     ``tile`` tiles; for tile [i0, i1) x [j0, j1) and level l the kernel forms
     the Gram block of level-l rows r0 = i0 >> l .. (i1 - 1) >> l and columns
     c0 = j0 >> l .. (j1 - 1) >> l, D multiply-adds per entry.  With
@@ -209,7 +211,7 @@ def split_symmetric(S: Union[Tensor, Sequence[Tensor]]):
     return (S + St) / 2, (S - St) / 2
 
 
-def bilinear_forms(module: MultiheadHKT, *, bias: bool = True) -> Tensor:
+def bilinear_forms(module: MultiheadHKT, *, bias: bool = True, dtype=None) -> Tensor:
     """Each level's bilinear form, per head: M[l, h] = W_Q^(l)_h W_K^(l)_h^T.
 
     With W_Q^(l)_h the (E, hd) matrix that maps a level-l token (a row vector)
@@ -219,6 +221,11 @@ def bilinear_forms(module: MultiheadHKT, *, bias: bool = True) -> Tensor:
     tokens are augmented by a constant 1, x~ = [x, 1], and the form is
     (E + 1, E + 1): [[W_Q W_K^T, W_Q b_K^T], [b_Q W_K^T, b_Q b_K^T]], so the
     biased score is exactly x~_l[i] M x~_l[j]^T.
+
+    ``dtype`` (default: the module's) is the precision of the products:
+    float64 for a float32 module gives forms whose eigenvalues are exact to
+    float64 rounding (a W W^T form of rank < E' then has its zero eigenvalues
+    at ~1e-16, not at float32's ~1e-7, relative).
 
     Returns:
         (L, H, E', E') with E' = E (+ 1 with biases).
@@ -230,7 +237,10 @@ def bilinear_forms(module: MultiheadHKT, *, bias: bool = True) -> Tensor:
     H, hd = module.num_heads, module.head_dim
     forms = []
     for wq, bq, wk, bk in _level_projections(module, bias):
-        Wq, Wk = wq.view(H, hd, -1), wk.view(H, hd, -1)  # (H, hd, E)
+        if dtype is not None:
+            wq, wk = wq.to(dtype), wk.to(dtype)
+            bq, bk = (None if b is None else b.to(dtype) for b in (bq, bk))
+        Wq, Wk = wq.reshape(H, hd, -1), wk.reshape(H, hd, -1)  # (H, hd, E)
         if bias and (bq is not None or bk is not None):
             zq = torch.zeros(H, hd, 1, dtype=wq.dtype, device=wq.device)
             Wq = torch.cat([Wq, zq if bq is None else bq.view(H, hd, 1)], dim=-1)
@@ -313,14 +323,17 @@ def psd_condition(module: MultiheadHKT, *, bias: bool = True, tol: float = 1e-10
     So the symmetric part of the score matrix is PSD on every input, and the
     score itself is a PSD kernel when the forms are also symmetric.
 
-    Checked exactly: eigenvalues of each (M + M^T) / 2 in float64, with a
-    relative tolerance ``tol``; weights non-negative summing to 1 (to 1e-6);
+    Checked exactly: eigenvalues of each (M + M^T) / 2, with M formed from
+    the weights in float64 (whatever the module's dtype), with a relative
+    tolerance ``tol``; weights non-negative summing to 1 (to 1e-6);
     taps equal.
 
     Returns:
         :class:`PSDCondition`.
     """
-    forms = bilinear_forms(module, bias=bias).double()
+    # forms in float64 from the start: products rounded to float32 would put
+    # the zero eigenvalues of a rank-deficient PSD form at ~-1e-7, failing tol
+    forms = bilinear_forms(module, bias=bias, dtype=torch.float64)
     sym = (forms + forms.transpose(-1, -2)) / 2
     ev = torch.linalg.eigvalsh(sym)  # (L, H, E'), ascending
     mins = ev[..., 0]
@@ -551,28 +564,61 @@ def approximation_error_curve(T: int = 256, *, rank: int = 4, max_levels: int = 
     """
     if max_levels < 1:
         raise ValueError(f"max_levels: must be >= 1, got {max_levels}")
-    per_seed = []
-    for seed in seeds:
-        A = multiscale_kernel(T, rank=rank, scales=scales, decay=decay, smooth=smooth, seed=seed)
-        nrm = torch.linalg.norm(A)
-        per_seed.append([float(torch.linalg.norm(A - best_level_fit(A, L, rank, sweeps=sweeps)) / nrm)
-                         for L in range(1, max_levels + 1)])
-    err = [sum(e[i] for e in per_seed) / len(per_seed) for i in range(max_levels)]
-    ratios = [err[i + 1] / err[i] for i in range(max_levels - 1) if err[i] > 0 and err[i + 1] > 0]
-    rate = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
-    return {"levels": list(range(1, max_levels + 1)), "error": err, "error_per_seed": per_seed,
-            "cost_ratio": [cost_ratio(L) for L in range(1, max_levels + 1)], "rate": rate,
+    kernels = [multiscale_kernel(T, rank=rank, scales=scales, decay=decay, smooth=smooth, seed=seed)
+               for seed in seeds]
+    c = kernel_approximation_curve(kernels, rank=rank, max_levels=max_levels, sweeps=sweeps)
+    return {"levels": c["levels"], "error": c["error"], "error_per_seed": c["error_per_kernel"],
+            "cost_ratio": c["cost_ratio"], "rate": c["rate"],
             "config": {"T": T, "rank": rank, "scales": scales, "decay": decay, "smooth": smooth,
                        "seeds": list(seeds), "sweeps": sweeps}}
 
 
-def plot_approximation_error(curves: Union[Dict[str, list], Dict[str, Dict[str, list]]], path: str) -> str:
+def kernel_approximation_curve(kernels: Sequence[Tensor], *, rank: int, max_levels: int = 6,
+                               sweeps: int = 10) -> Dict[str, list]:
+    """Thm 4.3's error curve for given kernel matrices, e.g. X X^T of a trained
+    model's own activations (hkt.experiments.trained_analysis) instead of
+    :func:`multiscale_kernel`'s synthetic data.
+
+    For each A (n, n) (sizes may differ) the error of L levels is
+    ||A - best_level_fit(A, L, rank)||_F / ||A||_F, L = 1 .. max_levels.
+
+    Returns:
+        {"levels": [1..max_levels], "error": mean relative error per L,
+         "error_per_kernel": [[...] per kernel], "cost_ratio": [cost_ratio(L)],
+         "rate": geometric mean of error[L+1] / error[L] (nan if undefined)}.
+    """
+    if isinstance(max_levels, bool) or not isinstance(max_levels, int) or max_levels < 1:
+        raise ValueError(f"max_levels: must be an int >= 1, got {max_levels!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"rank: must be an int >= 1, got {rank!r}")
+    if len(kernels) == 0:
+        raise ValueError("kernels: expected at least one matrix")
+    per_kernel = []
+    for i, A in enumerate(kernels):
+        if not isinstance(A, Tensor) or A.dim() != 2 or A.shape[0] != A.shape[1]:
+            raise ValueError(f"kernels: item {i} is not a square matrix: {getattr(A, 'shape', type(A).__name__)}")
+        nrm = torch.linalg.norm(A)
+        if not nrm > 0:
+            raise ValueError(f"kernels: item {i} has Frobenius norm {float(nrm)}, the relative error is undefined")
+        per_kernel.append([float(torch.linalg.norm(A - best_level_fit(A, L, rank, sweeps=sweeps)) / nrm)
+                           for L in range(1, max_levels + 1)])
+    err = [sum(e[i] for e in per_kernel) / len(per_kernel) for i in range(max_levels)]
+    ratios = [err[i + 1] / err[i] for i in range(max_levels - 1) if err[i] > 0 and err[i + 1] > 0]
+    rate = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
+    return {"levels": list(range(1, max_levels + 1)), "error": err, "error_per_kernel": per_kernel,
+            "cost_ratio": [cost_ratio(L) for L in range(1, max_levels + 1)], "rate": rate}
+
+
+def plot_approximation_error(curves: Union[Dict[str, list], Dict[str, Dict[str, list]]], path: str, *,
+                             title: str = "Best L-level HKT score model on multi-scale data") -> str:
     """Saves a log-scale plot of error against L (one line per curve) to ``path`` (PNG).
 
     Args:
         curves: one result of :func:`approximation_error_curve`, or a dict
             label -> result.
         path: output file.
+        title: of the axes (the default names the synthetic data of
+            :func:`approximation_error_curve`).
 
     Returns:
         ``path``.
@@ -588,7 +634,7 @@ def plot_approximation_error(curves: Union[Dict[str, list], Dict[str, Dict[str, 
         ax.semilogy(c["levels"], c["error"], marker="o", label=f"{label} (rate {c['rate']:.2f}/level)".strip())
     ax.set_xlabel("levels L")
     ax.set_ylabel("relative Frobenius error")
-    ax.set_title("Best L-level HKT score model on multi-scale data")
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -205,6 +205,19 @@ def test_psd_condition_holds_and_kernel_is_psd():
         assert float(ev.max()) > 1.0  # not trivially zero
 
 
+def test_psd_condition_float32_module():
+    # forms of rank hd < E + 1 have zero eigenvalues; products rounded to float32
+    # would put them at ~-1e-7 relative and report a PSD module as not PSD
+    m = psd_module(seed=8).float()
+    c = A.psd_condition(m)
+    assert c.holds and c.forms_psd.all()
+    assert A.bilinear_forms(m, dtype=f64).dtype == f64 and A.bilinear_forms(m).dtype == torch.float32
+    torch.testing.assert_close(A.bilinear_forms(m, dtype=f64), A.bilinear_forms(m.double()))
+    with torch.no_grad():
+        m.coarse_k_proj_weight[1].neg_()
+    assert not A.psd_condition(m).holds
+
+
 def test_psd_condition_each_part_matters():
     # negative definite forms on one level: condition fails there only
     m = psd_module(seed=6)
@@ -303,5 +316,28 @@ def test_approximation_error_decays_geometrically(tmp_path):
     assert c["cost_ratio"] == [1.0, 1.25, 1.3125, 1.328125]
     pytest.importorskip("matplotlib")
     path = A.plot_approximation_error({"multi-scale": c}, str(tmp_path / "err.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kernel_approximation_curve_on_given_kernels(tmp_path):
+    # the synthetic curve is this function on multiscale_kernel's matrices
+    kernels = [A.multiscale_kernel(40, rank=2, seed=s) for s in (0, 1)]
+    c = A.kernel_approximation_curve(kernels, rank=2, max_levels=3, sweeps=5)
+    ref = A.approximation_error_curve(40, rank=2, max_levels=3, seeds=(0, 1), sweeps=5)
+    assert c["error_per_kernel"] == ref["error_per_seed"] and c["rate"] == ref["rate"]
+    # kernels of different sizes; an exactly representable one has zero error at L = 2
+    g = torch.Generator().manual_seed(0)
+    G0, G1 = torch.randn(9, 2, generator=g, dtype=f64), torch.randn(5, 2, generator=g, dtype=f64)
+    exact = G0 @ G0.T + upsample_level(G1 @ G1.T, 1, 9, 9)
+    c = A.kernel_approximation_curve([exact, kernels[0][:6, :6]], rank=2, max_levels=2, sweeps=200)
+    assert c["error_per_kernel"][0][0] > 0.1 and c["error_per_kernel"][0][1] < 1e-3
+    assert c["levels"] == [1, 2] and c["cost_ratio"] == [1.0, 1.25]
+    for bad, kw in (([], {}), ([torch.zeros(3, 3, dtype=f64)], {}), ([torch.ones(2, 3)], {}),
+                    (kernels, {"rank": 0}), (kernels, {"max_levels": 0})):
+        with pytest.raises(ValueError):
+            A.kernel_approximation_curve(bad, **{"rank": 2, **kw})
+    pytest.importorskip("matplotlib")
+    path = A.plot_approximation_error(c, str(tmp_path / "k.png"), title="given kernels")
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -7,17 +7,10 @@ import torch
 import hkt
 from hkt.experiments import long_run
 from hkt.experiments.train import load_task
+from helpers import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 CFG = dict(task="listops", seq_len=32, seeds=[0, 1], steps=6, warmup=2, batch_size=8, d_model=16, heads=2,
            layers=1, ff=32, matched_ff=40, n_train=20, n_test=16, eval_every=2, chunk=2)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _cfg(**kw):

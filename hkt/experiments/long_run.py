@@ -27,17 +27,15 @@ evaluation (each ``--eval-every`` steps): config, arms, per-run eval curves,
 time per training step per arm, and a summary of finished runs.
 """
 import argparse
-import math
-import os
-import signal
 import statistics
 import sys
-import time
 from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
+from .resumable import (advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info, read_checkpoint,
+                        restore, save_atomic, time_per_step, train_in_turns, turn_groups)
 from .train import TASKS, build_model, evaluate, load_task, training_step, write_json
 
 __all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all", "main"]
@@ -73,22 +71,12 @@ def make_arm_model(cfg: Dict, arm: str, seed: int) -> nn.Module:
     return model
 
 
-def _lr_lambda(cfg: Dict):
-    steps, warmup = cfg["steps"], cfg["warmup"]
-
-    def lr_at(step):  # the schedule of train_classifier: linear warm-up, cosine decay
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-    return lr_at
-
-
 def new_run(cfg: Dict, arm: str, seed: int, n_train: int) -> Dict:
     """Fresh run state: step 0, batches as in train_classifier (a generator
     seeded by ``seed`` drawing permutations of the training set)."""
     model = make_arm_model(cfg, arm, seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["steps"], cfg["warmup"]))
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n_train, generator=g)
     return {"arm": arm, "seed": seed, "model": model, "opt": opt, "sched": sched, "gen": g, "perm": perm, "pos": 0,
@@ -105,34 +93,16 @@ def save_run(run: Dict, path: str, cfg: Dict) -> None:
         "step": run["step"], "loss_ema": run["loss_ema"], "times": torch.tensor(run["times"], dtype=torch.float64),
         "history": run["history"], "final": run["final"],
     }
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    save_atomic(state, path)
 
 
 def load_run(path: str, cfg: Dict, arm: str, seed: int, n_train: int) -> Dict:
     """A run restored from ``path``; ValueError if it was made with another config."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    mine = {k: cfg[k] for k in _STATE_KEYS}
-    if state["config"] != mine or state["arm"] != arm or state["seed"] != seed \
-            or state["ff"] != arm_specs(cfg)[arm]["ff"]:
-        diff = {k: (state["config"].get(k), v) for k, v in mine.items() if state["config"].get(k) != v}
-        raise ValueError(f"{path}: checkpoint made with another configuration ({diff}); "
-                         f"use another --ckpt-dir or the original options")
-    run = new_run(cfg, arm, seed, n_train)
-    run["model"].load_state_dict(state["model"])
-    run["opt"].load_state_dict(state["opt"])
-    run["sched"].load_state_dict(state["sched"])
+    state = read_checkpoint(path, {k: cfg[k] for k in _STATE_KEYS}, arm, seed, ff=arm_specs(cfg)[arm]["ff"])
+    run = restore(new_run(cfg, arm, seed, n_train), state)
     run["gen"].set_state(state["gen"])
-    torch.set_rng_state(state["torch_rng"])
-    run.update(perm=state["perm"], pos=state["pos"], step=state["step"], loss_ema=state["loss_ema"],
-               times=state["times"].tolist(), history=state["history"], final=state["final"])
+    run.update(perm=state["perm"], pos=state["pos"])
     return run
-
-
-class _Stop:
-    requested = False
 
 
 def train_steps(run: Dict, cfg: Dict, data, n: int, *, bar=None, on_eval=None) -> None:
@@ -141,58 +111,41 @@ def train_steps(run: Dict, cfg: Dict, data, n: int, *, bar=None, on_eval=None) -
     xtr, ytr, xte, yte = data
     model, opt, sched, g = run["model"], run["opt"], run["sched"], run["gen"]
     bs, total, loss_fn = cfg["batch_size"], cfg["steps"], nn.CrossEntropyLoss()
-    model.train()
-    for _ in range(n):
-        if run["step"] >= total or _Stop.requested:
-            break
+
+    def batch():  # as train_classifier: slices of a permutation, a new one when it runs out
         if run["pos"] + bs > len(run["perm"]):
             run["perm"], run["pos"] = torch.randperm(len(xtr), generator=g), 0
         idx = run["perm"][run["pos"]:run["pos"] + bs]
         run["pos"] += bs
-        t0 = time.perf_counter()
-        loss = training_step(model, opt, sched, loss_fn, xtr[idx], ytr[idx])
-        run["times"].append(time.perf_counter() - t0)
-        lv = loss.item()
-        if not math.isfinite(lv):
-            raise FloatingPointError(f"{run['arm']} seed {run['seed']}: loss became {lv} at step {run['step']}")
-        run["loss_ema"] = lv if run["loss_ema"] is None else 0.95 * run["loss_ema"] + 0.05 * lv
-        run["step"] += 1
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"{run['arm']} s{run['seed']} step {run['step']} loss {run['loss_ema']:.3f}",
-                                refresh=False)
-        if run["step"] == total or (cfg["eval_every"] and run["step"] % cfg["eval_every"] == 0):
-            acc = evaluate(model, xte, yte)
-            run["history"].append({"step": run["step"], "loss": run["loss_ema"], "accuracy": acc})
-            if run["step"] == total:
-                run["final"] = {"accuracy": acc, "train_accuracy": evaluate(model, xtr[:1000], ytr[:1000]),
-                                "final_loss": run["loss_ema"]}
-            if on_eval is not None:
-                on_eval()
+        return xtr[idx], ytr[idx]
 
+    def record_eval():
+        acc = evaluate(model, xte, yte)
+        run["history"].append({"step": run["step"], "loss": run["loss_ema"], "accuracy": acc})
+        if run["step"] == total:
+            run["final"] = {"accuracy": acc, "train_accuracy": evaluate(model, xtr[:1000], ytr[:1000]),
+                            "final_loss": run["loss_ema"]}
 
-def _time_per_step(times: List[float]) -> Optional[float]:
-    steady = times[3:] if len(times) > 3 else times  # skip the first steps (warm-up of allocator and caches)
-    return statistics.median(steady) if steady else None
+    model.train()
+    advance(run, n, total, batch, lambda x, y: training_step(model, opt, sched, loss_fn, x, y), record_eval,
+            cfg["eval_every"], bar=bar, on_eval=on_eval, postfix="loss {:.3f}")
 
 
 def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int]) -> Dict:
     """The results JSON: config, arms, per-run curves, time per step, summary of finished runs."""
     specs = arm_specs(cfg)
-    out_runs, tps, finished = [], {}, {}
+    out_runs, finished = [], {}
     for r in runs:
-        t = _time_per_step(r["times"])
         entry = {"arm": r["arm"], "seed": r["seed"], "step": r["step"], "steps": cfg["steps"],
-                 "finished": r["final"] is not None, "time_per_step": t, "history": r["history"]}
+                 "finished": r["final"] is not None, "time_per_step": time_per_step(r["times"]),
+                 "history": r["history"]}
         if r["final"] is not None:
             entry.update(r["final"])
             finished.setdefault(r["arm"], []).append(r["final"]["accuracy"])
         out_runs.append(entry)
-        if t is not None:
-            tps.setdefault(r["arm"], []).append(t)
-    time_per_step = {a: statistics.median(v) for a, v in tps.items()}
-    if "hkt" in time_per_step and "standard" in time_per_step:
-        time_per_step["hkt_over_standard"] = time_per_step["hkt"] / time_per_step["standard"]
+    tps = median_by_arm(runs)
+    if "hkt" in tps and "standard" in tps:
+        tps["hkt_over_standard"] = tps["hkt"] / tps["standard"]
     summary = {a: {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
                for a, v in finished.items()}
     standard_impl = ("MultiheadHKT(levels=1) via hkt.swap_attention: the same function as nn.MultiheadAttention, "
@@ -202,21 +155,11 @@ def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int]) -> Dict:
                    "chunk": cfg["chunk"], "order": cfg["order"], "torch_threads": torch.get_num_threads(),
                    "standard_attention": standard_impl},
         "arms": {a: {**s, "params": params.get(a)} for a, s in specs.items()},
-        "progress": {"steps_done": sum(r["step"] for r in runs), "steps_total": cfg["steps"] * len(runs),
-                     "runs_finished": sum(r["final"] is not None for r in runs), "runs": len(runs),
-                     "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-        "time_per_step": time_per_step,
+        "progress": progress_info(runs, cfg["steps"] * len(runs)),
+        "time_per_step": tps,
         "summary": summary,
         "runs": out_runs,
     }
-
-
-def _schedule(cfg: Dict, arms: List[str]):
-    """Groups of (arm, seed) keys taking turns: per seed (``order="seed"``) or all at once."""
-    keys = [(a, s) for s in cfg["seeds"] for a in arms]
-    if cfg["order"] == "all":
-        return [keys]
-    return [[(a, s) for a in arms] for s in cfg["seeds"]]
 
 
 def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = True, max_steps: Optional[int] = None,
@@ -230,73 +173,20 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
     data = load_task(cfg["task"], seq_len=cfg["seq_len"], n_train=cfg["n_train"], n_test=cfg["n_test"])
     n_train = len(data[0])
     arms = list(arm_specs(cfg))
-    runs, paths, params = {}, {}, {}
-    for s in cfg["seeds"]:
-        for a in arms:
-            paths[a, s] = os.path.join(ckpt_dir, f"{a}_seed{s}.pt")
-            if os.path.exists(paths[a, s]):
-                runs[a, s] = load_run(paths[a, s], cfg, a, s, n_train)
-                print(f"resumed {a} seed {s} at step {runs[a, s]['step']}", file=log, flush=True)
-            else:
-                runs[a, s] = new_run(cfg, a, s, n_train)
-            params[a] = sum(p.numel() for p in runs[a, s]["model"].parameters())
-    ordered = [runs[k] for k in sorted(runs, key=lambda k: (cfg["seeds"].index(k[1]), arms.index(k[0])))]
+    runs, paths, params = open_runs(ckpt_dir, cfg["seeds"], arms, lambda p, a, s: load_run(p, cfg, a, s, n_train),
+                                    lambda a, s: new_run(cfg, a, s, n_train), log=log)
+    ordered = list(runs.values())  # seed after seed, the arms in order
 
     def write():
         if out:
             write_json(summarise_runs(cfg, ordered, params), out)
 
-    bar = None
-    if progress:
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(total=cfg["steps"] * len(runs), initial=sum(r["step"] for r in runs.values()),
-                       desc="runs", dynamic_ncols=True, mininterval=5.0)
-
-    old = {}
-
-    def stop(signum, frame):
-        _Stop.requested = True
-    _Stop.requested = False
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            old[sig] = signal.signal(sig, stop)
-        except ValueError:  # not the main thread
-            pass
-    budget = math.inf if max_steps is None else max_steps
-    try:
-        write()
-        for group in _schedule(cfg, arms):
-            while budget > 0 and not _Stop.requested:
-                todo = [k for k in group if runs[k]["step"] < cfg["steps"]]
-                if not todo:
-                    break
-                for k in todo:
-                    if budget <= 0 or _Stop.requested:
-                        break
-                    r = runs[k]
-                    n = min(cfg["chunk"], budget)
-                    before = r["step"]
-                    train_steps(r, cfg, data, n, bar=bar, on_eval=write)
-                    budget -= r["step"] - before
-                    save_run(r, paths[k], cfg)
-                    if r["final"] is not None and before < cfg["steps"]:
-                        print(f"{k[0]} seed {k[1]} finished: accuracy {r['final']['accuracy']:.4f}", file=log,
-                              flush=True)
-            if budget <= 0 or _Stop.requested:
-                break
-    finally:
-        for k, r in runs.items():  # a stop mid-chunk: keep the steps done
-            if os.path.exists(paths[k]) or r["step"] > 0:
-                save_run(r, paths[k], cfg)
-        write()
-        if bar is not None:
-            bar.close()
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    bar = progress_bar(cfg["steps"] * len(runs), "runs", progress, initial=sum(r["step"] for r in ordered),
+                       mininterval=5.0)
+    train_in_turns(runs, paths, turn_groups(cfg["seeds"], arms, cfg["order"]), steps_of=lambda a: cfg["steps"],
+                   train=lambda r, n, **kw: train_steps(r, cfg, data, n, **kw),
+                   save=lambda r, p: save_run(r, p, cfg), write=write, chunk=cfg["chunk"], max_steps=max_steps,
+                   bar=bar, describe_final=lambda f: f"accuracy {f['accuracy']:.4f}", log=log)
     return summarise_runs(cfg, ordered, params)
 
 

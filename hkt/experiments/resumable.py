@@ -1,0 +1,233 @@
+"""The machinery shared by the resumable multi-run drivers
+(:mod:`hkt.experiments.long_run`, :mod:`hkt.experiments.lm_run`).
+
+A driver keeps a dict per run (its ``"arm"``, ``"seed"``, ``"model"``,
+``"step"``, ``"loss_ema"``, ``"times"``, ``"history"`` and ``"final"``, plus
+whatever it needs itself) and says how a run is built, loaded, saved, fed,
+evaluated and summarised; this module does the rest the same way for both:
+the learning-rate schedule, the optional progress bar, the stop flag set by
+SIGINT/SIGTERM, the training loop's bookkeeping, the turns in chunks under a
+step budget with a checkpoint after each chunk and a final save, and the time
+per step and progress figures of the results JSON.
+"""
+import contextlib
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["lr_lambda", "progress_bar", "Stop", "stop_on_signals", "save_atomic", "read_checkpoint", "restore",
+           "open_runs", "turn_groups", "advance", "train_in_turns", "time_per_step", "median_by_arm", "progress_info"]
+
+
+def lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
+    """The LR factor at each step: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
+    def lr_at(step):  # the schedule of hkt.experiments.train
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    return lr_at
+
+
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0, mininterval: float = 1.0):
+    """A tqdm bar, or None when disabled or tqdm is missing."""
+    if not enabled:
+        return None
+    try:  # optional: pip install "hkt[experiments]"; without it, no bar
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=mininterval)
+
+
+class Stop:
+    """Set by SIGINT/SIGTERM under :func:`stop_on_signals`; training loops
+    check it between steps, so a stop ends the chunk cleanly and the runs are
+    saved with every step done."""
+    requested = False
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Clears :class:`Stop`, routes SIGINT/SIGTERM to it, restores the old handlers on exit."""
+    old = {}
+
+    def stop(signum, frame):
+        Stop.requested = True
+    Stop.requested = False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[sig] = signal.signal(sig, stop)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def save_atomic(state: Dict, path: str) -> None:
+    """torch.save to a temporary file, then rename: a crash mid-write leaves the old checkpoint intact."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def read_checkpoint(path: str, config: Dict, arm: str, seed: int, **also) -> Dict:
+    """The state saved at ``path``; ValueError, naming the settings that
+    differ, unless it was written for ``config``, ``arm``, ``seed`` and the
+    further top-level entries ``also`` (a run resumed under other settings
+    would silently mix two experiments)."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved = {**state["config"], **{k: state.get(k) for k in also}}
+    if saved != {**config, **also} or state["arm"] != arm or state["seed"] != seed:
+        diff = {k: (saved.get(k), v) for k, v in {**config, **also}.items() if saved.get(k) != v}
+        raise ValueError(f"{path}: checkpoint written with another configuration (checkpoint, now): {diff}; use "
+                         f"another --ckpt-dir or the original options")
+    return state
+
+
+def restore(run: Dict, state: Dict) -> Dict:
+    """Puts the saved model, optimiser, LR schedule, global RNG, step, loss
+    average, step times, curve and final results back into the fresh ``run``
+    (the driver restores its batch order itself); returns ``run``."""
+    run["model"].load_state_dict(state["model"])
+    run["opt"].load_state_dict(state["opt"])
+    run["sched"].load_state_dict(state["sched"])
+    torch.set_rng_state(state["torch_rng"])
+    run.update(step=state["step"], loss_ema=state["loss_ema"], times=state["times"].tolist(),
+               history=state["history"], final=state["final"])
+    return run
+
+
+Key = Tuple[str, int]  # (arm, seed)
+
+
+def open_runs(ckpt_dir: str, seeds: Sequence[int], arms: Sequence[str], load: Callable[[str, str, int], Dict],
+              new: Callable[[str, int], Dict],
+              log=sys.stderr) -> Tuple[Dict[Key, Dict], Dict[Key, str], Dict[str, int]]:
+    """Every (arm, seed) run, seed after seed: ``load(path, arm, seed)`` where
+    ``ckpt_dir/<arm>_seed<s>.pt`` exists, else ``new(arm, seed)``.  Returns
+    the runs, their checkpoint paths and the parameter count of each arm."""
+    runs, paths, params = {}, {}, {}
+    for s in seeds:
+        for a in arms:
+            paths[a, s] = os.path.join(ckpt_dir, f"{a}_seed{s}.pt")
+            if os.path.exists(paths[a, s]):
+                runs[a, s] = load(paths[a, s], a, s)
+                print(f"resumed {a} seed {s} at step {runs[a, s]['step']}", file=log, flush=True)
+            else:
+                runs[a, s] = new(a, s)
+            params[a] = sum(p.numel() for p in runs[a, s]["model"].parameters())
+    return runs, paths, params
+
+
+def turn_groups(seeds: Sequence[int], arms: Sequence[str], order: str = "seed") -> List[List[Key]]:
+    """Groups of (arm, seed) keys whose runs take turns: one group per seed
+    (``order="seed"``, so partial results cover every arm early) or all runs at once (``"all"``)."""
+    if order == "all":
+        return [[(a, s) for s in seeds for a in arms]]
+    return [[(a, s) for a in arms] for s in seeds]
+
+
+def advance(run: Dict, n: int, total: int, batch: Callable[[], tuple], step: Callable[..., object],
+            evaluate: Callable[[], None], eval_every: int, *, bar=None, on_eval=None,
+            postfix: str = "loss {:.3f}") -> None:
+    """Advances ``run`` by up to ``n`` training steps, stopping at ``total``
+    or on :class:`Stop`.  Each step: ``batch()`` (untimed), ``step(*batch)``
+    (timed; returns the loss, a tensor or a number), then the loss average
+    and, every ``eval_every`` steps and at ``total``, ``evaluate()`` (which
+    records the curve and, at ``total``, ``run["final"]``), then ``on_eval()``.
+    ``run["train_time"]``, where a driver keeps it, sums the step times."""
+    for _ in range(n):
+        if run["step"] >= total or Stop.requested:
+            break
+        xy = batch()
+        t0 = time.perf_counter()
+        loss = step(*xy)
+        run["times"].append(time.perf_counter() - t0)
+        if "train_time" in run:
+            run["train_time"] += run["times"][-1]
+        # long_run's step returns the loss tensor, read after the timer; lm_run's reads it inside
+        lv = loss.item() if torch.is_tensor(loss) else float(loss)
+        if not math.isfinite(lv):
+            raise FloatingPointError(f"{run['arm']} seed {run['seed']}: loss became {lv} at step {run['step']}")
+        run["loss_ema"] = lv if run["loss_ema"] is None else 0.95 * run["loss_ema"] + 0.05 * lv
+        run["step"] += 1
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"{run['arm']} s{run['seed']} step {run['step']} " + postfix.format(run["loss_ema"]),
+                                refresh=False)
+        if run["step"] == total or (eval_every and run["step"] % eval_every == 0):
+            evaluate()
+            if on_eval is not None:
+                on_eval()
+
+
+def train_in_turns(runs: Dict[Key, Dict], paths: Dict[Key, str], groups: List[List[Key]], *,
+                   steps_of: Callable[[str], int], train: Callable[..., None], save: Callable[[Dict, str], None],
+                   write: Callable[[], None], chunk: int, max_steps: Optional[int] = None, bar=None,
+                   describe_final: Callable[[Dict], str], log=sys.stderr) -> None:
+    """Within each group in turn, the unfinished runs take turns training
+    ``chunk`` steps (``train(run, n, bar=..., on_eval=write)``), each saved
+    after its chunk, until the group is done; stops after ``max_steps`` steps
+    of this call (all runs together) or on SIGINT/SIGTERM.  However it ends,
+    every run with steps is saved, ``write()`` rewrites the results and the
+    bar is closed.  ``steps_of(arm)``: the training steps of an arm's runs."""
+    budget = math.inf if max_steps is None else max_steps
+    with stop_on_signals():
+        try:
+            write()
+            for group in groups:
+                while budget > 0 and not Stop.requested:
+                    todo = [k for k in group if runs[k]["step"] < steps_of(k[0])]
+                    if not todo:
+                        break
+                    for k in todo:
+                        if budget <= 0 or Stop.requested:
+                            break
+                        r, before = runs[k], runs[k]["step"]
+                        train(r, min(chunk, budget), bar=bar, on_eval=write)
+                        budget -= r["step"] - before
+                        save(r, paths[k])
+                        if r["final"] is not None and before < steps_of(k[0]):
+                            print(f"{k[0]} seed {k[1]} finished: {describe_final(r['final'])}", file=log, flush=True)
+                if budget <= 0 or Stop.requested:
+                    break
+        finally:
+            for k, r in runs.items():  # a stop mid-chunk: keep the steps done
+                if os.path.exists(paths[k]) or r["step"] > 0:
+                    save(r, paths[k])
+            write()
+            if bar is not None:
+                bar.close()
+
+
+def time_per_step(times: List[float]) -> Optional[float]:
+    """The median step time, skipping the first steps (allocator and cache warm-up); None before any step."""
+    steady = times[3:] if len(times) > 3 else times
+    return statistics.median(steady) if steady else None
+
+
+def median_by_arm(runs: List[Dict]) -> Dict[str, float]:
+    """{arm: median over its runs of :func:`time_per_step`}, for arms with steps."""
+    tps = {}
+    for r in runs:
+        t = time_per_step(r["times"])
+        if t is not None:
+            tps.setdefault(r["arm"], []).append(t)
+    return {a: statistics.median(v) for a, v in tps.items()}
+
+
+def progress_info(runs: List[Dict], steps_total: int) -> Dict:
+    """The results JSON's "progress": steps and runs done, and when."""
+    return {"steps_done": sum(r["step"] for r in runs), "steps_total": steps_total,
+            "runs_finished": sum(r["final"] is not None for r in runs), "runs": len(runs),
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
