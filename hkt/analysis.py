@@ -32,8 +32,8 @@ from . import _C
 import torch.nn.functional as F
 from torch import Tensor
 
-from .modules import MultiheadHKT, causal_downsample
-from .reference import level_terms, upsample_level
+from .modules import MultiheadHKT
+from .reference import level_terms, repeat_kv, upsample_level
 
 __all__ = [
     "cost_ratio", "count_score_macs", "measured_cost_ratio",
@@ -124,41 +124,30 @@ def _batch_first(module: MultiheadHKT, x: Tensor) -> Tensor:
     return x if module.batch_first else x.transpose(0, 1)
 
 
-def _level_inputs(module: MultiheadHKT, x: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
-    """Per level, the (B, n_l, E) sequences the query and key projections read."""
-    xq, xk = [x], [x]
-    for l in range(1, module.levels):
-        xq.append(causal_downsample(xq[-1], module.q_downsample[l - 1]))
-        xk.append(causal_downsample(xk[-1], module.k_downsample[l - 1]))
-    return xq, xk
-
-
 def _level_projections(module: MultiheadHKT, bias: bool = True):
-    """Per level (W_q (E, E), b_q (E,) or None, W_k (E, kdim), b_k or None), torch layout."""
-    wq, wk, _, bq, bk, _ = module._level0_weights()
-    out = [(wq, bq if bias else None, wk, bk if bias else None)]
-    cqb, ckb = module.coarse_q_proj_bias, module.coarse_k_proj_bias
-    for l in range(1, module.levels):
-        out.append((module.coarse_q_proj_weight[l - 1], None if (cqb is None or not bias) else cqb[l - 1],
-                    module.coarse_k_proj_weight[l - 1], None if (ckb is None or not bias) else ckb[l - 1]))
-    return out
+    """Per level (W_q (E, E), b_q (E,) or None, W_k (E_kv, kdim), b_k or None), torch
+    layout: the module's own (MultiheadHKT.level_projections), biases dropped
+    with bias=False (the pure bilinear forms)."""
+    return [(wq, bq if bias else None, wk, bk if bias else None) for wq, bq, wk, bk in module.level_projections()]
 
 
 def level_queries_keys(module: MultiheadHKT, x: Tensor, *, bias: bool = True) -> Tuple[List[Tensor], List[Tensor]]:
     """The per-level queries and keys ``module`` hands to :func:`hkt.hkt_attention`
-    for self-attention on ``x``: two lists of L tensors (B, H, ceil(T/2^l), hd).
-    ``bias=False`` drops the projection biases (the pure bilinear forms)."""
+    for self-attention on ``x``: two lists of L tensors (B, H, ceil(T/2^l), hd)
+    (with ``num_kv_heads`` < ``num_heads`` the keys come repeated to H heads, as
+    each query head sees them).  ``bias=False`` drops the projection biases (the
+    pure bilinear forms)."""
     x = _batch_first(module, x)
     H, hd = module.num_heads, module.head_dim
-    xq, xk = _level_inputs(module, x)
+    xq, xk = module.level_inputs(x, x)
 
     def heads(t):
-        return t.unflatten(-1, (H, hd)).transpose(1, 2)
+        return t.unflatten(-1, (-1, hd)).transpose(1, 2)
 
     qs, ks = [], []
     for l, (wq, bq, wk, bk) in enumerate(_level_projections(module, bias)):
         qs.append(heads(F.linear(xq[l], wq, bq)))
-        ks.append(heads(F.linear(xk[l], wk, bk)))
+        ks.append(repeat_kv(heads(F.linear(xk[l], wk, bk)), H))
     return qs, ks
 
 
@@ -268,7 +257,7 @@ def level_scores_from_forms(module: MultiheadHKT, x: Tensor, forms: Tensor) -> T
         (L, B, H, T, T).
     """
     x = _batch_first(module, x)
-    xq, xk = _level_inputs(module, x)
+    xq, xk = module.level_inputs(x, x)
     T = x.shape[1]
     E = module.embed_dim
     if forms.dim() != 4 or forms.shape[:2] != (module.levels, module.num_heads) or forms.shape[2] != forms.shape[3] \
@@ -422,7 +411,7 @@ def causal_conv_as_hkt(weight: Tensor, *, levels: int = 3, sharpness: float = 40
             p.zero_()
         w0 = float(m.level_weights()[0, 0]) if levels > 1 else 1.0
         a = sharpness * math.sqrt(hd) / w0
-        wq, wk, wv, bq, bk, bv = m._level0_weights()
+        wq, wk, wv, bq, bk, bv = m.in_projections()
         for r in range(K):
             o = r * hd
             wq[o, pos] = a

@@ -203,7 +203,7 @@ def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype: decoding runs in float32 or float64, got {dtype}")
     B, L, K, E, hd = batch_size, mha.levels, mha.downsample_kernel, mha.embed_dim, mha.head_dim
-    Hk = getattr(mha, "num_kv_heads", mha.num_heads)
+    Hk = mha.num_kv_heads
     kw = {"device": device, "dtype": dtype}
     k = [torch.zeros(B, Hk, -(-max_len // 2**l), hd, **kw) for l in range(L)]
     v = torch.zeros(B, Hk, max_len, hd, **kw)
@@ -250,7 +250,7 @@ def _check_step(mha, x, cache) -> Tensor:
                          f"{cache.max_len}")
     if x.dtype != cache.v.dtype or x.device != cache.v.device:
         raise TypeError(f"x: is {x.dtype} on {x.device}, but the cache is {cache.v.dtype} on {cache.v.device}")
-    if len(cache.k) != mha.levels or cache.k[0].shape[1] != getattr(mha, "num_kv_heads", mha.num_heads):
+    if len(cache.k) != mha.levels or cache.k[0].shape[1] != mha.num_kv_heads:
         raise ValueError("cache: was made by another module (levels or kv heads differ)")
     if mha.training and mha.dropout > 0:
         raise ValueError(f"dropout: MultiheadHKT.decode has no dropout, but the module is in training mode with "
@@ -266,16 +266,16 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     _check_decodable(mha)
     x = _check_step(mha, x, cache)
     B, n, _ = x.shape
-    H, Hk = mha.num_heads, getattr(mha, "num_kv_heads", mha.num_heads)
+    H, Hk = mha.num_heads, mha.num_kv_heads
     t0, K, hd = cache.length, mha.downsample_kernel, mha.head_dim
-    wq, wk, wv, _, _, _ = mha._level0_weights()
+    wq, wk, wv, _, _, _ = mha.in_projections()
     q0, k0, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).split(
         [wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
     qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
     q_inputs, k_inputs, q_coarse = list(cache.q_inputs), list(cache.k_inputs), list(cache.q_coarse)
     pos = torch.arange(t0, t0 + n, device=x.device)
     xq = xk = x  # the new elements of level l-1's query and key streams
-    cqb, ckb = mha.coarse_q_proj_bias, mha.coarse_k_proj_bias
+    projs = mha.level_projections()
     for l in range(1, mha.levels):
         # level l-1 gained elements [first, ...) and level l gains [lo, hi): those
         # whose first token arrived now (block p begins at token 2^l p)
@@ -294,8 +294,9 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
             continue
         xq = _downsample_new(hist_q, mha.q_downsample[l - 1], first - K, lo, hi)
         xk = _downsample_new(hist_k, mha.k_downsample[l - 1], first - K, lo, hi)
-        q_new = _heads(F.linear(xq, mha.coarse_q_proj_weight[l - 1], None if cqb is None else cqb[l - 1]), H, hd)
-        k_new = _heads(F.linear(xk, mha.coarse_k_proj_weight[l - 1], None if ckb is None else ckb[l - 1]), Hk, hd)
+        cwq, cbq, cwk, cbk = projs[l]
+        q_new = _heads(F.linear(xq, cwq, cbq), H, hd)
+        k_new = _heads(F.linear(xk, cwk, cbk), Hk, hd)
         # each new token's block: lo - 1 (begun earlier) or one of the new ones
         rows = (pos >> l) - (lo - 1)
         q_all = torch.cat([q_coarse[l - 1], q_new], dim=2)

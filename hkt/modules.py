@@ -321,7 +321,11 @@ class MultiheadHKT(nn.Module):
             return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
         return torch.softmax(logits, dim=-1)
 
-    def _level0_weights(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    def in_projections(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """Level 0's ``(W_q, W_k, W_v, b_q, b_k, b_v)``: views of
+        ``in_proj_weight`` / ``in_proj_bias`` (or the separate
+        ``q/k/v_proj_weight``), so writing into them sets the parameters;
+        biases None without ``bias``."""
         # written with `is None` tests on the attributes (not _packed_in_proj) so
         # that TorchScript drops the branch for the parameters this module lacks
         E, Ekv = self.embed_dim, self.kv_dim
@@ -340,6 +344,38 @@ class MultiheadHKT(nn.Module):
         if bias is not None:
             bq, bk, bv = bias[:E], bias[E:E + Ekv], bias[E + Ekv:]
         return wq, wk, wv, bq, bk, bv
+
+    def level_projections(self) -> List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]]:
+        """Per level l, ``(W_q, b_q, W_k, b_k)``: the query projection
+        (embed_dim, embed_dim) and key projection (kv_dim, kdim), torch layout,
+        that level l applies to its inputs (:meth:`level_inputs`); level 0's
+        are slices of ``in_proj_weight`` / ``in_proj_bias`` (or the separate
+        ``q_proj_weight`` and ``k_proj_weight``).  Biases are None without
+        ``bias``.  The one place that says which parameter serves which level:
+        ``forward``, incremental decoding and :mod:`hkt.analysis` read it."""
+        wq, wk, _, bq, bk, _ = self.in_projections()
+        out: List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = [(wq, bq, wk, bk)]
+        cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
+        cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
+        if cqw is not None and ckw is not None:
+            for l in range(1, self.levels):
+                out.append((cqw[l - 1], None if cqb is None else cqb[l - 1], ckw[l - 1],
+                            None if ckb is None else ckb[l - 1]))
+        return out
+
+    def level_inputs(self, query: Tensor, key: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+        """The sequences each level's projections read: level 0 is ``query``
+        (B, T, embed_dim) and ``key`` (B, S, kdim) (batch first), level l the
+        previous level's causally downsampled by 2 with that stream's taps
+        (:func:`causal_downsample`, ``q_downsample[l - 1]`` / ``k_downsample[l - 1]``),
+        so level l holds ceil(T / 2^l) and ceil(S / 2^l) rows."""
+        xq, xk = [query], [key]
+        qd, kd = self.q_downsample, self.k_downsample
+        if qd is not None and kd is not None:
+            for l in range(1, self.levels):
+                xq.append(causal_downsample(xq[l - 1], qd[l - 1]))
+                xk.append(causal_downsample(xk[l - 1], kd[l - 1]))
+        return xq, xk
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention, levels: int = 3, downsample_kernel: int = 2, *,
@@ -412,7 +448,7 @@ class MultiheadHKT(nn.Module):
                 new.level_logits[:, 0] = math.log(level0_weight * (levels - 1) / (1.0 - level0_weight))
                 w0 = torch.softmax(new.level_logits, dim=-1)[:, 0]  # (H,), in the module's dtype
                 inv = (1.0 / w0).repeat_interleave(new.head_dim)  # (E,): one factor per query row
-                wq, wk, _, bq, bk, _ = new._level0_weights()
+                wq, wk, _, bq, bk, _ = new.in_projections()
                 wq.mul_(inv[:, None])
                 if bq is not None:
                     bq.mul_(inv)
@@ -623,7 +659,7 @@ class MultiheadHKT(nn.Module):
                              f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
         H, hd = self.num_heads, self.head_dim
 
-        wq, wk, wv, bq, bk, bv = self._level0_weights()
+        wq, wk, wv, bq, bk, bv = self.in_projections()
         packed = self.in_proj_weight
         Hk, Ekv = self.num_kv_heads, self.kv_dim
         if packed is not None and query is key and key is value:
@@ -643,17 +679,14 @@ class MultiheadHKT(nn.Module):
             n_extra += 1
 
         qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
-        qd, kd = self.q_downsample, self.k_downsample
-        cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
-        if qd is not None and kd is not None and cqw is not None and ckw is not None:
-            xq = query
-            xk = F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key  # appended slots: zero inputs
-            cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
+        if self.levels > 1:
+            # appended slots: zero inputs of the key stream
+            xqs, xks = self.level_inputs(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
+            projs = self.level_projections()
             for l in range(1, self.levels):
-                xq = causal_downsample(xq, qd[l - 1])
-                xk = causal_downsample(xk, kd[l - 1])
-                qs.append(_heads(F.linear(xq, cqw[l - 1], None if cqb is None else cqb[l - 1]), H, hd))
-                ks.append(_heads(F.linear(xk, ckw[l - 1], None if ckb is None else ckb[l - 1]), Hk, hd))
+                cwq, cbq, cwk, cbk = projs[l]
+                qs.append(_heads(F.linear(xqs[l], cwq, cbq), H, hd))
+                ks.append(_heads(F.linear(xks[l], cwk, cbk), Hk, hd))
         w = self.level_weights()
 
         mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,

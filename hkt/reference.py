@@ -1,7 +1,12 @@
 """Plain-PyTorch HKT attention: the definition the kernels are tested against.
 
 It materialises the full (B, H, T, S) score matrix, so it is O(T*S) in memory
-and slow; use it for checking, never for training.
+and slow; use it for checking, never for training.  One other use is by
+design: MultiheadHKT's ``need_weights=True`` returns the (B, H, T, S)
+probabilities, which are O(T*S) whatever computes them (as
+nn.MultiheadAttention's are), so it takes them from :func:`masked_probs` here
+rather than from a second copy of the same formula; its output still comes
+from the kernels.
 """
 import math
 from typing import List, Optional, Sequence

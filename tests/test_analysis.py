@@ -28,7 +28,7 @@ def psd_module(seed=0, levels=3):
     """Key projections equal to the query projections (forms W^T W, PSD), shared taps."""
     m = random_module(seed=seed, levels=levels, shared_taps=True)
     with torch.no_grad():
-        wq, wk, _, bq, bk, _ = m._level0_weights()
+        wq, wk, _, bq, bk, _ = m.in_projections()
         wk.copy_(wq)
         bk.copy_(bq)
         if levels > 1:
@@ -112,7 +112,7 @@ def test_level_scores_causal_output():
     S = A.level_scores(m, x).combined
     mask = torch.ones(11, 11, dtype=torch.bool).tril()
     P = torch.softmax(S.masked_fill(~mask, float("-inf")), -1)
-    _, _, wv, _, _, bv = m._level0_weights()
+    _, _, wv, _, _, bv = m.in_projections()
     v = torch.nn.functional.linear(x, wv, bv).unflatten(-1, (2, 4)).transpose(1, 2)
     want = m.out_proj((P @ v).transpose(1, 2).reshape(2, 11, 8))
     got, _ = m(x, x, x, is_causal=True, need_weights=False)
@@ -162,7 +162,7 @@ def test_bilinear_forms_reproduce_level_scores(bias):
     assert forms.shape == ((3, 2, 9, 9) if bias else (3, 2, 8, 8))
     torch.testing.assert_close(A.level_scores_from_forms(m, x, forms), A.level_scores(m, x, bias=bias).levels)
     # level 0, head 1 by hand: W_Q^T = rows 4..8 of the query weight
-    wq, wk, *_ = m._level0_weights()
+    wq, wk, *_ = m.in_projections()
     torch.testing.assert_close(A.bilinear_forms(m, bias=False)[0, 1], wq[4:8].T @ wk[4:8])
 
 

@@ -1,0 +1,91 @@
+"""Another build of hkt._C against this one: the same bits, and the same speed?
+
+For refactors of the kernels (issue 12: "behaviour and speed are unchanged"):
+loads a second extension file (e.g. built from an older commit with
+`git worktree add /tmp/old REV && cd /tmp/old && python setup.py build_ext --inplace`),
+runs both on the same inputs through the raw binding (forward and backward),
+checks every output is bitwise identical, then times them interleaved (the two
+see the same machine state) and prints the new/old time ratios.
+
+    python benchmarks/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick]
+
+Only calls both builds support (no grouped-query heads, which older builds lack).
+"""
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import hkt._C as new
+from hkt.timing import describe_machine, machine_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from helpers import sample_inputs  # noqa: E402
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location("hkt._C", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(mod, q, k, v, w, causal, dropout_p, threads, backward=True):
+    B, H, T, _ = q[0].shape
+    out = torch.empty(B, H, T, v.shape[3], dtype=q[0].dtype)
+    lse = torch.empty(B, H, T, dtype=q[0].dtype)
+    mod.forward(q, k, v, w, out, lse, None, causal, None, dropout_p, 7, threads)
+    if not backward:
+        return [out, lse]
+    dq, dk = [torch.empty_like(x) for x in q], [torch.empty_like(x) for x in k]
+    dv, dw = torch.empty_like(v), torch.empty_like(w)
+    mod.backward(torch.ones_like(out), q, k, v, w, out, lse, dq, dk, dv, dw, None, causal, None, dropout_p, 7,
+                 threads)
+    return [out, lse, *dq, *dk, dv, dw]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("old", help="path of the other build's _C*.so")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    old = load(args.old)
+    print(describe_machine(machine_info()))
+    same = True
+    for dtype in (torch.float32, torch.float64):
+        for B, H, T, S, D, L in [(1, 2, 300, 300, 64, 3), (2, 3, 130, 70, 13, 2), (1, 1, 1000, 1000, 32, 4)]:
+            for causal in (False, True):
+                for dp in (0.0, 0.2):
+                    q, k, v, w = sample_inputs(B, H, T, S, D, D, L, dtype=dtype)
+                    a, b = run(old, q, k, v, w, causal, dp, 2), run(new, q, k, v, w, causal, dp, 2)
+                    same &= all(torch.equal(x, y) for x, y in zip(a, b))
+    print(f"bitwise identical outputs and gradients on 24 calls: {same}")
+    reps = 3 if args.quick else 9
+    print(f"{'call':38s} {'old ms':>8s} {'new ms':>8s} {'new/old':>8s}   (medians of {reps}, interleaved)")
+    Ts = [512] if args.quick else [512, 2048]
+    for T in Ts:
+        for L in (1, 3):
+            for causal in (False, True):
+                for backward in (False, True):
+                    q, k, v, w = sample_inputs(1, 8, T, T, 64, 64, L, dtype=torch.float32)
+                    times = {"old": [], "new": []}
+                    for _ in range(reps):
+                        for name, mod in (("old", old), ("new", new)):
+                            t0 = time.perf_counter()
+                            run(mod, q, k, v, w, causal, 0.0, args.threads, backward)
+                            times[name].append(time.perf_counter() - t0)
+                    o, n = statistics.median(times["old"]), statistics.median(times["new"])
+                    label = f"T={T} L={L} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}"
+                    print(f"{label:38s} {o * 1e3:8.1f} {n * 1e3:8.1f} {n / o:8.3f}")
+    if not same:
+        raise SystemExit("the builds differ")
+
+
+if __name__ == "__main__":
+    main()
