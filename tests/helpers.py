@@ -142,9 +142,18 @@ def assert_within_lowp_error(run, reference, q, k, v, w, dtype, *, factor=2.0, d
     plain = results(reference, leaves_lo)
     got = results(run, leaves)
     names = ["out"] + [f"dq[{l}]" for l in range(L)] + [f"dk[{l}]" for l in range(L)] + ["dv", "dw"]
+    assert_close_to_double(got, plain, want, dtype, names=names, factor=factor)
+
+
+def assert_close_to_double(got, plain, want, dtype, *, names=None, factor=2.0):
+    """Each got[i] (computed in ``dtype``) must be within ``factor`` times the
+    error plain[i] (plain PyTorch in ``dtype``, same data) makes against
+    want[i] (float64), plus 4 ulps of ``dtype`` at want[i]'s magnitude."""
     ulp = torch.finfo(dtype).eps
+    names = names or [f"result {i}" for i in range(len(want))]
     for name, g, p, r in zip(names, got, plain, want):
         assert g.dtype == dtype, f"{name}: dtype {g.dtype}, expected {dtype}"
+        r = r.double()
         base = (p.double() - r).abs().max().item()
         bound = factor * base + 4 * ulp * r.abs().max().item()
         err = (g.double() - r).abs().max().item()
