@@ -82,21 +82,35 @@ def report_targets(targets: List[tuple]) -> List[Dict[str, object]]:
     return rows
 
 
-def make_inputs(B, H, T, S, D, L, *, Dv=None, dtype=torch.float32, requires_grad=True, seed=0, kv_heads=None):
-    """Random q, k (lists of L levels), v and convex per-head w; k and v with
-    kv_heads heads (default H: no grouped-query attention)."""
+def random_inputs(B, H, T, S, D, Dv, L, *, dtype=torch.float64, per_head=True, requires_grad=False, device="cpu",
+                  seed=0, kv_heads=None, convex_w=False):
+    """Random HKT inputs from one seeded generator: q, k (lists of L levels), v
+    and w ((H, L), or (L,) without per_head; a softmax over levels with
+    convex_w, as MultiheadHKT passes, else plain normal); k and v with kv_heads
+    heads (default H).  The one generator of the benchmarks (make_inputs) and
+    the tests (tests/helpers.sample_inputs)."""
     g = torch.Generator().manual_seed(seed)
-    Dv = D if Dv is None else Dv
     Hk = H if kv_heads is None else kv_heads
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+        return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_(requires_grad)
 
     q = [rnd(B, H, -(-T // 2**l), D) for l in range(L)]
     k = [rnd(B, Hk, -(-S // 2**l), D) for l in range(L)]
     v = rnd(B, Hk, S, Dv)
-    w = torch.softmax(torch.randn(H, L, generator=g), -1).to(dtype).requires_grad_(requires_grad)
+    shape = (H, L) if per_head else (L,)
+    if convex_w:
+        w = torch.softmax(torch.randn(*shape, generator=g, dtype=dtype), -1).to(device).requires_grad_(requires_grad)
+    else:
+        w = rnd(*shape)
     return q, k, v, w
+
+
+def make_inputs(B, H, T, S, D, L, *, Dv=None, dtype=torch.float32, requires_grad=True, seed=0, kv_heads=None):
+    """The benchmarks' inputs: :func:`random_inputs` with convex per-head level
+    weights, requiring grad by default."""
+    return random_inputs(B, H, T, S, D, D if Dv is None else Dv, L, dtype=dtype, requires_grad=requires_grad,
+                         seed=seed, kv_heads=kv_heads, convex_w=True)
 
 
 def max_error(L, *, is_causal=False, B=1, H=2, T=97, S=None, D=13, dtype=torch.float64) -> float:

@@ -3,6 +3,8 @@ the path): random HKT inputs and the attention masks the tests sweep."""
 import numpy as np
 import torch
 
+from hkt.timing import random_inputs
+
 
 def level_len(n, l):
     return -(-n // 2**l)
@@ -11,18 +13,9 @@ def level_len(n, l):
 def sample_inputs(B, H, T, S, D, Dv, L, *, dtype=torch.float64, per_head=True, requires_grad=False,
                   device="cpu", seed=0, kv_heads=None):
     """Random HKT inputs: q, k lists of L levels, v, w; k and v with kv_heads
-    heads (default H)."""
-    g = torch.Generator().manual_seed(seed)
-    Hk = H if kv_heads is None else kv_heads
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=dtype).to(device).requires_grad_(requires_grad)
-
-    q = [rnd(B, H, level_len(T, l), D) for l in range(L)]
-    k = [rnd(B, Hk, level_len(S, l), D) for l in range(L)]
-    v = rnd(B, Hk, S, Dv)
-    w = rnd(H, L) if per_head else rnd(L)
-    return q, k, v, w
+    heads (default H).  The benchmarks' generator (hkt.timing.random_inputs)."""
+    return random_inputs(B, H, T, S, D, Dv, L, dtype=dtype, per_head=per_head, requires_grad=requires_grad,
+                         device=device, seed=seed, kv_heads=kv_heads)
 
 
 MASKS = [None, "bool", "float", "bool4d"]
