@@ -216,12 +216,21 @@ def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -
 def _downsample_new(history: Tensor, taps: Tensor, first: int, lo: int, hi: int) -> Tensor:
     """Elements [lo, hi) of causal_downsample(x) (hkt.modules), where ``history``
     holds x's elements [first, ...): out[p] = sum_r taps[r] * x[2p - r], summed
-    in causal_downsample's order so the two agree to the last bit."""
-    idx = torch.arange(2 * lo - first, 2 * hi - first, 2, device=history.device)
-    out = history[:, idx] * taps[0]
+    in causal_downsample's order so the two agree to the last bit.  Strided
+    slices, not index tensors: this runs for every generated token."""
+    j, m = 2 * lo - first, 2 * (hi - lo) - 1  # history rows j, j + 2, ... (hi - lo of them)
+    out = history[:, j:j + m:2] * taps[0]
     for r in range(1, taps.shape[0]):
-        out = out + history[:, idx - r] * taps[r]
+        out = out + history[:, j - r:j - r + m:2] * taps[r]
     return out
+
+
+def _rows(x: Tensor, rows: List[int]) -> Tensor:
+    """x[:, :, rows] (dim 2), a slice when the rows are one run (one new token:
+    always), without an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[:, :, rows[0]:rows[0] + len(rows)]
+    return x[:, :, torch.tensor(rows, device=x.device)]
 
 
 def _heads(x: Tensor, H: int, hd: int) -> Tensor:
@@ -268,14 +277,12 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     B, n, _ = x.shape
     H, Hk = mha.num_heads, mha.num_kv_heads
     t0, K, hd = cache.length, mha.downsample_kernel, mha.head_dim
-    wq, wk, wv, _, _, _ = mha.in_projections()
     q0, k0, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).split(
-        [wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+        [mha.embed_dim, mha.kv_dim, mha.kv_dim], dim=-1)
     qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
     q_inputs, k_inputs, q_coarse = list(cache.q_inputs), list(cache.k_inputs), list(cache.q_coarse)
-    pos = torch.arange(t0, t0 + n, device=x.device)
     xq = xk = x  # the new elements of level l-1's query and key streams
-    projs = mha.level_projections()
+    projs = mha.level_projections() if mha.levels > 1 else []
     for l in range(1, mha.levels):
         # level l-1 gained elements [first, ...) and level l gains [lo, hi): those
         # whose first token arrived now (block p begins at token 2^l p)
@@ -290,7 +297,7 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
             # refuses inputs that overlap the caches it writes)
             xq = xk = xq[:, :0]
             qs.append(q_coarse[l - 1].expand(-1, -1, n, -1))
-            ks.append(cache.k[l][:, :, lo - 1:lo].repeat(1, 1, n, 1))
+            ks.append(cache.k[l][:, :, lo - 1:lo].expand(-1, -1, n, -1).clone())
             continue
         xq = _downsample_new(hist_q, mha.q_downsample[l - 1], first - K, lo, hi)
         xk = _downsample_new(hist_k, mha.k_downsample[l - 1], first - K, lo, hi)
@@ -298,12 +305,12 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
         q_new = _heads(F.linear(xq, cwq, cbq), H, hd)
         k_new = _heads(F.linear(xk, cwk, cbk), Hk, hd)
         # each new token's block: lo - 1 (begun earlier) or one of the new ones
-        rows = (pos >> l) - (lo - 1)
+        rows = [((t0 + i) >> l) - (lo - 1) for i in range(n)]
         q_all = torch.cat([q_coarse[l - 1], q_new], dim=2)
         prev = max(lo - 1, 0)
         k_all = torch.cat([cache.k[l][:, :, prev:prev + 1], k_new], dim=2)
-        qs.append(q_all[:, :, rows])
-        ks.append(k_all[:, :, rows])
+        qs.append(_rows(q_all, rows))
+        ks.append(_rows(k_all, rows))
         q_coarse[l - 1] = q_all[:, :, -1:]
     out = hkt_attention_with_kvcache(qs, cache.k, cache.v, mha.level_weights(), t0, ks, _heads(v, Hk, hd))
     # the state moves on only once the step went through
