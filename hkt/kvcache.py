@@ -163,6 +163,7 @@ class DecodeCache:
         self.q_inputs, self.k_inputs, self.q_coarse = q_inputs, k_inputs, q_coarse
         self.max_len = max_len
         self.length = 0
+        self._constants = None  # _step_constants
 
     @property
     def batch_size(self) -> int:
@@ -270,6 +271,23 @@ def _check_step(mha, x, cache) -> Tensor:
     return x
 
 
+def _step_constants(mha, cache: DecodeCache):
+    """(level_projections(), level_weights()) of mha, kept in the cache between
+    steps: they are a dozen slicing ops and a softmax per step otherwise, a
+    sizeable part of a small model's step.  Recomputed whenever a parameter they
+    read was replaced or changed in place (its version counter moved), so a
+    module trained between steps is seen as it is."""
+    params = (mha.in_proj_weight, mha.in_proj_bias, mha.q_proj_weight, mha.k_proj_weight, mha.coarse_q_proj_weight,
+              mha.coarse_q_proj_bias, mha.coarse_k_proj_weight, mha.coarse_k_proj_bias, mha.level_logits)
+    try:
+        key = tuple((id(p), p._version) if p is not None else None for p in params)
+    except RuntimeError:  # inference tensors (a module made under inference_mode) keep no versions
+        key = None
+    if key is None or cache._constants is None or cache._constants[0] != key:
+        cache._constants = (key, mha.level_projections() if mha.levels > 1 else [], mha.level_weights())
+    return cache._constants[1], cache._constants[2]
+
+
 def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     """:meth:`hkt.MultiheadHKT.decode`."""
     _check_decodable(mha)
@@ -282,7 +300,7 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
     q_inputs, k_inputs, q_coarse = list(cache.q_inputs), list(cache.k_inputs), list(cache.q_coarse)
     xq = xk = x  # the new elements of level l-1's query and key streams
-    projs = mha.level_projections() if mha.levels > 1 else []
+    projs, w = _step_constants(mha, cache)
     for l in range(1, mha.levels):
         # level l-1 gained elements [first, ...) and level l gains [lo, hi): those
         # whose first token arrived now (block p begins at token 2^l p)
@@ -312,7 +330,7 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
         qs.append(_rows(q_all, rows))
         ks.append(_rows(k_all, rows))
         q_coarse[l - 1] = q_all[:, :, -1:]
-    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, mha.level_weights(), t0, ks, _heads(v, Hk, hd))
+    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, w, t0, ks, _heads(v, Hk, hd))
     # the state moves on only once the step went through
     cache.q_inputs, cache.k_inputs, cache.q_coarse = q_inputs, k_inputs, q_coarse
     cache.length = t0 + n

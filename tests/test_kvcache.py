@@ -424,3 +424,20 @@ def test_module_decode_bad_calls_leave_the_cache_alone():
         m.init_cache(2, 0)
     with pytest.raises(TypeError, match=r"^dtype"):
         m.init_cache(2, 4, dtype=torch.bfloat16)
+
+
+def test_step_constants_follow_parameter_changes():
+    """decode keeps level weights and projections between steps; a parameter
+    changed in place (an optimiser step) or replaced must be seen at once."""
+    from hkt.kvcache import _step_constants
+    m = hkt.MultiheadHKT(16, 2, batch_first=True, levels=3).eval()
+    cache = m.init_cache(1, 8)
+    projs, w = _step_constants(m, cache)
+    assert _step_constants(m, cache)[1] is w  # unchanged: kept
+    with torch.no_grad():
+        m.level_logits.add_(torch.tensor([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]))
+    w2 = _step_constants(m, cache)[1]
+    torch.testing.assert_close(w2, m.level_weights())
+    assert not torch.equal(w2, w)
+    m.coarse_q_proj_weight = torch.nn.Parameter(torch.zeros_like(m.coarse_q_proj_weight))
+    assert _step_constants(m, cache)[0][1][0].abs().sum() == 0
