@@ -167,3 +167,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def randomize(module, seed=0, scale=0.5):
+    """Every parameter of ``module`` set to N(0, scale^2) draws (taps of both
+    signs, uneven level weights), so that no coarse level is switched off and no
+    term is trivially zero or symmetric; returns the module."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return module

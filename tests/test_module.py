@@ -17,21 +17,13 @@ import hkt
 from hkt.modules import causal_downsample
 from hkt.reference import hkt_attention_reference
 
+from helpers import randomize
+
 F64 = torch.float64
 NEG_INF = float("-inf")
 
 
 # --------------------------------------------------------------------------- helpers
-
-def randomize(m: hkt.MultiheadHKT, seed: int = 0):
-    """Random values everywhere (taps of both signs, uneven level weights) so that
-    no coarse term is trivially zero or symmetric."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    return m
-
 
 def downsample_loop(x, taps):
     """x_l[p, c] = sum_{r<K} a[r, c] x[2p - r, c], zero before the start; x (B, n, C).

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 import hkt
 
+from helpers import randomize
+
 F64 = torch.float64
 
 # torch 2.13 marks torch.jit.script deprecated; it is what this file tests
@@ -24,12 +26,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated
 
 
 def _randomize(module, seed=0):
-    """Random values everywhere, so that no coarse level is switched off."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
-    return module
+    return randomize(module, seed, scale=0.3)
 
 
 def _encoder(layer_cls=nn.TransformerEncoderLayer, **kw):

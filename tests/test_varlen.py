@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hkt
-from helpers import level_len, with_threads
+from helpers import level_len, randomize, with_threads
 from hkt.reference import hkt_attention_reference
 
 F64, F32 = torch.float64, torch.float32
@@ -268,11 +268,7 @@ def test_bad_cases_are_bad_only_in_what_they_change():
 # ---- MultiheadHKT(pack_padding=True) ----
 
 def randomized(module, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
-    return module
+    return randomize(module, seed, scale=0.3)
 
 
 MOD_LENS = [5, 12, 1, 9, 12]
