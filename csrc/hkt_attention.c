@@ -36,7 +36,7 @@ void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
 
 /* Padded so rows 4 KiB apart do not all land in the same L1 set. */
 int64_t hkt_keys_all_ld(const hkt_params *p, int l) {
-    return round16(p->S > 0 ? ((p->S - 1) >> l) + 1 : 0) + 16;
+    return round16(level_len(p->S, l)) + 16;
 }
 
 ws_layout hkt_ws_layout(const hkt_params *p, int backward) {

@@ -661,7 +661,7 @@ static void backward_prepare(const hkt_params *p, int64_t b, int64_t h) {
     const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv, hk = kv_head(p, h);
     const int first_of_group = h % (p->H / p->H_kv) == 0;
     for (int l = 0; l < p->L; l++) {
-        const int64_t Tl = T > 0 ? ((T - 1) >> l) + 1 : 0, Sl = S > 0 ? ((S - 1) >> l) + 1 : 0;
+        const int64_t Tl = level_len(T, l), Sl = level_len(S, l);
         real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
         real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
         for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);

@@ -365,6 +365,15 @@ static int level_tuples(PyObject *qs, PyObject *ks, const char *kname, PyObject 
 #define HKT_MAX_COUNT ((int64_t)1 << 60)
 #define HKT_MAX_THREADS 1024
 
+/* Grouped-query attention: query head h reads kv head h / (H / H_kv), so H_kv
+ * (the heads of `name`, the key array) must divide H (or both be 0). */
+static int check_kv_heads(const char *name, int64_t H, int64_t H_kv) {
+    if (H_kv < 1 ? H == 0 && H_kv == 0 : H % H_kv == 0) return 0;
+    PyErr_Format(PyExc_ValueError, "%s: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)", name,
+                 (long long)H_kv, (long long)H);
+    return -1;
+}
+
 static int check_count(const char *name, const char *what, int64_t a, int64_t b, int64_t c, int64_t d) {
     int64_t n = 1;
     const int64_t f[4] = {a, b, c, d};
@@ -646,12 +655,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     }
     p->S = k0->shape[2];
     p->H_kv = k0->shape[1];
-    /* grouped-query attention: every query head reads kv head h / (H / H_kv) */
-    if (p->H_kv < 1 ? p->H != 0 || p->H_kv != 0 : p->H % p->H_kv != 0) {
-        PyErr_Format(PyExc_ValueError, "k[0]: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)",
-                     (long long)p->H_kv, (long long)p->H);
-        goto done;
-    }
+    if (check_kv_heads("k[0]", p->H, p->H_kv)) goto done;
     if (check_count("q[0]", "B x H x T x D", p->B, p->H, p->T, p->D) ||
         check_count("k[0]", "B x H_kv x S x D", p->B, p->H_kv, p->S, p->D) ||
         check_count("k[0]", "query-key pairs B x H x T x S", p->B, p->H, p->T, p->S))
@@ -1200,11 +1204,7 @@ static int fill_varlen_qk(hkt_varlen_params *vp, held *hd, PyObject *qt, PyObjec
         return -1;
     }
     p->H_kv = k0->shape[1];
-    if (p->H_kv < 1 ? p->H != 0 || p->H_kv != 0 : p->H % p->H_kv != 0) {
-        PyErr_Format(PyExc_ValueError, "k[0]: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)",
-                     (long long)p->H_kv, (long long)p->H);
-        return -1;
-    }
+    if (check_kv_heads("k[0]", p->H, p->H_kv)) return -1;
     p->T = q0->shape[0];
     p->S = k0->shape[0];
     int64_t n, longest_q, longest_k;
@@ -1522,11 +1522,7 @@ static int take_cache0(hkt_decode_params *p, held *hd, PyObject *kt, PyObject *v
         return -1;
     }
     p->H_kv = k0->shape[1];
-    if (p->H_kv < 1 ? p->H != 0 || p->H_kv != 0 : p->H % p->H_kv != 0) {
-        PyErr_Format(PyExc_ValueError, "k_cache[0]: its %lld heads (H_kv) must divide q[0]'s %lld heads (H)",
-                     (long long)p->H_kv, (long long)p->H);
-        return -1;
-    }
+    if (check_kv_heads("k_cache[0]", p->H, p->H_kv)) return -1;
     const DLTensor *vt = import_array(hd, vc, "v_cache");
     if (!vt) return -1;
     if (vt->ndim != 4) {

@@ -70,6 +70,10 @@ int64_t hkt_keys_all_ld(const hkt_params *p, int l);
 static inline int64_t rows_max(int l) { return (BQ >> l) > 0 ? (BQ >> l) : 1; }
 static inline int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
 static inline int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+/* n bytes rounded up to a 64-byte multiple; SIZE_MAX when that overflows */
+static inline size_t round64(size_t n) { return n > SIZE_MAX - 63 ? SIZE_MAX : (n + 63) & ~(size_t)63; }
+/* Rows of level l of an n-row sequence: ceil(n / 2^l). */
+static inline int64_t level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 : 0; }
 
 static inline int num_threads(const hkt_params *p) { return p->num_threads > 0 ? p->num_threads : 1; }
 

@@ -8,8 +8,6 @@
 
 #include <string.h>
 
-static size_t round64(size_t n) { return n > SIZE_MAX - 63 ? SIZE_MAX : (n + 63) & ~(size_t)63; }
-
 /* The chunk length C depends on L and the longest row only, never on the
  * thread count.  Long chunks stream faster: a chunk reads each level's keys and
  * the values as separate runs, and the hardware prefetchers start over with

@@ -25,32 +25,18 @@
  * (and heads, for a shared w) in index order, so every result is bitwise the
  * same for any thread count, however the work was split.
  */
-#include "hkt.h"
+#include "hkt_cpu.h"
 
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-static int vl_thread_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
-static int64_t vl_level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 : 0; }
 
 int64_t hkt_varlen_level_rows(const int64_t *cu, int64_t nseq, int l) {
     int64_t n = 0;
-    for (int64_t s = 0; s < nseq; s++) n += vl_level_len(cu[s + 1] - cu[s], l);
+    for (int64_t s = 0; s < nseq; s++) n += level_len(cu[s + 1] - cu[s], l);
     return n;
 }
 
-static int vl_threads(const hkt_varlen_params *vp) { return vp->p.num_threads > 0 ? vp->p.num_threads : 1; }
 static int64_t seq_T(const hkt_varlen_params *vp, int64_t s) { return vp->cu_q[s + 1] - vp->cu_q[s]; }
 static int64_t seq_S(const hkt_varlen_params *vp, int64_t s) { return vp->cu_k[s + 1] - vp->cu_k[s]; }
 static size_t vl_elem(const hkt_varlen_params *vp) { return vp->p.dtype == HKT_FLOAT64 ? 8 : 4; }
@@ -69,7 +55,7 @@ static double task_cost(const hkt_varlen_params *vp, int64_t s, int backward) {
 /* Whether sequence s runs whole on every thread: one of its tasks would be more
  * than a quarter of one thread's share of the total. */
 static int runs_whole(const hkt_varlen_params *vp, int64_t s, int backward, double total) {
-    const int nt = vl_threads(vp);
+    const int nt = num_threads(&vp->p);
     return nt > 1 && task_cost(vp, s, backward) * 4.0 * nt > total;
 }
 
@@ -99,7 +85,7 @@ static void fill_offsets(const int64_t *cu, int64_t nseq, int L, int64_t *off) {
     for (int l = 0; l < L; l++) {
         int64_t *o = off + (size_t)l * (size_t)(nseq + 1);
         o[0] = 0;
-        for (int64_t s = 0; s < nseq; s++) o[s + 1] = o[s] + vl_level_len(cu[s + 1] - cu[s], l);
+        for (int64_t s = 0; s < nseq; s++) o[s + 1] = o[s] + level_len(cu[s + 1] - cu[s], l);
     }
 }
 
@@ -162,7 +148,7 @@ static void group_params(const hkt_varlen_params *vp, int64_t g, hkt_params *ps)
 
 static vl_layout layout_of(const hkt_varlen_params *vp, int backward) {
     vl_layout y;
-    const int nt = vl_threads(vp);
+    const int nt = num_threads(&vp->p);
     const double total = total_cost(vp, backward);
     y.wsb = y.dwpb = 0;
     for (int64_t s = 0; s < vp->nseq; s++) {
@@ -176,16 +162,16 @@ static vl_layout layout_of(const hkt_varlen_params *vp, int backward) {
         }
         /* a sequence on every thread lays out nt blocks of its size back to back
          * from the first slot; a task uses one block at its thread's slot */
-        const size_t w = up64(hkt_workspace_bytes(&ps, backward));
+        const size_t w = round64(hkt_workspace_bytes(&ps, backward));
         if (w > y.wsb) y.wsb = w;
-        const size_t d = backward ? up64(hkt_dw_partial_bytes(&ps)) : 0;
+        const size_t d = backward ? round64(hkt_dw_partial_bytes(&ps)) : 0;
         if (d > y.dwpb) y.dwpb = d;
     }
     const size_t nslots = (size_t)vp->nseq * (size_t)vp->p.H * (size_t)vp->p.L;
     y.table = 0;
-    y.tasks = up64(2 * (size_t)vp->p.L * (size_t)(vp->nseq + 1) * sizeof(int64_t));
-    y.dws = y.tasks + up64((size_t)vp->nseq * (size_t)vp->p.H_kv * sizeof(vl_task));
-    y.dwp = y.dws + (backward ? up64(nslots * vl_elem(vp)) : 0);
+    y.tasks = round64(2 * (size_t)vp->p.L * (size_t)(vp->nseq + 1) * sizeof(int64_t));
+    y.dws = y.tasks + round64((size_t)vp->nseq * (size_t)vp->p.H_kv * sizeof(vl_task));
+    y.dwp = y.dws + (backward ? round64(nslots * vl_elem(vp)) : 0);
     y.ws = y.dwp + (size_t)nt * y.dwpb;
     y.total = y.ws + (size_t)nt * y.wsb + 64;
     return y;
@@ -210,7 +196,7 @@ static int by_cost(const void *a, const void *b) {
 static void run_all(const hkt_varlen_params *vp, int backward, void (*run)(const hkt_params *)) {
     const vl_layout y = layout_of(vp, backward);
     char *base = (char *)vp->p.workspace;
-    const int L = vp->p.L, nt = vl_threads(vp);
+    const int L = vp->p.L, nt = num_threads(&vp->p);
     const double total = total_cost(vp, backward);
     int64_t *offq = (int64_t *)(base + y.table), *offk = offq + (size_t)L * (size_t)(vp->nseq + 1);
     vl_task *tasks = (vl_task *)(base + y.tasks);
@@ -239,7 +225,7 @@ static void run_all(const hkt_varlen_params *vp, int backward, void (*run)(const
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
     for (int64_t x = 0; x < ntask; x++) {
         hkt_params ps;
-        const size_t t = (size_t)vl_thread_id();
+        const size_t t = (size_t)thread_id();
         seq_params(vp, offq, offk, tasks[x].s, &ps);
         ps.dw = backward ? base + y.dws + (size_t)tasks[x].s * seq_dw : NULL;
         group_params(vp, tasks[x].g, &ps);
