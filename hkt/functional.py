@@ -205,6 +205,12 @@ def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
 
 
+def _heads(x: Tensor, H: int, hd: int) -> Tensor:
+    """(B, n, H * hd) -> (B, H, n, hd): projected features split into heads, the
+    layout hkt_attention takes (MultiheadHKT and its decoding share it)."""
+    return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
+
+
 def _check_scalars(is_causal, dropout_p, scale):
     """Types of the scalar arguments (their ranges are the extension's, or
     hkt._sdpa's, to check)."""

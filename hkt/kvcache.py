@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _kernels
-from .functional import _check_tensor
+from .functional import _check_tensor, _heads
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -232,11 +232,6 @@ def _rows(x: Tensor, rows: List[int]) -> Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return x[:, :, rows[0]:rows[0] + len(rows)]
     return x[:, :, torch.tensor(rows, device=x.device)]
-
-
-def _heads(x: Tensor, H: int, hd: int) -> Tensor:
-    """(B, n, H * hd) -> (B, H, n, hd)."""
-    return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
 
 
 def _check_step(mha, x, cache) -> Tensor:

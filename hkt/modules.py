@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import kvcache as _kvcache
-from .functional import hkt_attention
+from .functional import _heads, hkt_attention
 from .reference import masked_probs
 from .varlen import hkt_attention_varlen, pack_levels
 
@@ -58,11 +58,6 @@ def _pad_keys(m: Tensor, n: int) -> Tensor:
     """n more key columns that hide nothing: True for a bool mask, 0 for a float one."""
     shape = list(m.shape[:-1]) + [n]
     return torch.cat([m, m.new_ones(shape) if m.dtype == torch.bool else m.new_zeros(shape)], dim=-1)
-
-
-def _heads(x: Tensor, H: int, hd: int) -> Tensor:
-    """(B, n, H * hd) -> (B, H, n, hd)."""
-    return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
 
 
 def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
