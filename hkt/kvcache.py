@@ -6,7 +6,7 @@ Causal HKT can be decoded token by token: with causal downsampling anchored at
 they are known as soon as that token arrives, and a position t needs nothing
 after t.
 """
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -147,23 +147,32 @@ class DecodeCache:
         k: L tensors, ``k[l]`` (B, H_kv, ceil(max_len / 2^l), hd): the level-l
             keys of the blocks begun so far.
         v: (B, H_kv, max_len, hd), the values so far.
-        q_inputs, k_inputs: for each level l >= 1, the downsampling state: the
-            last K inputs (B, K, embed_dim) of the query stream and of the key
-            stream at level l - 1 (zeros before the start, as causal
-            downsampling pads), from which level l's next block is computed
-            when its first token arrives.
-        q_coarse: for each level l >= 1, (B, H, 1, hd): the level-l query of
-            the latest block begun, which the following tokens of that block
-            reuse.
+        inputs: for each level l >= 1, the downsampling state (B, 2, K,
+            embed_dim): the last K inputs of the query stream ([:, 0]) and of
+            the key stream ([:, 1]) at level l - 1, oldest first (zeros before
+            the start, as causal downsampling pads), from which level l's next
+            block is computed when its first token arrives.  ``q_inputs`` and
+            ``k_inputs`` are the two halves.
+        q_coarse, k_coarse: for each level l >= 1, (B, H, 1, hd) and (B, H_kv,
+            1, hd): the level-l query and key of the latest block begun, which
+            the following tokens of that block reuse.
     """
 
-    def __init__(self, k: List[Tensor], v: Tensor, q_inputs: List[Tensor], k_inputs: List[Tensor],
-                 q_coarse: List[Tensor], max_len: int) -> None:
+    def __init__(self, k: List[Tensor], v: Tensor, inputs: List[Tensor], q_coarse: List[Tensor],
+                 k_coarse: List[Tensor], max_len: int) -> None:
         self.k, self.v = k, v
-        self.q_inputs, self.k_inputs, self.q_coarse = q_inputs, k_inputs, q_coarse
+        self.inputs, self.q_coarse, self.k_coarse = inputs, q_coarse, k_coarse
         self.max_len = max_len
         self.length = 0
         self._constants = None  # _step_constants
+
+    @property
+    def q_inputs(self) -> List[Tensor]:
+        return [x[:, 0] for x in self.inputs]
+
+    @property
+    def k_inputs(self) -> List[Tensor]:
+        return [x[:, 1] for x in self.inputs]
 
     @property
     def batch_size(self) -> int:
@@ -208,10 +217,10 @@ def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -
     kw = {"device": device, "dtype": dtype}
     k = [torch.zeros(B, Hk, -(-max_len // 2**l), hd, **kw) for l in range(L)]
     v = torch.zeros(B, Hk, max_len, hd, **kw)
-    q_inputs = [torch.zeros(B, K, E, **kw) for _ in range(L - 1)]
-    k_inputs = [torch.zeros(B, K, E, **kw) for _ in range(L - 1)]
+    inputs = [torch.zeros(B, 2, K, E, **kw) for _ in range(L - 1)]
     q_coarse = [torch.zeros(B, mha.num_heads, 1, hd, **kw) for _ in range(L - 1)]
-    return DecodeCache(k, v, q_inputs, k_inputs, q_coarse, max_len)
+    k_coarse = [torch.zeros(B, Hk, 1, hd, **kw) for _ in range(L - 1)]
+    return DecodeCache(k, v, inputs, q_coarse, k_coarse, max_len)
 
 
 def _downsample_new(history: Tensor, taps: Tensor, first: int, lo: int, hi: int) -> Tensor:
@@ -266,68 +275,142 @@ def _check_step(mha, x, cache) -> Tensor:
     return x
 
 
-def _step_constants(mha, cache: DecodeCache):
-    """(level_projections(), level_weights()) of mha, kept in the cache between
-    steps: they are a dozen slicing ops and a softmax per step otherwise, a
-    sizeable part of a small model's step.  Recomputed whenever a parameter they
-    read was replaced or changed in place (its version counter moved), so a
-    module trained between steps is seen as it is."""
+class _Constants:
+    """What a decoding step reads from the module besides its input, kept in
+    the cache between steps (:func:`_step_constants`).
+
+    projs, w: ``level_projections()`` and ``level_weights()``.
+    taps: per level l >= 1, (2, K, E): the query stream's and the key stream's
+        taps (one per feature) in the order of ``DecodeCache.inputs`` (oldest
+        first), so that one product with the state, summed, gives both streams'
+        next element.
+    stacked: per level l >= 1, when query and key projections have the same
+        shape (no grouped kv heads), (weights (2, E, E), bias (2, 1, E) or None):
+        both projections in one batched matmul; else None.
+    """
+
+    def __init__(self, mha) -> None:
+        self.projs = mha.level_projections() if mha.levels > 1 else []
+        self.w = mha.level_weights()
+        self.taps: List[Tensor] = []
+        self.stacked: List[Optional[Tuple[Tensor, Optional[Tensor]]]] = []
+        for l in range(1, mha.levels):
+            self.taps.append(torch.stack([mha.q_downsample[l - 1].flip(0), mha.k_downsample[l - 1].flip(0)]))
+            cwq, cbq, cwk, cbk = self.projs[l]
+            if cwq.shape != cwk.shape:
+                self.stacked.append(None)
+                continue
+            bias = None if cbq is None or cbk is None else torch.stack([cbq, cbk]).unsqueeze(1)
+            self.stacked.append((torch.stack([cwq.t(), cwk.t()]), bias))
+
+
+def _step_constants(mha, cache: DecodeCache) -> _Constants:
+    """The module's :class:`_Constants`, kept in the cache between steps: they
+    are a few dozen slicing and stacking ops and a softmax per step otherwise,
+    most of a small model's step.  Made again whenever a parameter they read
+    was replaced or changed in place (its version counter moved), so a module
+    trained between steps is seen as it is."""
     params = (mha.in_proj_weight, mha.in_proj_bias, mha.q_proj_weight, mha.k_proj_weight, mha.coarse_q_proj_weight,
-              mha.coarse_q_proj_bias, mha.coarse_k_proj_weight, mha.coarse_k_proj_bias, mha.level_logits)
+              mha.coarse_q_proj_bias, mha.coarse_k_proj_weight, mha.coarse_k_proj_bias, mha.level_logits,
+              mha.q_downsample, mha.k_downsample)
     try:
         key = tuple((id(p), p._version) if p is not None else None for p in params)
     except RuntimeError:  # inference tensors (a module made under inference_mode) keep no versions
         key = None
     if key is None or cache._constants is None or cache._constants[0] != key:
-        cache._constants = (key, mha.level_projections() if mha.levels > 1 else [], mha.level_weights())
-    return cache._constants[1], cache._constants[2]
+        cache._constants = (key, _Constants(mha))
+    return cache._constants[1]
 
 
 def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     """:meth:`hkt.MultiheadHKT.decode`."""
     _check_decodable(mha)
     x = _check_step(mha, x, cache)
+    if x.shape[1] == 1:
+        out = _decode_one(mha, x, cache)
+    else:
+        out = _decode_many(mha, x, cache)
+    return out if mha.batch_first else out.transpose(0, 1)
+
+
+def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:
+    """decode for one new token per sequence (generation's step), in as few
+    torch ops as the step allows: at that size each op's fixed cost, not its
+    arithmetic, is the time.  Level l gains its next block only when the token
+    begins one (t divisible by 2^l); then both streams' next element is one
+    product of the taps with the state and a sum, and both projections one
+    batched matmul."""
+    B, t = x.shape[0], cache.length
+    H, Hk, hd = mha.num_heads, mha.num_kv_heads, mha.head_dim
+    c = _step_constants(mha, cache)
+    # with one token, (B, 1, heads * hd) is (B, heads, 1, hd) in memory: views, not transposes
+    r = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).view(B, H + 2 * Hk, 1, hd)
+    qs, ks = [r[:, :H]], [r[:, H:H + Hk]]
+    inputs, q_coarse, k_coarse = list(cache.inputs), list(cache.q_coarse), list(cache.k_coarse)
+    new = x.unsqueeze(1).expand(B, 2, 1, x.shape[2])  # level 0's new element, in both streams
+    for l in range(1, mha.levels):
+        if new is not None:  # level l-1 gained an element: the state moves on
+            inputs[l - 1] = torch.cat([inputs[l - 1][:, :, 1:], new], dim=2)
+            new = None
+            if t % 2**l == 0:  # and it begins level l's block t / 2^l
+                new = (inputs[l - 1] * c.taps[l - 1]).sum(2, keepdim=True)  # (B, 2, 1, E)
+                if c.stacked[l - 1] is not None:
+                    wt, bias = c.stacked[l - 1]
+                    both = new.transpose(0, 1).reshape(2, B, -1)  # a view for B = 1
+                    pr = torch.bmm(both, wt) if bias is None else torch.baddbmm(bias, both, wt)  # (2, B, E)
+                    q_coarse[l - 1], k_coarse[l - 1] = pr[0].view(B, H, 1, hd), pr[1].view(B, Hk, 1, hd)
+                else:
+                    cwq, cbq, cwk, cbk = c.projs[l]
+                    q_coarse[l - 1] = F.linear(new[:, 0], cwq, cbq).view(B, H, 1, hd)
+                    k_coarse[l - 1] = F.linear(new[:, 1], cwk, cbk).view(B, Hk, 1, hd)
+        qs.append(q_coarse[l - 1])
+        ks.append(k_coarse[l - 1])
+    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, c.w, t, ks, r[:, H + Hk:])
+    # the state moves on only once the step went through
+    cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
+    cache.length = t + 1
+    return F.linear(out.view(B, 1, -1), mha.out_proj.weight, mha.out_proj.bias)
+
+
+def _decode_many(mha, x: Tensor, cache: DecodeCache) -> Tensor:
+    """decode for n >= 2 new tokens per sequence (a prompt, or chunks)."""
     B, n, _ = x.shape
     H, Hk = mha.num_heads, mha.num_kv_heads
     t0, K, hd = cache.length, mha.downsample_kernel, mha.head_dim
     q0, k0, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).split(
         [mha.embed_dim, mha.kv_dim, mha.kv_dim], dim=-1)
     qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
-    q_inputs, k_inputs, q_coarse = list(cache.q_inputs), list(cache.k_inputs), list(cache.q_coarse)
+    inputs, q_coarse, k_coarse = list(cache.inputs), list(cache.q_coarse), list(cache.k_coarse)
     xq = xk = x  # the new elements of level l-1's query and key streams
-    projs, w = _step_constants(mha, cache)
+    c = _step_constants(mha, cache)
     for l in range(1, mha.levels):
         # level l-1 gained elements [first, ...) and level l gains [lo, hi): those
         # whose first token arrived now (block p begins at token 2^l p)
         first, lo, hi = -(-t0 // 2 ** (l - 1)), -(-t0 // 2**l), -(-(t0 + n) // 2**l)
         if xq.shape[1] > 0:  # the downsampling state moves on
-            hist_q = torch.cat([q_inputs[l - 1], xq], dim=1)
-            hist_k = torch.cat([k_inputs[l - 1], xk], dim=1)
-            q_inputs[l - 1], k_inputs[l - 1] = hist_q[:, -K:], hist_k[:, -K:]
+            hist_q = torch.cat([inputs[l - 1][:, 0], xq], dim=1)
+            hist_k = torch.cat([inputs[l - 1][:, 1], xk], dim=1)
+            inputs[l - 1] = torch.stack([hist_q[:, -K:], hist_k[:, -K:]], dim=1)
         if hi == lo:
-            # every new token (if any) lies in block lo - 1, begun earlier: its
-            # query is kept, its key is in the cache (copied, as the kernel
-            # refuses inputs that overlap the caches it writes)
+            # every new token (if any) lies in block lo - 1, begun earlier
             xq = xk = xq[:, :0]
             qs.append(q_coarse[l - 1].expand(-1, -1, n, -1))
-            ks.append(cache.k[l][:, :, lo - 1:lo].expand(-1, -1, n, -1).clone())
+            ks.append(k_coarse[l - 1].expand(-1, -1, n, -1))
             continue
         xq = _downsample_new(hist_q, mha.q_downsample[l - 1], first - K, lo, hi)
         xk = _downsample_new(hist_k, mha.k_downsample[l - 1], first - K, lo, hi)
-        cwq, cbq, cwk, cbk = projs[l]
+        cwq, cbq, cwk, cbk = c.projs[l]
         q_new = _heads(F.linear(xq, cwq, cbq), H, hd)
         k_new = _heads(F.linear(xk, cwk, cbk), Hk, hd)
         # each new token's block: lo - 1 (begun earlier) or one of the new ones
         rows = [((t0 + i) >> l) - (lo - 1) for i in range(n)]
         q_all = torch.cat([q_coarse[l - 1], q_new], dim=2)
-        prev = max(lo - 1, 0)
-        k_all = torch.cat([cache.k[l][:, :, prev:prev + 1], k_new], dim=2)
+        k_all = torch.cat([k_coarse[l - 1], k_new], dim=2)
         qs.append(_rows(q_all, rows))
         ks.append(_rows(k_all, rows))
-        q_coarse[l - 1] = q_all[:, :, -1:]
-    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, w, t0, ks, _heads(v, Hk, hd))
+        q_coarse[l - 1], k_coarse[l - 1] = q_all[:, :, -1:], k_all[:, :, -1:]
+    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, c.w, t0, ks, _heads(v, Hk, hd))
     # the state moves on only once the step went through
-    cache.q_inputs, cache.k_inputs, cache.q_coarse = q_inputs, k_inputs, q_coarse
+    cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
     cache.length = t0 + n
-    out = mha.out_proj(out.transpose(1, 2).reshape(B, n, mha.embed_dim))
-    return out if mha.batch_first else out.transpose(0, 1)
+    return mha.out_proj(out.transpose(1, 2).reshape(B, n, mha.embed_dim))

@@ -377,6 +377,14 @@ def test_module_decode_grouped_kv_heads():
     assert (decode_in_steps(m, x, [1] * 5 + [7, 9]) - forward_causal(m, x)).abs().max().item() <= 1e-12
 
 
+def test_module_decode_without_bias():
+    """One token at a time takes both coarse projections in one batched matmul,
+    with the biases or, here, without."""
+    m = module(3, 2, bias=False)
+    x = torch.randn(2, 19, 16, generator=torch.Generator().manual_seed(4), dtype=F64)
+    assert (decode_in_steps(m, x, [1] * 19) - forward_causal(m, x)).abs().max().item() <= 1e-12
+
+
 def test_module_decode_inference_mode_and_thread_count():
     m = module(3, 2, F32)
     x = torch.randn(1, 300, 16, generator=torch.Generator().manual_seed(3))
@@ -427,17 +435,24 @@ def test_module_decode_bad_calls_leave_the_cache_alone():
 
 
 def test_step_constants_follow_parameter_changes():
-    """decode keeps level weights and projections between steps; a parameter
-    changed in place (an optimiser step) or replaced must be seen at once."""
+    """decode keeps level weights, projections and taps between steps; a
+    parameter changed in place (an optimiser step) or replaced must be seen at
+    once."""
     from hkt.kvcache import _step_constants
     m = hkt.MultiheadHKT(16, 2, batch_first=True, levels=3).eval()
     cache = m.init_cache(1, 8)
-    projs, w = _step_constants(m, cache)
-    assert _step_constants(m, cache)[1] is w  # unchanged: kept
+    c = _step_constants(m, cache)
+    w = c.w
+    assert _step_constants(m, cache) is c  # unchanged: kept
     with torch.no_grad():
         m.level_logits.add_(torch.tensor([[1.0, 0.0, -1.0], [0.0, 2.0, 0.0]]))
-    w2 = _step_constants(m, cache)[1]
+    w2 = _step_constants(m, cache).w
     torch.testing.assert_close(w2, m.level_weights())
     assert not torch.equal(w2, w)
     m.coarse_q_proj_weight = torch.nn.Parameter(torch.zeros_like(m.coarse_q_proj_weight))
-    assert _step_constants(m, cache)[0][1][0].abs().sum() == 0
+    c = _step_constants(m, cache)
+    assert c.projs[1][0].abs().sum() == 0 and c.stacked[0][0][0].abs().sum() == 0
+    with torch.no_grad():
+        m.k_downsample.mul_(3.0)
+    taps = _step_constants(m, cache).taps[1]  # level 2, oldest input first
+    assert torch.equal(taps[1], m.k_downsample[1].flip(0)) and torch.equal(taps[0], m.q_downsample[1].flip(0))
