@@ -54,14 +54,17 @@ extern "C" {
 /* The CPU kernels' query and key tile (rows and columns of one score block). */
 #define HKT_CPU_TILE 64
 
-enum hkt_dtype { HKT_FLOAT32 = 0, HKT_FLOAT64 = 1 };
+/* HKT_BFLOAT16: q, k and v are bfloat16, every other real array (w, the float
+ * mask, out, lse) float32; the CPU forward only, on a CPU with AVX512_BF16
+ * (hkt_cpu_has_bf16). */
+enum hkt_dtype { HKT_FLOAT32 = 0, HKT_FLOAT64 = 1, HKT_BFLOAT16 = 2 };
 enum hkt_mask_kind { HKT_MASK_NONE = 0, HKT_MASK_BOOL = 1, HKT_MASK_FLOAT = 2 };
 
 typedef struct {
     int64_t B, H, T, S, D, Dv;
     int64_t H_kv;              /* heads of k[l], v, dk[l], dv: H_kv >= 1 divides H (or both 0) */
     int L;
-    int dtype;                 /* enum hkt_dtype, shared by every real array */
+    int dtype;                 /* enum hkt_dtype, shared by every real array (but see HKT_BFLOAT16) */
 
     /* inputs: strides are (batch, head, row) in elements */
     const void *q[HKT_MAX_LEVELS];
@@ -150,6 +153,9 @@ static inline size_t hkt_cuda_scratch_bytes(int64_t B, int64_t H, int64_t T, int
 int hkt_default_threads(void);
 /* Which build of the hot loops this CPU runs: "avx512f", "avx2" or "default". */
 const char *hkt_cpu_kernels(void);
+/* 1 when this build and this CPU run the bfloat16 forward natively (dtype
+ * HKT_BFLOAT16: AVX512_BF16 dot products, float32 accumulation). */
+int hkt_cpu_has_bf16(void);
 
 void hkt_forward_cpu(const hkt_params *p);
 void hkt_backward_cpu(const hkt_params *p);

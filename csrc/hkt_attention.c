@@ -19,6 +19,16 @@ const char *hkt_cpu_kernels(void) {
     return "default";
 }
 
+int hkt_cpu_has_bf16(void) {
+#if HKT_BF16_NATIVE
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
 int hkt_default_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -43,15 +53,21 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
     ws_layout w;
     int64_t levels = 0, key_tile = 0, keys_all = 0, at = 0;
     memset(&w, 0, sizeof w);
+    /* bfloat16 keys are held as pairs along D: (D / 2, cols) 32-bit words, which
+     * take the room of (D / 2, cols) float32 reals */
+    const int bf16 = p->dtype == HKT_BFLOAT16;
+    const int64_t key_rows = bf16 ? (p->D + 1) / 2 : p->D;
     for (int l = 0; l < p->L; l++) {
         w.gram_off[l] = levels;
         w.key_tile_off[l] = key_tile;
         w.keys_all_off[l] = keys_all;
         levels += rows_max(l) * cols_max(l);
-        key_tile += p->D * cols_max(l);
-        keys_all += p->D * hkt_keys_all_ld(p, l);
+        key_tile += key_rows * cols_max(l);
+        keys_all += key_rows * hkt_keys_all_ld(p, l);
     }
     levels = round16(levels);
+    const int64_t value_pairs = bf16 ? round16((p->S + BK - 1) / BK * (BK / 2) * p->Dv) : 0;
+    keys_all += value_pairs; /* the bfloat16 forward caches the values as pairs too */
     /* Caching a (b, kv head)'s transposed keys costs D * S * 4/3 reals per thread;
      * past this budget the forward transposes each key tile where it uses it. */
     const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
@@ -74,6 +90,11 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.keys_ready = at; at += round16((p->S + BK - 1) / BK);
         w.row_max = at;    at += BQ;
         w.row_sums = at;   at += BQ * 16; /* one 64-byte vector of partial sums per row */
+        if (bf16) {
+            w.values_all = w.keys_all + keys_all - value_pairs;
+            w.value_tile = at; at += round16(BK / 2 * p->Dv);
+            w.p_bf16 = at;     at += BQ * BK / 2;
+        }
     }
     w.total = at;
     return w;
@@ -93,6 +114,9 @@ size_t hkt_dw_partial_bytes(const hkt_params *p) {
 
 void hkt_forward_cpu(const hkt_params *p) {
     if (p->dtype == HKT_FLOAT64) hkt_forward_f64(p);
+#if HKT_BF16_NATIVE
+    else if (p->dtype == HKT_BFLOAT16) hkt_forward_bf16(p);
+#endif
     else hkt_forward_f32(p);
 }
 

@@ -219,19 +219,27 @@ static void load_keys(const hkt_params *p, int64_t b, int64_t h, int64_t j0, int
     }
 }
 
+/* Where key tile [j0, j1) of each level goes in the workspace's key_tile
+ * region: buf[l], row length ld[l] (the level's columns in the tile), first
+ * column col0[l]. */
+static void key_tile_place(const hkt_params *p, const ws_layout *ws, real *base, int64_t j0, int64_t j1, real **buf,
+                           int64_t *ld, int64_t *col0) {
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, 0, 1, j0, j1);
+        buf[l] = base + ws->key_tile + ws->key_tile_off[l];
+        ld[l] = sp.cl;
+        col0[l] = sp.c0;
+    }
+}
+
 /* Transposes one key tile of every level into the workspace's kt region
  * (D, cl) each, and points kt[l] / ktld[l] at it. */
 static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t j0,
                           int64_t j1, const real **kt, int64_t *ktld) {
     real *buf[HKT_MAX_LEVELS];
     int64_t col0[HKT_MAX_LEVELS];
-    for (int l = 0; l < p->L; l++) {
-        span sp = level_span(l, 0, 1, j0, j1);
-        buf[l] = base + ws->key_tile + ws->key_tile_off[l];
-        ktld[l] = sp.cl;
-        col0[l] = sp.c0;
-        kt[l] = buf[l];
-    }
+    key_tile_place(p, ws, base, j0, j1, buf, ktld, col0);
+    for (int l = 0; l < p->L; l++) kt[l] = buf[l];
     load_keys(p, b, h, j0, j1, buf, ktld, col0);
 }
 
@@ -244,18 +252,28 @@ static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, 
  * Tiles start at multiples of 64, so a level's first row and column inside a tile
  * are even whenever it has more than one: the parent of (a, c) is (a >> 1, c >> 1).
  * Then masking: invisible entries become -inf, a float mask is added. */
+static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                      int64_t i1, int64_t j0, int64_t j1);
+
 static HKT_HOT void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                                 int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
-    const int64_t D = p->D, nq = i1 - i0, nk = j1 - j0;
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, i0, i1, j0, j1);
+        const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+        gemm(0, sp.rl, sp.cl, p->D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2], kt[l], ktld[l],
+             base + ws->gram + ws->gram_off[l], sp.cl, 0);
+    }
+    tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
+}
+
+/* The tile's scores from its Gram blocks (in ws->gram, however they were
+ * computed): the fold described above, then the masks. */
+static HKT_HOT void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                              int64_t i1, int64_t j0, int64_t j1) {
+    const int64_t nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
     real *S = base + ws->scores, *tmp = base + ws->row_tmp;
     const real scale = (real)p->scale;
-    for (int l = 0; l < L; l++) {
-        span sp = level_span(l, i0, i1, j0, j1);
-        const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-        gemm(0, sp.rl, sp.cl, D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2], kt[l], ktld[l],
-             base + ws->gram + ws->gram_off[l], sp.cl, 0);
-    }
     const real *up = NULL; /* E_{l+1}, row length up_cl */
     int64_t up_cl = 0;
     for (int l = L - 1; l >= 0; l--) {
@@ -308,85 +326,74 @@ typedef struct {
     int64_t cached_bh;
 } thread_state;
 
-/* forward: one task per (b, h, query tile); each task owns its out rows.  The
- * transposed keys of the current (b, h) stay in the thread's workspace, so each
- * key tile is transposed once per thread, not once per query tile. */
-static HKT_HOT void forward_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
-                                 int64_t qt) {
-    const int64_t T = p->T, S = p->S, Dv = p->Dv;
-    const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
-    const int use_dropout = p->dropout_p > 0;
-    const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
-    const real kf = (real)keep_scale(p->dropout_p);
+/* A forward task's start: points keys_all[l] / keys_ld[l] at the thread's
+ * cached keys of each level (zero[l] = 0: their first column), forgets those
+ * keys unless they are of this task's (b, kv head) -- the query heads of one
+ * group, run one after another, share them -- and zeroes the task's out rows
+ * (nq of them, from ob) and its running max and sums. */
+static void start_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h, int64_t nq,
+                       real *ob, real **keys_all, int64_t *keys_ld, int64_t *zero) {
     thread_state *state = (thread_state *)block;
     real *base = (real *)(block + WS_HEADER);
-    real *Sbuf = base + ws->scores, *m = base + ws->row_max, *ready = base + ws->keys_ready;
-    real *lsum = base + ws->row_sums; /* row r's partial sums: VL lanes at lsum + r * VL */
-    real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
-    const real *vb = (const real *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
-    real *ktall[HKT_MAX_LEVELS];
-    int64_t ktld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
-    const real *kt[HKT_MAX_LEVELS];
     for (int l = 0; l < p->L; l++) {
-        ktall[l] = base + ws->keys_all + ws->keys_all_off[l];
-        ktld[l] = hkt_keys_all_ld(p, l);
+        keys_all[l] = base + ws->keys_all + ws->keys_all_off[l];
+        keys_ld[l] = hkt_keys_all_ld(p, l);
         zero[l] = 0;
     }
-    const int64_t nkt = (S + BK - 1) / BK;
-    /* keyed by the kv head: the query heads of one group, run one after another,
-     * share the transposed keys */
     if (state->cached_bh != b * p->H_kv + kv_head(p, h)) {
         state->cached_bh = b * p->H_kv + kv_head(p, h);
-        for (int64_t x = 0; x < nkt; x++) ready[x] = 0;
+        real *ready = base + ws->keys_ready;
+        for (int64_t x = 0; x < (p->S + BK - 1) / BK; x++) ready[x] = 0;
     }
-
+    real *m = base + ws->row_max, *lsum = base + ws->row_sums;
     for (int64_t r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         vstore(lsum + r * VL, (vec){0});
         real *orow = ob + r * p->out_stride[2];
-        for (int64_t e = 0; e < Dv; e++) orow[e] = 0;
+        for (int64_t e = 0; e < p->Dv; e++) orow[e] = 0;
     }
-    const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
-    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
-        const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
-        if (ws->keys_cached) {
-            if (!ready[j0 / BK]) {
-                load_keys(p, b, h, j0, j1, ktall, ktld, zero);
-                ready[j0 / BK] = 1;
-            }
-            for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
-            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
-        } else {
-            int64_t tld[HKT_MAX_LEVELS];
-            load_key_tile(p, ws, base, b, h, j0, j1, kt, tld);
-            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld);
+}
+
+/* The online softmax's step for key tile [j0, j0 + nk): turns the tile's scores
+ * into P (dropped out, with dropout) in place, rescales what the out rows hold
+ * so far and updates each row's running max and lane sums.  The caller then
+ * adds P @ V to the out rows. */
+static HKT_HOT void softmax_update(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                   int64_t i0, int64_t nq, int64_t j0, int64_t nk, real *ob) {
+    const int use_dropout = p->dropout_p > 0;
+    const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
+    const real kf = (real)keep_scale(p->dropout_p);
+    real *Sbuf = base + ws->scores, *m = base + ws->row_max, *lsum = base + ws->row_sums;
+    for (int64_t r = 0; r < nq; r++) {
+        real *srow = Sbuf + r * BK;
+        const real mx = row_max(srow, nk);
+        if (mx == -INFINITY) { /* nothing visible in this tile */
+            for (int64_t c = 0; c < nk; c++) srow[c] = 0;
+            continue;
         }
-        /* online softmax: rescale what out holds so far, then add this tile's P @ V */
-        for (int64_t r = 0; r < nq; r++) {
-            real *srow = Sbuf + r * BK;
-            const real mx = row_max(srow, nk);
-            if (mx == -INFINITY) { /* nothing visible in this tile */
-                for (int64_t c = 0; c < nk; c++) srow[c] = 0;
-                continue;
-            }
-            /* NaN wins, so a NaN score poisons its row for good */
-            const real mnew = mx > m[r] || mx != mx ? mx : m[r];
-            const real alpha = m[r] == -INFINITY ? 0 : exp_nonpos(m[r] - mnew);
-            exp_shift(srow, nk, mnew);
-            if (alpha != 1) {
-                real *orow = ob + r * p->out_stride[2];
-                for (int64_t e = 0; e < Dv; e++) orow[e] *= alpha;
-            }
-            vstore(lsum + r * VL, vload(lsum + r * VL) * alpha + row_lanes(srow, nk));
-            m[r] = mnew;
-            if (use_dropout) {
-                const uint64_t rowidx = (uint64_t)(((b * p->H + h) * T + i0 + r) * S + j0);
-                for (int64_t c = 0; c < nk; c++) srow[c] = keep_entry(sm, th, rowidx + (uint64_t)c) ? srow[c] * kf : 0;
-            }
+        /* NaN wins, so a NaN score poisons its row for good */
+        const real mnew = mx > m[r] || mx != mx ? mx : m[r];
+        const real alpha = m[r] == -INFINITY ? 0 : exp_nonpos(m[r] - mnew);
+        exp_shift(srow, nk, mnew);
+        if (alpha != 1) {
+            real *orow = ob + r * p->out_stride[2];
+            for (int64_t e = 0; e < p->Dv; e++) orow[e] *= alpha;
         }
-        gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
+        vstore(lsum + r * VL, vload(lsum + r * VL) * alpha + row_lanes(srow, nk));
+        m[r] = mnew;
+        if (use_dropout) {
+            const uint64_t rowidx = (uint64_t)(((b * p->H + h) * p->T + i0 + r) * p->S + j0);
+            for (int64_t c = 0; c < nk; c++) srow[c] = keep_entry(sm, th, rowidx + (uint64_t)c) ? srow[c] * kf : 0;
+        }
     }
-    real *lse = (real *)p->lse + (b * p->H + h) * T + i0;
+}
+
+/* The out rows divided by their softmax sums, and each row's log-sum-exp. */
+static void finish_rows(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                        int64_t nq, real *ob) {
+    const int64_t Dv = p->Dv;
+    const real *m = base + ws->row_max, *lsum = base + ws->row_sums;
+    real *lse = (real *)p->lse + (b * p->H + h) * p->T + i0;
     for (int64_t r = 0; r < nq; r++) {
         real *orow = ob + r * p->out_stride[2];
         const real total = lanes_total(vload(lsum + r * VL));
@@ -406,7 +413,46 @@ static HKT_HOT void forward_task(const hkt_params *p, const ws_layout *ws, char 
     }
 }
 
-static void forward(const hkt_params *p) {
+/* forward: one task per (b, h, query tile); each task owns its out rows.  The
+ * transposed keys of the current (b, h) stay in the thread's workspace, so each
+ * key tile is transposed once per thread, not once per query tile. */
+static HKT_HOT void forward_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
+                                 int64_t qt) {
+    const int64_t T = p->T, S = p->S, Dv = p->Dv;
+    const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
+    real *base = (real *)(block + WS_HEADER);
+    real *Sbuf = base + ws->scores, *ready = base + ws->keys_ready;
+    real *ob = (real *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
+    const real *vb = (const real *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
+    real *ktall[HKT_MAX_LEVELS];
+    int64_t ktld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
+    const real *kt[HKT_MAX_LEVELS];
+    start_task(p, ws, block, b, h, nq, ob, ktall, ktld, zero);
+    const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
+    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+        const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
+        if (ws->keys_cached) {
+            if (!ready[j0 / BK]) {
+                load_keys(p, b, h, j0, j1, ktall, ktld, zero);
+                ready[j0 / BK] = 1;
+            }
+            for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+        } else {
+            int64_t tld[HKT_MAX_LEVELS];
+            load_key_tile(p, ws, base, b, h, j0, j1, kt, tld);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld);
+        }
+        softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
+        gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
+    }
+    finish_rows(p, ws, base, b, h, i0, nq, ob);
+}
+
+typedef void (*forward_task_fn)(const hkt_params *, const ws_layout *, char *, int64_t, int64_t, int64_t);
+
+/* Runs task over every (b, h, query tile) (the bfloat16 forward brings its own). */
+static void run_forward(const hkt_params *p, forward_task_fn task) {
     const ws_layout ws = hkt_ws_layout(p, 0);
     const size_t wsb = hkt_workspace_bytes(p, 0);
     const int64_t nqt = (p->T + BQ - 1) / BQ, nbh = p->B * p->H, ntask = nbh * nqt;
@@ -418,9 +464,11 @@ static void forward(const hkt_params *p) {
     for (int64_t t = 0; t < ntask; t++) {
         const int64_t bh = t / nqt, qt = nqt - 1 - t % nqt;
         char *block = (char *)p->workspace + (size_t)thread_id() * wsb;
-        forward_task(p, &ws, block, bh / p->H, bh % p->H, qt);
+        task(p, &ws, block, bh / p->H, bh % p->H, qt);
     }
 }
+
+static void forward(const hkt_params *p) { run_forward(p, forward_task); }
 
 /* dS of one (query tile, key tile) pair, recomputed from the forward's lse:
  *

@@ -513,11 +513,25 @@ static int parse_threads(PyObject *obj, int *out) {
 /* ---- arrays ---- */
 
 /* q[0]: the array every other one is checked against (dtype, device). */
-static const DLTensor *take_q0(held *hd, PyObject *obj) {
+static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     const DLTensor *q0 = import_array(hd, obj, "q[0]");
     if (!q0) return NULL;
-    if (q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) || q0->dtype.lanes != 1) {
-        PyErr_Format(PyExc_TypeError, "q[0]: dtype must be float32 or float64, got %s", dtype_name(q0->dtype));
+    const int bf16 = q0->dtype.code == kDLBfloat && q0->dtype.bits == 16 && q0->dtype.lanes == 1;
+    if (bf16 && allow_bf16) {
+        /* hkt.hkt_attention upcasts bfloat16 to float32 wherever this is refused */
+        if (q0->device.device_type != kDLCPU) {
+            PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 runs on the CPU only; pass float32");
+            return NULL;
+        }
+        if (!hkt_cpu_has_bf16()) {
+            PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 needs a CPU with AVX512_BF16 (and a build "
+                            "with GCC >= 11 on x86-64), which this is not; pass float32");
+            return NULL;
+        }
+    } else if (q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
+               q0->dtype.lanes != 1) {
+        PyErr_Format(PyExc_TypeError, "q[0]: dtype must be float32 or float64%s, got %s",
+                     allow_bf16 ? " (or bfloat16 on a CPU with AVX512_BF16)" : "", dtype_name(q0->dtype));
         return NULL;
     }
     if (q0->device.device_type != kDLCPU) {
@@ -543,6 +557,12 @@ static const DLTensor *take_q0(held *hd, PyObject *obj) {
     }
     if (q0->shape[3] < 1) {
         PyErr_SetString(PyExc_ValueError, "q[0]: head dimension D must be at least 1");
+        return NULL;
+    }
+    if (bf16 && q0->shape[3] % 2) {
+        /* the dot products take D in pairs */
+        PyErr_Format(PyExc_ValueError, "q[0]: native bfloat16 needs an even head dimension D, got %lld; pass "
+                     "float32", (long long)q0->shape[3]);
         return NULL;
     }
     return q0;
@@ -640,9 +660,15 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     int rc = -1;
     memset(p, 0, sizeof *p);
     if ((p->L = level_tuples(qs, ks, "k", &qt, &kt)) < 0) goto done;
-    const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0));
+    /* bfloat16 q, k and v (the forward only) compute in float32: w, a float
+     * mask, out and lse are float32, checked against cref */
+    const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0), output);
     if (!q0) goto done;
-    p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    DLTensor cref_f32 = *q0;
+    cref_f32.dtype.code = kDLFloat;
+    cref_f32.dtype.bits = 32;
+    const DLTensor *cref = q0->dtype.code == kDLBfloat ? &cref_f32 : q0;
+    p->dtype = q0->dtype.code == kDLBfloat ? HKT_BFLOAT16 : q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->B = q0->shape[0];
     p->H = q0->shape[1];
     p->T = q0->shape[2];
@@ -675,17 +701,17 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
             goto done;
         note_span(hd, vt, "v", 0);
     }
-    if (take_weights(p, hd, w, q0)) goto done;
+    if (take_weights(p, hd, w, cref)) goto done;
     p->mask_kind = HKT_MASK_NONE;
     *mask_out = NULL;
-    if (mask != Py_None && !(*mask_out = take_mask(p, hd, mask, q0))) goto done;
+    if (mask != Py_None && !(*mask_out = take_mask(p, hd, mask, cref))) goto done;
 
     const DLTensor *ot = import_array(hd, out, "out");
     if (!ot) goto done;
     {
         int64_t want[4] = {p->B, p->H, p->T, p->Dv};
         const void *ptr;
-        if (take_4d(ot, "out", q0, want, "= (B, H, T, Dv)", 0, output, &ptr, p->out_stride)) goto done;
+        if (take_4d(ot, "out", cref, want, "= (B, H, T, Dv)", 0, output, &ptr, p->out_stride)) goto done;
         p->out = (void *)ptr;
         note_span(hd, ot, "out", output);
     }
@@ -693,7 +719,7 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     if (!lt) goto done;
     {
         int64_t want[3] = {p->B, p->H, p->T};
-        if (check_real(lt, "lse", q0) || check_shape(lt, "lse", want, 3, "= (B, H, T)", 0) ||
+        if (check_real(lt, "lse", cref) || check_shape(lt, "lse", want, 3, "= (B, H, T)", 0) ||
             check_contiguous(lt, "lse"))
             goto done;
         p->lse = data_of(lt);
@@ -776,7 +802,9 @@ PyDoc_STRVAR(forward_doc,
 "(B, H_kv, ceil(S/2^l), D); v (B, H_kv, S, Dv), H_kv dividing H (query head h\n"
 "reads kv head h / (H / H_kv)); w (L,) or (H, L).  Writes out\n"
 "(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype, sharing\n"
-"memory with no other argument.  attn_mask: None or 4-D, each dimension 1 or\n"
+"memory with no other argument.  bfloat16 q, k and v (CPU, where\n"
+"cpu_has_bf16(), even D) run natively and take w, a float mask, out and lse in\n"
+"float32.  attn_mask: None or 4-D, each dimension 1 or\n"
 "that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
 "num_threads <= 0 uses OpenMP's default; at most 1024.  key_cache_bytes caps\n"
 "the CPU forward's per-thread transposed-key caches, all threads together\n"
@@ -1009,6 +1037,12 @@ done:
     release_all(&hd);
     if (rc) return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *py_cpu_has_bf16(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(hkt_cpu_has_bf16());
 }
 
 static PyObject *py_cpu_kernels(PyObject *self, PyObject *unused) {
@@ -1637,7 +1671,7 @@ static int fill_decode(hkt_decode_params *p, held *hd, PyObject *qs, PyObject *k
                      q0->device.device_type);
         goto done;
     }
-    if (!(q0 = take_q0(hd, PyTuple_GetItem(qt, 0)))) goto done;
+    if (!(q0 = take_q0(hd, PyTuple_GetItem(qt, 0), 0))) goto done;
     p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->B = q0->shape[0];
     p->H = q0->shape[1];
@@ -1728,6 +1762,9 @@ static PyMethodDef methods[] = {
     {"cuda_scratch_bytes", py_cuda_scratch_bytes, METH_VARARGS, cuda_scratch_bytes_doc},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS,
      "Which build of the CPU kernels' hot loops this CPU runs: 'avx512f', 'avx2' or 'default'."},
+    {"cpu_has_bf16", py_cpu_has_bf16, METH_NOARGS,
+     "True when forward takes bfloat16 q, k, v natively on this CPU (AVX512_BF16; w, a float mask, out and "
+     "lse float32; even D)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -38,6 +38,14 @@
 #define HKT_HOT
 #endif
 
+/* The native bfloat16 forward (hkt_bf16_body.h) needs GCC's AVX512_BF16
+ * intrinsics and target attributes; elsewhere bfloat16 is upcast by the caller. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && !defined(HKT_NO_BF16)
+#define HKT_BF16_NATIVE 1
+#else
+#define HKT_BF16_NATIVE 0
+#endif
+
 /* One thread's workspace (after WS_HEADER): offsets, in reals, of its regions.
  * Sizes: a tile is BQ x BK; "levels" regions hold one block per level (level l:
  * rows_max(l) x cols_max(l), at *_off[l]). */
@@ -58,6 +66,10 @@ typedef struct {
     int64_t keys_ready;     /* one flag per key tile: already in keys_all */
     int64_t row_max;        /* BQ: running max per query row */
     int64_t row_sums;       /* BQ x one 64-byte vector: running lane sums per row */
+    /* bfloat16 forward only (keys_all and key_tile then hold bfloat16 pairs) */
+    int64_t values_all;     /* one (b, kv head)'s values as row pairs, (ceil(S / 2), Dv) 32-bit words */
+    int64_t value_tile;     /* (BK / 2, Dv) words: one tile's values as row pairs */
+    int64_t p_bf16;         /* BQ x BK bfloat16: the tile's P, rounded */
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
     int keys_cached;        /* forward: keys_all is used (it fits the key_cache_bytes budget) */
@@ -112,5 +124,6 @@ void hkt_decode_f32(const hkt_decode_params *p);
 void hkt_forward_f64(const hkt_params *p);
 void hkt_backward_f64(const hkt_params *p);
 void hkt_decode_f64(const hkt_decode_params *p);
+void hkt_forward_bf16(const hkt_params *p);
 
 #endif

@@ -71,6 +71,17 @@ def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.d
     return torch.empty(n, dtype=torch.uint8, device=device)
 
 
+# bfloat16 forwards run natively (bfloat16 dot products, float32 accumulation)
+# where the CPU has AVX512_BF16 and D is even; elsewhere, and in every backward,
+# bfloat16 is upcast to float32.  A module attribute so tests can switch it off.
+native_bf16 = bool(_C.cpu_has_bf16())
+
+
+def _native_bf16(q0: Tensor) -> bool:
+    return (q0.dtype == torch.bfloat16 and native_bf16 and q0.device.type == "cpu" and q0.dim() == 4
+            and q0.shape[-1] % 2 == 0)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The kernels run in float32 or float64; bfloat16 inputs are computed in float32."""
     return torch.float32 if dtype == torch.bfloat16 else dtype
@@ -88,7 +99,8 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
     out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
     lse = torch.empty(lead, dtype=dtype, device=q0.device)
-    _C.forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
+    arg = _feat if _native_bf16(q0) else _arg  # native: q, k, v as they are; w, mask, out, lse float32
+    _C.forward([arg(x) for x in q], [arg(x) for x in k], arg(v), _arg(w), _dl(out), _dl(lse),
                _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, torch.get_num_threads(),
                _stream(q0.device))
     return (out if q0.dtype == dtype else out.to(q0.dtype)), lse

@@ -1,0 +1,168 @@
+"""The native bfloat16 forward (AVX512_BF16 dot products, float32 accumulation):
+as accurate as SDPA's own bfloat16 kernel against float64, the same as the
+upcast path up to P's rounding, every option of the float32 kernel, and bad
+calls refused by name.  Skipped where the CPU lacks the instructions (the
+upcast path then serves bfloat16, and test_attention covers it)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack
+
+import hkt
+from hkt import _C, _kernels
+from hkt.reference import hkt_attention_reference as reference
+
+from helpers import MASKS, assert_close_to_double, assert_within_lowp_error, make_mask, sample_inputs
+
+pytestmark = pytest.mark.skipif(not _C.cpu_has_bf16(), reason="this CPU has no AVX512_BF16")
+
+BF = torch.bfloat16
+
+
+def bf16_inputs(B, H, T, S, D, Dv, L, seed=0, kv_heads=None, requires_grad=False):
+    """Inputs whose values are bfloat16 numbers, as float64 and as bfloat16."""
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, seed=seed, kv_heads=kv_heads)
+    q64, k64 = [x.to(BF).double() for x in q], [x.to(BF).double() for x in k]
+    v64, w64 = v.to(BF).double(), w.to(BF).double()
+    lo = [x.to(BF).requires_grad_(requires_grad) for x in q64], [x.to(BF).requires_grad_(requires_grad) for x in k64], \
+        v64.to(BF).requires_grad_(requires_grad), w64.to(BF).requires_grad_(requires_grad)
+    return (q64, k64, v64, w64), lo
+
+
+def upcast_path(fn):
+    """fn() with the native path switched off: bfloat16 computed in float32."""
+    old = _kernels.native_bf16
+    _kernels.native_bf16 = False
+    try:
+        return fn()
+    finally:
+        _kernels.native_bf16 = old
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T,S,D,Dv", [(64, 64, 64, 64), (97, 130, 32, 48), (300, 300, 64, 64), (1, 77, 16, 5)])
+def test_levels_1_as_accurate_as_sdpa_bfloat16(T, S, D, Dv, causal):
+    """L = 1 is standard attention: the native forward must be within 2x the
+    error of SDPA's bfloat16 kernel on the same data (+ 4 ulps)."""
+    if causal and T > S:
+        pytest.skip("SDPA's causal mask is top-left aligned")
+    (q64, k64, v64, w64), (q, k, v, w) = bf16_inputs(2, 3, T, S, D, Dv, 1)
+    want = reference(q64, k64, v64, w64, is_causal=causal)
+    sdpa = F.scaled_dot_product_attention(q[0], k[0], v, is_causal=causal)
+    got = hkt.hkt_attention(q, k, v, w, is_causal=causal)
+    assert_close_to_double([got], [sdpa], [want], BF, names=["out"], factor=2.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_three_levels_within_plain_pytorch_bfloat16_error(causal):
+    """Output and gradients (the backward upcasts) against float64, within the
+    error of the plain-PyTorch reference run in bfloat16 throughout."""
+    q, k, v, w = sample_inputs(1, 2, 150, 150, 32, 32, 3)
+    q, k, v, w = [x.to(BF).double() for x in q], [x.to(BF).double() for x in k], v.to(BF).double(), \
+        w.to(BF).double()
+    assert_within_lowp_error(hkt.hkt_attention, reference, q, k, v, w, BF, factor=1.0, is_causal=causal)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_agrees_with_the_upcast_path(mask, causal):
+    """Scores, softmax and sums are the float32 kernel's: the two paths differ
+    only by P's rounding to bfloat16 before P @ V, a few bfloat16 ulps of the
+    output (both results are rounded to bfloat16 at the end)."""
+    _, (q, k, v, w) = bf16_inputs(2, 4, 130, 97, 64, 40, 3, kv_heads=2)
+    m = make_mask(mask, 2, 4, 130, 97, torch.float32)
+    native = hkt.hkt_attention(q, k, v, w, attn_mask=m, is_causal=causal)
+    upcast = upcast_path(lambda: hkt.hkt_attention(q, k, v, w, attn_mask=m, is_causal=causal))
+    assert native.dtype == BF
+    scale = upcast.float().abs().max().item()
+    assert (native.float() - upcast.float()).abs().max().item() <= 4 * torch.finfo(BF).eps * scale
+    assert not torch.equal(native, upcast) or mask == "bool4d"  # the native path did run
+
+
+def test_dropout_drops_the_same_entries():
+    _, (q, k, v, w) = bf16_inputs(1, 2, 70, 70, 16, 16, 2)
+    torch.manual_seed(5)
+    native = hkt.hkt_attention(q, k, v, w, dropout_p=0.3)
+    torch.manual_seed(5)
+    upcast = upcast_path(lambda: hkt.hkt_attention(q, k, v, w, dropout_p=0.3))
+    assert (native.float() - upcast.float()).abs().max().item() <= 4 * torch.finfo(BF).eps * \
+        upcast.float().abs().max().item()
+
+
+def raw_forward(q, k, v, w, *, threads=2, key_cache_bytes=-1, causal=False):
+    B, H, T, _ = q[0].shape
+    out, lse = torch.empty(B, H, T, v.shape[-1]), torch.empty(B, H, T)
+    _C.forward([to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v), to_dlpack(w.float()),
+               to_dlpack(out), to_dlpack(lse), None, causal, None, 0.0, 0, threads, None, key_cache_bytes)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bitwise_same_for_any_thread_count_and_key_cache(causal):
+    """Per (b, kv head) packed keys and values, or packed tile by tile when they
+    do not fit the key cache: the same bits, for 1, 2 or 3 threads."""
+    _, (q, k, v, w) = bf16_inputs(2, 4, 200, 200, 32, 24, 3, kv_heads=2)
+    out, lse = raw_forward(q, k, v, w, threads=1, causal=causal)
+    for threads, budget in ((2, -1), (3, -1), (2, 0), (1, 0)):
+        o, s = raw_forward(q, k, v, w, threads=threads, key_cache_bytes=budget, causal=causal)
+        assert torch.equal(o, out) and torch.equal(s, lse), (threads, budget)
+
+
+def test_non_finite_values():
+    """NaN in a visible key makes its rows NaN; a row with nothing visible gives zeros."""
+    _, (q, k, v, w) = bf16_inputs(1, 2, 20, 20, 8, 8, 2)
+    k = [x.clone() for x in k]
+    k[0][0, 1, 5, 3] = float("nan")
+    mask = torch.ones(20, 20, dtype=torch.bool)
+    mask[7] = False
+    out = hkt.hkt_attention(q, k, v, w, attn_mask=mask)
+    assert out[0, 1][torch.arange(20) != 7].isnan().all()
+    assert not out[0, 0].isnan().any()
+    assert (out[0, :, 7] == 0).all()
+
+
+def test_odd_head_dimension_is_upcast():
+    """The dot products take D in pairs: an odd D runs the upcast path, and the
+    extension refuses it by name when called directly."""
+    (q64, k64, v64, w64), (q, k, v, w) = bf16_inputs(1, 2, 33, 33, 7, 6, 2)
+    out = hkt.hkt_attention(q, k, v, w)
+    assert out.dtype == BF
+    assert (out.double() - reference(q64, k64, v64, w64)).abs().max().item() < 0.05
+    with pytest.raises(ValueError, match=r"^q\[0\]: native bfloat16 needs an even head dimension"):
+        raw_forward(q, k, v, w)
+
+
+def test_float32_arrays_are_checked():
+    """w, out and lse of a native call are float32: a bfloat16 one is refused by name."""
+    _, (q, k, v, w) = bf16_inputs(1, 2, 16, 16, 8, 8, 2)
+    out, lse = torch.empty(1, 2, 16, 8), torch.empty(1, 2, 16)
+    args = [[to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v)]
+    with pytest.raises(TypeError, match=r"^w: dtype bfloat16"):
+        _C.forward(*args, to_dlpack(w), to_dlpack(out), to_dlpack(lse))
+    with pytest.raises(TypeError, match=r"^out: "):
+        _C.forward(*args, to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse))
+    with pytest.raises(TypeError, match=r"^v: "):
+        _C.forward(args[0], args[1], to_dlpack(v.float()), to_dlpack(w.float()), to_dlpack(out), to_dlpack(lse))
+
+
+def test_backward_refuses_bfloat16_arrays():
+    """The backward computes in float32 (hkt upcasts): bfloat16 arrays are refused by name."""
+    _, (q, k, v, w) = bf16_inputs(1, 1, 8, 8, 4, 4, 1)
+    out, lse = raw_forward(q, k, v, w)
+    f = torch.empty_like
+    with pytest.raises(TypeError, match=r"^q\[0\]: dtype must be float32 or float64, got bfloat16"):
+        _C.backward(to_dlpack(out.to(BF)), [to_dlpack(q[0])], [to_dlpack(k[0])], to_dlpack(v),
+                    to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse), [to_dlpack(f(q[0]))],
+                    [to_dlpack(f(k[0]))], to_dlpack(f(v)), to_dlpack(f(w)), None, False)
+
+
+def test_module_in_bfloat16():
+    m = hkt.MultiheadHKT(64, 4, batch_first=True, levels=3, dtype=BF)
+    x = torch.randn(2, 50, 64, dtype=BF, requires_grad=True)
+    out = m(x, x, x, need_weights=False, is_causal=True)[0]
+    out.float().sum().backward()
+    m32 = hkt.MultiheadHKT(64, 4, batch_first=True, levels=3)
+    m32.load_state_dict({name: p.float() for name, p in m.state_dict().items()})
+    ref = m32(x.float(), x.float(), x.float(), need_weights=False, is_causal=True)[0]
+    assert out.dtype == BF and x.grad is not None and x.grad.dtype == BF
+    assert (out.float() - ref).abs().max().item() < 0.05
