@@ -188,7 +188,7 @@ def main(argv=None):
             for name, sec in med.items():
                 bf16.append({"name": name, "T": T, "pass": "fwd+bwd" if backward else "fwd", "ms": sec * 1e3,
                              "x_sdpa": sec / med["sdpa"]})
-    how = ("hkt's forward native (AVX512_BF16), its backward in float32" if _C.cpu_has_bf16()
+    how = ("hkt native, AVX512_BF16" if _C.cpu_has_bf16()
            else "hkt computes in float32")
     print(f"\nbfloat16 inputs ({how}; SDPA in its bfloat16 kernel), not causal:")
     for r in bf16:

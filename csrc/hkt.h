@@ -120,6 +120,10 @@ typedef struct {
     /* forward: largest total bytes of per-thread transposed-key caches
      * (negative: the default, 64 MiB); past it keys are transposed per tile */
     int64_t key_cache_bytes;
+    /* CPU float32 backward only, where hkt_cpu_has_bf16(): every matrix product
+     * takes its operands rounded to bfloat16 (float32 sums), as for inputs that
+     * are bfloat16 numbers held in float32; D and Dv even */
+    int bf16_products;
 
     int device_id;             /* CUDA only: the device every array is on */
     /* CUDA only: the cudaStream_t every kernel is launched on (NULL: the legacy

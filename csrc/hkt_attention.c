@@ -85,6 +85,24 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.dscores_coarse = at; at += levels;
         w.values_t = at;       at += round16(p->Dv * BK);
         w.dw_acc = at;         at += round16(p->L);
+        if (p->bf16_products) {
+            /* words and bfloat16 pairs take the room of one float32 each */
+            int64_t kp = 0, qs = 0;
+            for (int l = 0; l < p->L; l++) {
+                w.key_pairs_off[l] = kp;
+                w.q_off[l] = qs;
+                kp += (cols_max(l) + 1) / 2 * p->D;
+                qs += (rows_max(l) + 1) / 2 * p->D;
+            }
+            w.key_pairs = at; at += round16(kp);
+            w.q_bf16 = at;    at += round16(qs);
+            w.q_pairs = at;   at += round16(qs);
+            w.do_bf16 = at;   at += round16(BQ / 2 * p->Dv);
+            w.do_pairs = at;  at += round16(BQ / 2 * p->Dv);
+            w.p_pairs = at;   at += BQ / 2 * BK;
+            w.ds_bf16 = at;   at += BQ / 2 * BK;
+            w.ds_pairs = at;  at += BQ / 2 * BK;
+        }
     } else {
         w.keys_all = at;   at += w.keys_cached ? round16(keys_all) : 0;
         w.keys_ready = at; at += round16((p->S + BK - 1) / BK);

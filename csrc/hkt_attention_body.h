@@ -25,6 +25,26 @@
 #include <string.h>
 
 
+/* The backward's products in bfloat16 (p->bf16_products), float32 build only:
+ * hkt_bf16_body.h defines them after this file.  Each replaces one gemm below. */
+#if REAL_IS_FLOAT && HKT_BF16_NATIVE
+#define HKT_BF16_BACKWARD 1
+static void keys_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t j0,
+                      int64_t j1);
+static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1);
+static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *dorows, int64_t nq,
+                    int64_t nk, float *dP);
+static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, const float *dorows,
+                    int64_t nq, int64_t nk, float *dv);
+static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
+                    int64_t rl, int64_t cl, float wl, float *dq);
+static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
+                    int64_t rl, int64_t cl, float wl, const float *q, float *dk);
+#else
+#define HKT_BF16_BACKWARD 0
+#endif
+
 /* ---- GEMM: C (M, N) = [C +] alpha * op(A) @ B, row-major with leading dimensions;
  * op(A) = A (M, K) or, with trans_a, A^T where A is stored (K, M).  Register-blocked
  * R x (NV vectors) micro-tiles: 4 x 4 keeps 16 accumulators in zmm registers, and
@@ -257,6 +277,13 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
 
 static HKT_HOT void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                                 int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
+#if HKT_BF16_BACKWARD
+    if (p->bf16_products) {
+        grams_bf16(p, ws, base, b, h, i0, i1, j0, j1);
+        tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
+        return;
+    }
+#endif
     for (int l = 0; l < p->L; l++) {
         span sp = level_span(l, i0, i1, j0, j1);
         const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
@@ -500,7 +527,12 @@ static HKT_HOT const real *tile_dscores(const hkt_params *p, const ws_layout *ws
             for (int64_t c = 0; c < nk; c++) hidden[r][c] = srow[c] == -INFINITY;
         exp_shift(srow, nk, lse[i0 + r]); /* P */
     }
-    gemm(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
+#if HKT_BF16_BACKWARD
+    if (p->bf16_products)
+        dp_bf16(p, ws, base, dorows, nq, nk, dP);
+    else
+#endif
+        gemm(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
     const real *Pv = Sb; /* the P that weighed v: dropped or not */
     /* dS = P * (dP * keep / (1 - p) - delta), before the scale */
     if (p->dropout_p > 0) {
@@ -555,9 +587,15 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
 
     const real *Pv = tile_dscores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
     if (!(want & (WANT_KV | WANT_Q))) return;
-    if (want & WANT_KV)
-        gemm(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2], p->dv_stride[2],
-             1); /* dv += P^T dO */
+    if (want & WANT_KV) {
+#if HKT_BF16_BACKWARD
+        if (p->bf16_products)
+            dv_bf16(p, ws, base, Pv, dorows, nq, nk, dvb + j0 * p->dv_stride[2]);
+        else
+#endif
+            gemm(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2], p->dv_stride[2],
+                 1); /* dv += P^T dO */
+    }
     /* per level: dS summed over 2^l blocks, level by level
      * from the one below; then that level's dq, or dk and dw */
     const real *dsl_prev = dP;
@@ -589,8 +627,13 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
         if (want & WANT_Q) {
             const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
             real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
-            gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
-                 dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
+#if HKT_BF16_BACKWARD
+            if (p->bf16_products)
+                dq_bf16(p, ws, base, l, dsl, ldsl, sp.rl, sp.cl, wl, dq + sp.r0 * p->dq_stride[l][2]);
+            else
+#endif
+                gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                     dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
         }
         if (want & WANT_KV) {
             const real *G = base + ws->gram + ws->gram_off[l];
@@ -599,8 +642,14 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
             dwacc[l] += scale * dws;
             const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
             real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
-            gemm(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
-                 dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
+#if HKT_BF16_BACKWARD
+            if (p->bf16_products)
+                dk_bf16(p, ws, base, l, dsl, ldsl, sp.rl, sp.cl, wl, qb + sp.r0 * p->q_stride[l][2],
+                        dk + sp.c0 * p->dk_stride[l][2]);
+            else
+#endif
+                gemm(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
+                     dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
         }
     }
 }
@@ -608,6 +657,12 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
 /* Loads key tile j0 (transposed keys of every level, transposed values). */
 static void backward_keys(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t j0,
                           int64_t j1, const real **kt, int64_t *ktld) {
+#if HKT_BF16_BACKWARD
+    if (p->bf16_products) {
+        keys_bf16(p, ws, base, b, h, j0, j1);
+        return;
+    }
+#endif
     const real *vb = (const real *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
     load_key_tile(p, ws, base, b, h, j0, j1, kt, ktld);
     transpose(j1 - j0, p->Dv, vb + j0 * p->v_stride[2], p->v_stride[2], base + ws->values_t, BK);

@@ -34,10 +34,19 @@ static inline __attribute__((always_inline)) uint32_t pair_at(const bf16 *x) {
     return u;
 }
 
+/* x rounded to the nearest bfloat16 (ties to even); NaN stays NaN. */
+static inline uint32_t to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
 /* An R x (NV vectors of 16) block of C [+]= A @ B over K2 pairs; the last
- * vector of each row holds the columns `last` selects (a narrower tail). */
+ * vector of each row holds the columns `last` selects (a narrower tail).
+ * A's pair (r, kk) is the 32-bit word at A + r * ars + kk * aps bytes. */
 static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
-    const int R, const int NV, const __mmask16 last, int64_t K2, const bf16 *restrict A, int64_t lda,
+    const int R, const int NV, const __mmask16 last, int64_t K2, const char *restrict A, int64_t ars, int64_t aps,
     const uint32_t *restrict B, int64_t ldb, float *restrict C, int64_t ldc, int accumulate) {
     __m512 c[8][4];
 #pragma GCC unroll 8
@@ -51,7 +60,9 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
             b[v] = (__m512bh)_mm512_maskz_loadu_epi32(v == NV - 1 ? last : 0xFFFF, B + kk * ldb + 16 * v);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pair_at(A + r * lda + 2 * kk));
+            uint32_t w;
+            memcpy(&w, A + r * ars + kk * aps, sizeof w);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)w);
 #pragma GCC unroll 4
             for (int v = 0; v < NV; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
         }
@@ -68,22 +79,29 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
         }
 }
 
-/* C (M, N) [+]= A (M, 2 K2) @ B (2 K2, N): A bfloat16 rows lda apart (2 K2
- * readable entries each), B as pairs (K2, N) words, rows ldb apart; C float32.
+/* C (M, N) [+]= A (M, 2 K2) @ B (2 K2, N).  A's pair (i, kk) is the 32-bit word
+ * at A + i * ars + kk * aps bytes: a bfloat16 row-major A (rows lda apart) has
+ * ars = 2 lda, aps = 4; A^T of pairs packed along its rows (row_pairs) has
+ * ars = 4, aps = 4 ld.  B as pairs (K2, N) words, rows ldb apart; C float32.
  * 4 x 4 blocks (16 accumulators) over 64 columns, then 8 x 1 over 16. */
-static BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t K2, const bf16 *A, int64_t lda, const uint32_t *B,
-                                  int64_t ldb, float *C, int64_t ldc, int accumulate) {
+static BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t K2, const void *Av, int64_t ars, int64_t aps,
+                                  const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    const char *A = (const char *)Av;
     int64_t j = 0;
     for (; j + 64 <= N; j += 64) {
         int64_t i = 0;
-        for (; i + 4 <= M; i += 4) bf16_tile(4, 4, 0xFFFF, K2, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < M; i++) bf16_tile(1, 4, 0xFFFF, K2, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i + 4 <= M; i += 4)
+            bf16_tile(4, 4, 0xFFFF, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i < M; i++)
+            bf16_tile(1, 4, 0xFFFF, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
     }
     for (; j < N; j += 16) {
         const __mmask16 m = N - j >= 16 ? 0xFFFF : (__mmask16)((1u << (N - j)) - 1);
         int64_t i = 0;
-        for (; i + 8 <= M; i += 8) bf16_tile(8, 1, m, K2, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < M; i++) bf16_tile(1, 1, m, K2, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i + 8 <= M; i += 8)
+            bf16_tile(8, 1, m, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        for (; i < M; i++)
+            bf16_tile(1, 1, m, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
     }
 }
 
@@ -117,23 +135,61 @@ static BF16_TARGET void pack_values_bf16(const hkt_params *p, const bf16 *vb, in
     }
 }
 
-/* P (nq rows of nk float32, BK apart) rounded to bfloat16 (nearest even), rows
- * BK apart, zero-padded to an even length so the last pair is whole. */
-static BF16_TARGET void round_p(const float *P, int64_t nq, int64_t nk, bf16 *out) {
-    for (int64_t r = 0; r < nq; r++) {
-        const float *src = P + r * BK;
-        bf16 *dst = out + r * BK;
-        for (int64_t c = 0; c < nk; c += 32) {
-            const int64_t n = nk - c;
-            const __mmask16 m0 = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-            const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
-            const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, src + c + 16),
-                                                   _mm512_maskz_loadu_ps(m0, src + c));
-            /* whole pairs only: an odd n gets its zero partner */
-            const int64_t keep = n >= 32 ? 32 : (n + 1) & ~(int64_t)1;
-            _mm512_mask_storeu_epi16(dst + c, keep >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << keep) - 1),
-                                     (__m512i)x);
+/* dst = alpha * src rounded to bfloat16 (nearest even): n rows of w floats
+ * (lds apart) to n rows lds_dst bfloat16 apart, each zero-padded to an even
+ * length so its last pair is whole. */
+static BF16_TARGET void rows_to_bf16(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, bf16 *dst,
+                                     int64_t ldd) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int64_t r = 0; r < n; r++) {
+        const float *s = src + r * lds;
+        bf16 *d = dst + r * ldd;
+        for (int64_t c = 0; c < w; c += 32) {
+            const int64_t m = w - c;
+            const __mmask16 m0 = m >= 16 ? 0xFFFF : (__mmask16)((1u << m) - 1);
+            const __mmask16 m1 = m >= 32 ? 0xFFFF : m > 16 ? (__mmask16)((1u << (m - 16)) - 1) : 0;
+            const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_mul_ps(a, _mm512_maskz_loadu_ps(m1, s + c + 16)),
+                                                   _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m0, s + c)));
+            /* whole pairs only: an odd w gets its zero partner */
+            const int64_t keep = m >= 32 ? 32 : (m + 1) & ~(int64_t)1;
+            _mm512_mask_storeu_epi16(d + c, keep >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << keep) - 1), (__m512i)x);
         }
+    }
+}
+
+/* Rows of src (n rows of w floats, lds apart) times alpha, rounded, as pairs
+ * along the rows: word (r2, c) of dst (rows ldd words apart) = (src[2 r2][c],
+ * src[2 r2 + 1][c]), the partner past an odd n zero.  As a GEMM's B it is the
+ * rows' matrix; as its A (ars = 4, aps = 4 ldd) the transpose of that matrix. */
+static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint32_t *dst,
+                                  int64_t ldd) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    /* 16-bit word k of the interleave: x0's element k / 2 (k even, words 0..15 of
+     * both) or x1's (k odd, words 16..31) */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t r = 0; r < n; r += 2) {
+        const float *s0 = src + r * lds, *s1 = r + 1 < n ? s0 + lds : NULL;
+        uint32_t *d = dst + r / 2 * ldd;
+        for (int64_t c = 0; c < w; c += 16) {
+            const __mmask16 m = w - c >= 16 ? 0xFFFF : (__mmask16)((1u << (w - c)) - 1);
+            const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s0 + c));
+            const __m512 x1 = s1 ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s1 + c)) : _mm512_setzero_ps();
+            /* bfloat16 of x0 in words 0..15, of x1 in 16..31, then interleaved */
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+            _mm512_mask_storeu_epi32(d + c, m, _mm512_permutexvar_epi16(interleave, both));
+        }
+    }
+}
+
+/* Rows of src (n rows of w floats, w even, lds apart) rounded, as pairs along
+ * each row, transposed: word (c2, r) of dst (rows ldd words apart) =
+ * (src[r][2 c2], src[r][2 c2 + 1]).  A GEMM's B for the rows' matrix
+ * transposed (keys^T for the scores, values^T for dP). */
+static void col_pairs(const float *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *s = src + r * lds;
+        for (int64_t c2 = 0; c2 < w / 2; c2++) dst[c2 * ldd + r] = to_bf16(s[2 * c2]) | to_bf16(s[2 * c2 + 1]) << 16;
     }
 }
 
@@ -180,16 +236,91 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
         for (int l = 0; l < p->L; l++) {
             span sp = level_span(l, i0, i1, j0, j1);
             const bf16 *qb = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-            gemm_bf16(sp.rl, sp.cl, D2, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2], kp[l], ld[l],
+            gemm_bf16(sp.rl, sp.cl, D2, qb + sp.r0 * p->q_stride[l][2], 2 * p->q_stride[l][2], 4, kp[l], ld[l],
                       base + ws->gram + ws->gram_off[l], sp.cl, 0);
         }
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
-        round_p(base + ws->scores, nq, nk, pb);
-        gemm_bf16(nq, Dv, (nk + 1) / 2, pb, BK, vp, Dv, ob, p->out_stride[2], 1);
+        rows_to_bf16(base + ws->scores, BK, nq, nk, 1.0f, pb, BK);
+        gemm_bf16(nq, Dv, (nk + 1) / 2, pb, 2 * BK, 4, vp, Dv, ob, p->out_stride[2], 1);
     }
     finish_rows(p, ws, base, b, h, i0, nq, ob);
 }
 
 void hkt_forward_bf16(const hkt_params *p) { run_forward(p, forward_task_bf16); }
+/* ---- the float32 backward's products in bfloat16 (p->bf16_products) ----
+ * Its inputs are float32 arrays holding bfloat16 numbers (hkt upcasts bfloat16
+ * for the backward), so rounding q, k, v and dO loses nothing; P and dS are
+ * rounded as the forward rounds P.  Each function replaces one gemm of
+ * backward_pair / tile_dscores (hkt_attention_body.h), same operands, same
+ * accumulation into float32. */
+
+/* Key tile [j0, j1) of every level as the scores' B (pairs along D, key_tile)
+ * and dq's B (row pairs, key_pairs), and the values as dP's B (values_t). */
+static void keys_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t j0,
+                      int64_t j1) {
+    const int64_t hk = kv_head(p, h);
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, 0, 1, j0, j1);
+        const float *kb = (const float *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1] +
+                          sp.c0 * p->k_stride[l][2];
+        col_pairs(kb, p->k_stride[l][2], sp.cl, p->D, (uint32_t *)(base + ws->key_tile + ws->key_tile_off[l]), sp.cl);
+        row_pairs(kb, p->k_stride[l][2], sp.cl, p->D, 1.0f, (uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
+                  p->D);
+    }
+    const float *vb = (const float *)p->v + b * p->v_stride[0] + hk * p->v_stride[1] + j0 * p->v_stride[2];
+    col_pairs(vb, p->v_stride[2], j1 - j0, p->Dv, (uint32_t *)(base + ws->values_t), BK);
+}
+
+/* The pair's Gram blocks q_l k_l^T (the query rows rounded here, into q_bf16). */
+static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1) {
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, i0, i1, j0, j1);
+        const float *qb = (const float *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] +
+                          sp.r0 * p->q_stride[l][2];
+        bf16 *qr = (bf16 *)(base + ws->q_bf16 + ws->q_off[l]);
+        rows_to_bf16(qb, p->q_stride[l][2], sp.rl, p->D, 1.0f, qr, p->D);
+        gemm_bf16(sp.rl, sp.cl, p->D / 2, qr, 2 * p->D, 4, (const uint32_t *)(base + ws->key_tile + ws->key_tile_off[l]),
+                  sp.cl, base + ws->gram + ws->gram_off[l], sp.cl, 0);
+    }
+}
+
+/* dP (nq, BK) = dO V^T. */
+static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *dorows, int64_t nq,
+                    int64_t nk, float *dP) {
+    bf16 *dob = (bf16 *)(base + ws->do_bf16);
+    rows_to_bf16(dorows, p->dout_stride[2], nq, p->Dv, 1.0f, dob, p->Dv);
+    gemm_bf16(nq, nk, p->Dv / 2, dob, 2 * p->Dv, 4, (const uint32_t *)(base + ws->values_t), BK, dP, BK, 0);
+}
+
+/* dv rows [j0, j0 + nk) += Pv^T dO: Pv and dO both as row pairs (pairs along
+ * the queries, the reduction), Pv read transposed. */
+static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, const float *dorows,
+                    int64_t nq, int64_t nk, float *dv) {
+    uint32_t *pp = (uint32_t *)(base + ws->p_pairs), *dop = (uint32_t *)(base + ws->do_pairs);
+    row_pairs(Pv, BK, nq, nk, 1.0f, pp, BK);
+    row_pairs(dorows, p->dout_stride[2], nq, p->Dv, 1.0f, dop, p->Dv);
+    gemm_bf16(nk, p->Dv, (nq + 1) / 2, pp, 4, 4 * BK, dop, p->Dv, dv, p->dv_stride[2], 1);
+}
+
+/* dq_l rows += wl dS_l k_l: dS_l (rl, cl) scaled and rounded, k_l as row pairs
+ * (keys_bf16). */
+static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
+                    int64_t rl, int64_t cl, float wl, float *dq) {
+    bf16 *ds = (bf16 *)(base + ws->ds_bf16);
+    rows_to_bf16(dsl, ldsl, rl, cl, wl, ds, BK);
+    gemm_bf16(rl, p->D, (cl + 1) / 2, ds, 2 * BK, 4, (const uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
+              p->D, dq, p->dq_stride[l][2], 1);
+}
+
+/* dk_l rows += wl dS_l^T q_l: dS_l and the query rows q (rl of them) as row
+ * pairs, dS_l read transposed. */
+static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
+                    int64_t rl, int64_t cl, float wl, const float *q, float *dk) {
+    uint32_t *dsp = (uint32_t *)(base + ws->ds_pairs), *qp = (uint32_t *)(base + ws->q_pairs + ws->q_off[l]);
+    row_pairs(dsl, ldsl, rl, cl, wl, dsp, BK);
+    row_pairs(q, p->q_stride[l][2], rl, p->D, 1.0f, qp, p->D);
+    gemm_bf16(cl, p->D, (rl + 1) / 2, dsp, 4, 4 * BK, qp, p->D, dk, p->dk_stride[l][2], 1);
+}
 #endif

@@ -931,13 +931,16 @@ static int take_scratch(hkt_params *p, held *hd, PyObject *scratch, const DLTens
 PyDoc_STRVAR(backward_doc,
 "backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, attn_mask=None,\n"
 "         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0,\n"
-"         dmask=None, stream=None, scratch=None)\n--\n\n"
+"         dmask=None, stream=None, scratch=None, bf16_products=False)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
 "(like v) and dw (like w), all C-contiguous and sharing memory with no other\n"
 "argument.  With a float attn_mask, dmask (shaped like it) receives the mask's\n"
 "gradient, summed over its broadcast dimensions.  dropout_p and seed must be\n"
 "the forward's.\n\n"
+"bf16_products: every product takes its operands rounded to bfloat16 (float32\n"
+"sums), for float32 arrays holding bfloat16 numbers; CPU with cpu_has_bf16(),\n"
+"even D and Dv.\n\n"
 "CUDA arrays: queued on stream, as for forward.  scratch: a C-contiguous\n"
 "array on q's device of at least cuda_scratch_bytes(B, H, T, L, itemsize)\n"
 "bytes, aligned to the real type, sharing memory with no other argument: the\n"
@@ -946,17 +949,18 @@ PyDoc_STRVAR(backward_doc,
 static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw",
                              "attn_mask", "is_causal", "scale", "dropout_p", "seed",
-                             "num_threads", "dmask", "stream", "scratch", NULL};
+                             "num_threads", "dmask", "stream", "scratch", "bf16_products", NULL};
     PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw;
     PyObject *mask = Py_None, *scale = Py_None, *nthreads = NULL, *dmask = Py_None;
     PyObject *stream = Py_None, *scratch = Py_None;
-    int causal = 0;
+    int causal = 0, bf16_products = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOO:backward", kwlist, &dout, &qs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOOp:backward", kwlist, &dout, &qs,
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
-                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch))
+                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch,
+                                     &bf16_products))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
@@ -968,6 +972,20 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;
+    if (bf16_products) {
+        /* products of bfloat16 numbers held in float32 (hkt's bfloat16 backward) */
+        if (p.dtype != HKT_FLOAT32 || q0->device.device_type != kDLCPU || !hkt_cpu_has_bf16()) {
+            PyErr_SetString(PyExc_TypeError, "bf16_products: needs float32 arrays on a CPU with AVX512_BF16 "
+                            "(hkt._C.cpu_has_bf16())");
+            goto done;
+        }
+        if (p.D % 2 || p.Dv % 2) {
+            PyErr_Format(PyExc_ValueError, "bf16_products: needs even head dimensions, got D = %lld, Dv = %lld",
+                         (long long)p.D, (long long)p.Dv);
+            goto done;
+        }
+        p.bf16_products = 1;
+    }
     {
         int64_t want[4] = {p.B, p.H, p.T, p.Dv};
         t = import_array(&hd, dout, "dout");

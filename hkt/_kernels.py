@@ -71,15 +71,17 @@ def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.d
     return torch.empty(n, dtype=torch.uint8, device=device)
 
 
-# bfloat16 forwards run natively (bfloat16 dot products, float32 accumulation)
-# where the CPU has AVX512_BF16 and D is even; elsewhere, and in every backward,
-# bfloat16 is upcast to float32.  A module attribute so tests can switch it off.
+# bfloat16 runs natively (bfloat16 dot products, float32 accumulation) where the
+# CPU has AVX512_BF16 and D is even: the forward takes the bfloat16 arrays as
+# they are; the backward takes them upcast to float32 (exactly) and rounds only
+# P and dS (bf16_products; Dv even too).  Elsewhere bfloat16 is computed in
+# float32.  A module attribute so tests can switch it off.
 native_bf16 = bool(_C.cpu_has_bf16())
 
 
-def _native_bf16(q0: Tensor) -> bool:
+def _native_bf16(q0: Tensor, dv: int = 0) -> bool:
     return (q0.dtype == torch.bfloat16 and native_bf16 and q0.device.type == "cpu" and q0.dim() == 4
-            and q0.shape[-1] % 2 == 0)
+            and q0.shape[-1] % 2 == 0 and dv % 2 == 0)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -120,7 +122,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     _C.backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
                 is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask), _stream(device),
-                _dl(scratch))
+                _dl(scratch), _native_bf16(q[0], v.shape[-1] if v.dim() else 1))
     dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)

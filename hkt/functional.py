@@ -115,8 +115,8 @@ def hkt_attention(
         scale: score scale, default 1 / sqrt(D).
         backend: how to compute it.  ``"kernels"``: hkt's own kernels (CPU;
             CUDA in a build made with ``HKT_CUDA=1``): O(T) memory, exact 4/3
-            score cost on the CPU, bitwise deterministic, bfloat16 forwards
-            native on CPUs with AVX512_BF16 (else in float32).  ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``
+            score cost on the CPU, bitwise deterministic, bfloat16 native
+            on CPUs with AVX512_BF16 (else computed in float32).  ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``
             on the concatenated level vectors (L times one attention's score
             work, in the inputs' dtype, on whatever kernel SDPA picks; its
             determinism is SDPA's); no dropout (``ValueError``).  ``None`` or
@@ -147,11 +147,12 @@ def hkt_attention(
         backend="sdpa".
 
     float32 and float64 run in their own precision.  bfloat16 on a CPU with
-    AVX512_BF16 (``hkt._C.cpu_has_bf16()``) and an even D: the forward computes
-    natively -- bfloat16 dot products with float32 sums, softmax in float32, P
-    rounded to bfloat16 for P @ V, as flash-attention kernels do -- about twice
-    the float32 speed; the backward, and bfloat16 anywhere else, is computed in
-    float32 (upcast on entry, results rounded back to bfloat16).
+    AVX512_BF16 (``hkt._C.cpu_has_bf16()``) and an even D runs natively:
+    every matrix product takes bfloat16 operands and sums in float32, the
+    softmax and its gradient are float32, and P and dS are rounded to bfloat16
+    where they enter a product, as flash-attention kernels do (the backward
+    needs an even Dv too, else it runs in float32).  bfloat16 anywhere else is
+    computed in float32 (upcast on entry, results rounded back to bfloat16).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")

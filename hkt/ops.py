@@ -147,7 +147,7 @@ def _double_backward(ctx, grads):
     the mask's.  Masks (bool or float, the float mask's own gradient with
     ``mask_grad``), causal, per-head or shared w and dropout (the kernels'
     pattern, rebuilt from the saved seed) are all handled; bfloat16 is computed
-    in float32 (the forward natively where hkt.hkt_attention says).  Rows with no visible key and NaN follow hkt.reference's rules,
+    in float32, or natively where hkt.hkt_attention says.  Rows with no visible key and NaN follow hkt.reference's rules,
     which are the kernels'.
     """
     L = ctx.L

@@ -1,7 +1,8 @@
-"""The native bfloat16 forward (AVX512_BF16 dot products, float32 accumulation):
-as accurate as SDPA's own bfloat16 kernel against float64, the same as the
-upcast path up to P's rounding, every option of the float32 kernel, and bad
-calls refused by name.  Skipped where the CPU lacks the instructions (the
+"""Native bfloat16 (AVX512_BF16 dot products, float32 accumulation), the forward
+on bfloat16 arrays and the backward's products (bf16_products) on their float32
+upcasts: as accurate as SDPA's own bfloat16 kernels against float64, the same
+as the upcast path up to P's and dS's rounding, every option of the float32
+kernel, bitwise the same for any thread count, and bad calls refused by name.  Skipped where the CPU lacks the instructions (the
 upcast path then serves bfloat16, and test_attention covers it)."""
 import pytest
 import torch
@@ -54,6 +55,24 @@ def test_levels_1_as_accurate_as_sdpa_bfloat16(T, S, D, Dv, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_levels_1_gradients_as_accurate_as_sdpa_bfloat16(causal):
+    """The backward's gradients of q, k and v within 2x the error of SDPA's
+    bfloat16 backward on the same data (+ 4 ulps)."""
+    (q64, k64, v64, w64), _ = bf16_inputs(2, 3, 97, 97, 64, 48, 1)
+    g = torch.randn(2, 3, 97, 48, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(BF).double()
+
+    def grads(fn, dtype):
+        xs = [x.to(dtype).requires_grad_() for x in (q64[0], k64[0], v64)]
+        out = fn(*xs)
+        return list(torch.autograd.grad(out, xs, g.to(dtype)))
+
+    want = grads(lambda q, k, v: reference([q], [k], v, w64, is_causal=causal), torch.float64)
+    sdpa = grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), BF)
+    got = grads(lambda q, k, v: hkt.hkt_attention([q], [k], v, w64.to(BF), is_causal=causal), BF)
+    assert_close_to_double(got, sdpa, want, BF, names=["dq", "dk", "dv"], factor=2.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 def test_three_levels_within_plain_pytorch_bfloat16_error(causal):
     """Output and gradients (the backward upcasts) against float64, within the
     error of the plain-PyTorch reference run in bfloat16 throughout."""
@@ -77,6 +96,29 @@ def test_agrees_with_the_upcast_path(mask, causal):
     scale = upcast.float().abs().max().item()
     assert (native.float() - upcast.float()).abs().max().item() <= 4 * torch.finfo(BF).eps * scale
     assert not torch.equal(native, upcast) or mask == "bool4d"  # the native path did run
+
+
+@pytest.mark.parametrize("mask", [None, "float"])
+def test_gradients_agree_with_the_upcast_path(mask):
+    """The backward's products in bfloat16 differ from the float32 backward only
+    by the rounding of P and dS: within 2 bfloat16 ulps of each gradient's size
+    (the float mask's gradient, dS itself, included)."""
+    _, (q, k, v, w) = bf16_inputs(2, 4, 130, 97, 64, 40, 3, kv_heads=2, requires_grad=True)
+    m = make_mask(mask, 2, 4, 130, 97, torch.float32)
+    g = torch.randn(2, 4, 130, 40, generator=torch.Generator().manual_seed(3)).to(BF)
+    leaves = [*q, *k, v, w]
+    if m is not None:  # the float mask's own gradient too
+        m = m.to(BF).requires_grad_()
+        leaves.append(m)
+
+    def run():
+        return torch.autograd.grad(hkt.hkt_attention(q, k, v, w, attn_mask=m, is_causal=True), leaves, g)
+
+    native, upcast = run(), upcast_path(run)
+    for n, a, b in zip(range(len(leaves)), native, upcast):
+        scale = b.float().abs().max().item()
+        assert (a.float() - b.float()).abs().max().item() <= 2 * torch.finfo(BF).eps * scale, n
+    assert any(not torch.equal(a, b) for a, b in zip(native, upcast))  # the native products did run
 
 
 def test_dropout_drops_the_same_entries():
@@ -106,6 +148,50 @@ def test_bitwise_same_for_any_thread_count_and_key_cache(causal):
     for threads, budget in ((2, -1), (3, -1), (2, 0), (1, 0)):
         o, s = raw_forward(q, k, v, w, threads=threads, key_cache_bytes=budget, causal=causal)
         assert torch.equal(o, out) and torch.equal(s, lse), (threads, budget)
+
+
+def raw_backward(q, k, v, w, out, lse, dout, *, threads=2, causal=False, bf16_products=True):
+    f = [x.float() for x in (*q, *k, v, dout)]
+    L = len(q)
+    qf, kf, vf, df = f[:L], f[L:2 * L], f[2 * L], f[2 * L + 1]
+    dq, dk = [torch.empty_like(x) for x in qf], [torch.empty_like(x) for x in kf]
+    dv, dw = torch.empty_like(vf), torch.empty_like(w, dtype=torch.float32)
+    _C.backward(to_dlpack(df), [to_dlpack(x) for x in qf], [to_dlpack(x) for x in kf], to_dlpack(vf),
+                to_dlpack(w.float()), to_dlpack(out), to_dlpack(lse), [to_dlpack(x) for x in dq],
+                [to_dlpack(x) for x in dk], to_dlpack(dv), to_dlpack(dw), None, causal, None, 0.0, 0, threads,
+                bf16_products=bf16_products)
+    return [*dq, *dk, dv, dw]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,kv", [(2, 2), (1, 1)])
+def test_backward_bitwise_same_for_any_thread_count(causal, B, kv):
+    """Both backward schedules (a task per (b, kv head) with B=2, two kv heads;
+    key and query chunks with one) give the same bits for 1, 2 and 3 threads."""
+    _, (q, k, v, w) = bf16_inputs(B, 4, 150, 150, 32, 24, 3, kv_heads=kv)
+    out, lse = raw_forward(q, k, v, w, causal=causal)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(BF)
+    ref = raw_backward(q, k, v, w, out, lse, dout, threads=1, causal=causal)
+    for threads in (2, 3):
+        got = raw_backward(q, k, v, w, out, lse, dout, threads=threads, causal=causal)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), threads
+
+
+def test_bf16_products_refused_where_they_cannot_run():
+    _, (q, k, v, w) = bf16_inputs(1, 2, 16, 16, 8, 6, 2)
+    out, lse = raw_forward(q, k, v, w)
+    dout = torch.randn(out.shape).to(BF)
+    raw_backward(q, k, v, w, out, lse, dout)  # even D and Dv: fine
+    odd = v[..., :5]
+    with pytest.raises(ValueError, match=r"^bf16_products: needs even head dimensions"):
+        raw_backward(q, k, odd, w, out[..., :5].contiguous(), lse, dout[..., :5])
+    f64 = [x.double() for x in (*q, *k, v, w)]
+    dq, dk = [torch.empty_like(x) for x in f64[:2]], [torch.empty_like(x) for x in f64[2:4]]
+    with pytest.raises(TypeError, match=r"^bf16_products: needs float32"):
+        _C.backward(to_dlpack(dout.double()), [to_dlpack(x) for x in f64[:2]], [to_dlpack(x) for x in f64[2:4]],
+                    to_dlpack(f64[4]), to_dlpack(f64[5]), to_dlpack(out.double()), to_dlpack(lse.double()),
+                    [to_dlpack(x) for x in dq], [to_dlpack(x) for x in dk], to_dlpack(torch.empty_like(f64[4])),
+                    to_dlpack(torch.empty_like(f64[5])), bf16_products=True)
 
 
 def test_non_finite_values():
