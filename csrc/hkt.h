@@ -54,9 +54,10 @@ extern "C" {
 /* The CPU kernels' query and key tile (rows and columns of one score block). */
 #define HKT_CPU_TILE 64
 
-/* HKT_BFLOAT16: q, k and v are bfloat16, every other real array (w, the float
- * mask, out, lse) float32; the CPU forward only, on a CPU with AVX512_BF16
- * (hkt_cpu_has_bf16). */
+/* HKT_BFLOAT16 (the CPU, where hkt_cpu_has_bf16(); D even): q, k and v are
+ * bfloat16, and in the backward dout and out too (the forward's out is float32);
+ * every other real array -- w, the float mask, lse, the gradients -- is
+ * float32.  The backward needs Dv even as well. */
 enum hkt_dtype { HKT_FLOAT32 = 0, HKT_FLOAT64 = 1, HKT_BFLOAT16 = 2 };
 enum hkt_mask_kind { HKT_MASK_NONE = 0, HKT_MASK_BOOL = 1, HKT_MASK_FLOAT = 2 };
 
@@ -120,10 +121,6 @@ typedef struct {
     /* forward: largest total bytes of per-thread transposed-key caches
      * (negative: the default, 64 MiB); past it keys are transposed per tile */
     int64_t key_cache_bytes;
-    /* CPU float32 backward only, where hkt_cpu_has_bf16(): every matrix product
-     * takes its operands rounded to bfloat16 (float32 sums), as for inputs that
-     * are bfloat16 numbers held in float32; D and Dv even */
-    int bf16_products;
 
     int device_id;             /* CUDA only: the device every array is on */
     /* CUDA only: the cudaStream_t every kernel is launched on (NULL: the legacy

@@ -85,7 +85,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.dscores_coarse = at; at += levels;
         w.values_t = at;       at += round16(p->Dv * BK);
         w.dw_acc = at;         at += round16(p->L);
-        if (p->bf16_products) {
+        if (bf16) {
             /* words and bfloat16 pairs take the room of one float32 each */
             int64_t kp = 0, qs = 0;
             for (int l = 0; l < p->L; l++) {
@@ -95,9 +95,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
                 qs += (rows_max(l) + 1) / 2 * p->D;
             }
             w.key_pairs = at; at += round16(kp);
-            w.q_bf16 = at;    at += round16(qs);
             w.q_pairs = at;   at += round16(qs);
-            w.do_bf16 = at;   at += round16(BQ / 2 * p->Dv);
             w.do_pairs = at;  at += round16(BQ / 2 * p->Dv);
             w.p_pairs = at;   at += BQ / 2 * BK;
             w.ds_bf16 = at;   at += BQ / 2 * BK;
@@ -139,6 +137,7 @@ void hkt_forward_cpu(const hkt_params *p) {
 }
 
 void hkt_backward_cpu(const hkt_params *p) {
+    /* the float32 body runs the bfloat16 backward too (hkt_bf16_body.h's hooks) */
     if (p->dtype == HKT_FLOAT64) hkt_backward_f64(p);
     else hkt_backward_f32(p);
 }

@@ -25,22 +25,25 @@
 #include <string.h>
 
 
-/* The backward's products in bfloat16 (p->bf16_products), float32 build only:
- * hkt_bf16_body.h defines them after this file.  Each replaces one gemm below. */
+/* The backward with bfloat16 inputs (p->dtype HKT_BFLOAT16), float32 build
+ * only: hkt_bf16_body.h defines these hooks after this file; each replaces one
+ * gemm (or the delta loop) below, reading the bfloat16 arrays itself. */
 #if REAL_IS_FLOAT && HKT_BF16_NATIVE
 #define HKT_BF16_BACKWARD 1
 static void keys_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t j0,
                       int64_t j1);
-static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
-                       int64_t i1, int64_t j0, int64_t j1);
-static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *dorows, int64_t nq,
-                    int64_t nk, float *dP);
-static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, const float *dorows,
-                    int64_t nq, int64_t nk, float *dv);
+static void tile_grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                            int64_t i1, int64_t j0, int64_t j1);
+static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                    int64_t nq, int64_t nk, float *dP);
+static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, int64_t b, int64_t h,
+                    int64_t i0, int64_t nq, int64_t j0, int64_t nk);
 static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t rl, int64_t cl, float wl, float *dq);
+                    int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h);
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t rl, int64_t cl, float wl, const float *q, float *dk);
+                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h);
+static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
+#define BF16_INPUTS(p) ((p)->dtype == HKT_BFLOAT16)
 #else
 #define HKT_BF16_BACKWARD 0
 #endif
@@ -278,8 +281,8 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
 static HKT_HOT void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                                 int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
 #if HKT_BF16_BACKWARD
-    if (p->bf16_products) {
-        grams_bf16(p, ws, base, b, h, i0, i1, j0, j1);
+    if (BF16_INPUTS(p)) {
+        tile_grams_bf16(p, ws, base, b, h, i0, i1, j0, j1);
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
         return;
     }
@@ -513,8 +516,6 @@ static HKT_HOT const real *tile_dscores(const hkt_params *p, const ws_layout *ws
     real *Sb = base + ws->scores, *dP = base + ws->dscores, *Vt = base + ws->values_t, *Pd = base + ws->pdrop;
     const real *delta = (const real *)p->dw_partial + (b * p->H + h) * T; /* shared (B, H, T) */
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
-    const real *dorows =
-        (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
     tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
     /* A row whose lse or delta is not finite (NaN from a visible NaN score, +inf
      * lse for a row with nothing visible) must still give hidden entries dS = 0,
@@ -528,11 +529,13 @@ static HKT_HOT const real *tile_dscores(const hkt_params *p, const ws_layout *ws
         exp_shift(srow, nk, lse[i0 + r]); /* P */
     }
 #if HKT_BF16_BACKWARD
-    if (p->bf16_products)
-        dp_bf16(p, ws, base, dorows, nq, nk, dP);
+    if (BF16_INPUTS(p))
+        dp_bf16(p, ws, base, b, h, i0, nq, nk, dP);
     else
 #endif
-        gemm(0, nq, nk, Dv, 1, dorows, p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
+        gemm(0, nq, nk, Dv, 1,
+             (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2],
+             p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
     const real *Pv = Sb; /* the P that weighed v: dropped or not */
     /* dS = P * (dP * keep / (1 - p) - delta), before the scale */
     if (p->dropout_p > 0) {
@@ -580,21 +583,20 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
     const int L = p->L;
     const real scale = (real)p->scale;
     real *dP = base + ws->dscores, *tmp = base + ws->row_tmp;
-    const real *dorows =
-        (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
     const int64_t hk = kv_head(p, h);
-    real *dvb = (real *)p->dv + b * p->dv_stride[0] + hk * p->dv_stride[1];
 
     const real *Pv = tile_dscores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
     if (!(want & (WANT_KV | WANT_Q))) return;
     if (want & WANT_KV) {
 #if HKT_BF16_BACKWARD
-        if (p->bf16_products)
-            dv_bf16(p, ws, base, Pv, dorows, nq, nk, dvb + j0 * p->dv_stride[2]);
+        if (BF16_INPUTS(p))
+            dv_bf16(p, ws, base, Pv, b, h, i0, nq, j0, nk);
         else
 #endif
-            gemm(1, nk, Dv, nq, 1, Pv, BK, dorows, p->dout_stride[2], dvb + j0 * p->dv_stride[2], p->dv_stride[2],
-                 1); /* dv += P^T dO */
+            gemm(1, nk, Dv, nq, 1, Pv, BK,
+                 (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2],
+                 p->dout_stride[2], (real *)p->dv + b * p->dv_stride[0] + hk * p->dv_stride[1] + j0 * p->dv_stride[2],
+                 p->dv_stride[2], 1); /* dv += P^T dO */
     }
     /* per level: dS summed over 2^l blocks, level by level
      * from the one below; then that level's dq, or dk and dw */
@@ -625,31 +627,34 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
         cl_prev = sp.cl;
         const real wl = scale * weight(p, h, l);
         if (want & WANT_Q) {
-            const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
-            real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
 #if HKT_BF16_BACKWARD
-            if (p->bf16_products)
-                dq_bf16(p, ws, base, l, dsl, ldsl, sp.rl, sp.cl, wl, dq + sp.r0 * p->dq_stride[l][2]);
+            if (BF16_INPUTS(p))
+                dq_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.cl, wl, b, h);
             else
 #endif
+            {
+                const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
+                real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
                 gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
                      dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
+            }
         }
         if (want & WANT_KV) {
             const real *G = base + ws->gram + ws->gram_off[l];
             real dws = 0;
             for (int64_t a = 0; a < sp.rl; a++) dws += dot(sp.cl, dsl + a * ldsl, G + a * sp.cl);
             dwacc[l] += scale * dws;
-            const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-            real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
 #if HKT_BF16_BACKWARD
-            if (p->bf16_products)
-                dk_bf16(p, ws, base, l, dsl, ldsl, sp.rl, sp.cl, wl, qb + sp.r0 * p->q_stride[l][2],
-                        dk + sp.c0 * p->dk_stride[l][2]);
+            if (BF16_INPUTS(p))
+                dk_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.c0, sp.cl, wl, b, h);
             else
 #endif
+            {
+                const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+                real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
                 gemm(1, sp.cl, D, sp.rl, wl, dsl, ldsl, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2],
                      dk + sp.c0 * p->dk_stride[l][2], p->dk_stride[l][2], 1);
+            }
         }
     }
 }
@@ -658,7 +663,7 @@ static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real
 static void backward_keys(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t j0,
                           int64_t j1, const real **kt, int64_t *ktld) {
 #if HKT_BF16_BACKWARD
-    if (p->bf16_products) {
+    if (BF16_INPUTS(p)) {
         keys_bf16(p, ws, base, b, h, j0, j1);
         return;
     }
@@ -774,9 +779,15 @@ static void backward_prepare(const hkt_params *p, int64_t b, int64_t h) {
     real *dvb = (real *)p->dv + b * p->dv_stride[0] + hk * p->dv_stride[1];
     if (first_of_group)
         for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
+    real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
+#if HKT_BF16_BACKWARD
+    if (BF16_INPUTS(p)) {
+        delta_bf16(p, b, h, delta);
+        return;
+    }
+#endif
     const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
     const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
-    real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
     for (int64_t i = 0; i < T; i++) delta[i] = dot(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
 }
 

@@ -34,14 +34,6 @@ static inline __attribute__((always_inline)) uint32_t pair_at(const bf16 *x) {
     return u;
 }
 
-/* x rounded to the nearest bfloat16 (ties to even); NaN stays NaN. */
-static inline uint32_t to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
 /* An R x (NV vectors of 16) block of C [+]= A @ B over K2 pairs; the last
  * vector of each row holds the columns `last` selects (a narrower tail).
  * A's pair (r, kk) is the 32-bit word at A + r * ars + kk * aps bytes. */
@@ -105,33 +97,53 @@ static BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t K2, const void *
     }
 }
 
-/* Key rows [j0, j1) of every level as pairs along D: kp[l][dd * ld[l] + c -
- * base_col[l]] = (k_l[c][2dd], k_l[c][2dd + 1]) for the level's columns c. */
-static void pack_keys_bf16(const hkt_params *p, int64_t b, int64_t h, int64_t j0, int64_t j1, float *const *kp,
-                           const int64_t *ld, const int64_t *base_col) {
-    const int64_t D2 = p->D / 2;
-    for (int l = 0; l < p->L; l++) {
-        span sp = level_span(l, 0, 1, j0, j1);
-        const bf16 *kb = (const bf16 *)p->k[l] + b * p->k_stride[l][0] + kv_head(p, h) * p->k_stride[l][1];
-        uint32_t *dst = (uint32_t *)kp[l] + sp.c0 - base_col[l];
-        for (int64_t c = 0; c < sp.cl; c++) {
-            const bf16 *row = kb + (sp.c0 + c) * p->k_stride[l][2];
-            for (int64_t dd = 0; dd < D2; dd++) dst[dd * ld[l] + c] = pair_at(row + 2 * dd);
-        }
+/* Rows of src (n bfloat16 rows of w, w even, lds apart) as pairs along each
+ * row, transposed: word (c2, r) of dst (rows ldd words apart) = (src[r][2 c2],
+ * src[r][2 c2 + 1]).  A GEMM's B for the rows' matrix transposed (keys^T for
+ * the scores, values^T for dP). */
+static void col_pairs(const bf16 *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c2 = 0; c2 < w / 2; c2++) dst[c2 * ldd + r] = pair_at(src + r * lds + 2 * c2);
+}
+
+/* Rows of src (n bfloat16 rows of w, lds apart) interleaved two by two: word
+ * (r2, c) of dst (rows ldd words apart) = (src[2 r2][c], src[2 r2 + 1][c]), the
+ * partner past an odd n zero.  As a GEMM's B it is the rows' matrix (values
+ * for P @ V, keys for dq, queries for dk, dO for dv). */
+static BF16_TARGET void bf16_row_pairs(const bf16 *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst,
+                                       int64_t ldd) {
+    for (int64_t r = 0; r < n; r += 2) {
+        const bf16 *lo = src + r * lds, *hi = r + 1 < n ? lo + lds : NULL;
+        uint32_t *d = dst + r / 2 * ldd;
+        if (hi)
+            for (int64_t c = 0; c < w; c++) d[c] = (uint32_t)lo[c] | (uint32_t)hi[c] << 16;
+        else
+            for (int64_t c = 0; c < w; c++) d[c] = lo[c];
     }
 }
 
-/* Value rows [j0, j1) (j0 even) interleaved in pairs: vp[jj * Dv + e] =
- * (v[j0 + 2jj][e], v[j0 + 2jj + 1][e]), the pair past an odd end zero-padded. */
-static BF16_TARGET void pack_values_bf16(const hkt_params *p, const bf16 *vb, int64_t j0, int64_t j1, uint32_t *vp) {
-    const int64_t Dv = p->Dv, vs = p->v_stride[2];
-    for (int64_t j = j0; j < j1; j += 2) {
-        const bf16 *lo = vb + j * vs, *hi = j + 1 < j1 ? lo + vs : NULL;
-        uint32_t *dst = vp + (j - j0) / 2 * Dv;
-        if (hi)
-            for (int64_t e = 0; e < Dv; e++) dst[e] = (uint32_t)lo[e] | (uint32_t)hi[e] << 16;
-        else
-            for (int64_t e = 0; e < Dv; e++) dst[e] = lo[e];
+/* Key rows [j0, j1) of every level as pairs along D (col_pairs) into kp[l],
+ * rows ld[l] words apart, level l's column c at c - base_col[l]. */
+static void pack_keys_bf16(const hkt_params *p, int64_t b, int64_t h, int64_t j0, int64_t j1, float *const *kp,
+                           const int64_t *ld, const int64_t *base_col) {
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, 0, 1, j0, j1);
+        const bf16 *kb = (const bf16 *)p->k[l] + b * p->k_stride[l][0] + kv_head(p, h) * p->k_stride[l][1];
+        col_pairs(kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2], sp.cl, p->D,
+                  (uint32_t *)kp[l] + sp.c0 - base_col[l], ld[l]);
+    }
+}
+
+/* The Gram blocks q_l k_l^T of query tile [i0, i1) and key tile [j0, j1): the
+ * query rows read as they are, the keys as pairs (kp[l], rows ld[l] apart, from
+ * the tile's first column). */
+static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1, const uint32_t *const *kp, const int64_t *ld) {
+    for (int l = 0; l < p->L; l++) {
+        span sp = level_span(l, i0, i1, j0, j1);
+        const bf16 *qb = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
+        gemm_bf16(sp.rl, sp.cl, p->D / 2, qb + sp.r0 * p->q_stride[l][2], 2 * p->q_stride[l][2], 4, kp[l], ld[l],
+                  base + ws->gram + ws->gram_off[l], sp.cl, 0);
     }
 }
 
@@ -182,21 +194,10 @@ static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int6
     }
 }
 
-/* Rows of src (n rows of w floats, w even, lds apart) rounded, as pairs along
- * each row, transposed: word (c2, r) of dst (rows ldd words apart) =
- * (src[r][2 c2], src[r][2 c2 + 1]).  A GEMM's B for the rows' matrix
- * transposed (keys^T for the scores, values^T for dP). */
-static void col_pairs(const float *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
-    for (int64_t r = 0; r < n; r++) {
-        const float *s = src + r * lds;
-        for (int64_t c2 = 0; c2 < w / 2; c2++) dst[c2 * ldd + r] = to_bf16(s[2 * c2]) | to_bf16(s[2 * c2 + 1]) << 16;
-    }
-}
-
 /* forward_task (hkt_attention_body.h) with bfloat16 inputs. */
 static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
                                           int64_t qt) {
-    const int64_t T = p->T, S = p->S, Dv = p->Dv, D2 = p->D / 2;
+    const int64_t T = p->T, S = p->S, Dv = p->Dv;
     const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
     float *base = (float *)(block + WS_HEADER);
     float *ready = base + ws->keys_ready;
@@ -215,7 +216,7 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
         if (ws->keys_cached) {
             if (!ready[j0 / BK]) {
                 pack_keys_bf16(p, b, h, j0, j1, kall, kld, zero);
-                pack_values_bf16(p, vb, j0, j1, vall + j0 / 2 * Dv);
+                bf16_row_pairs(vb + j0 * p->v_stride[2], p->v_stride[2], nk, Dv, vall + j0 / 2 * Dv, Dv);
                 ready[j0 / BK] = 1;
             }
             for (int l = 0; l < p->L; l++) {
@@ -230,15 +231,10 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
             for (int l = 0; l < p->L; l++) kp[l] = (const uint32_t *)buf[l];
             pack_keys_bf16(p, b, h, j0, j1, buf, ld, col0);
             uint32_t *vt = (uint32_t *)(base + ws->value_tile);
-            pack_values_bf16(p, vb, j0, j1, vt);
+            bf16_row_pairs(vb + j0 * p->v_stride[2], p->v_stride[2], nk, Dv, vt, Dv);
             vp = vt;
         }
-        for (int l = 0; l < p->L; l++) {
-            span sp = level_span(l, i0, i1, j0, j1);
-            const bf16 *qb = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-            gemm_bf16(sp.rl, sp.cl, D2, qb + sp.r0 * p->q_stride[l][2], 2 * p->q_stride[l][2], 4, kp[l], ld[l],
-                      base + ws->gram + ws->gram_off[l], sp.cl, 0);
-        }
+        grams_bf16(p, ws, base, b, h, i0, i1, j0, j1, kp, ld);
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
         rows_to_bf16(base + ws->scores, BK, nq, nk, 1.0f, pb, BK);
@@ -248,79 +244,103 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
 }
 
 void hkt_forward_bf16(const hkt_params *p) { run_forward(p, forward_task_bf16); }
-/* ---- the float32 backward's products in bfloat16 (p->bf16_products) ----
- * Its inputs are float32 arrays holding bfloat16 numbers (hkt upcasts bfloat16
- * for the backward), so rounding q, k, v and dO loses nothing; P and dS are
- * rounded as the forward rounds P.  Each function replaces one gemm of
- * backward_pair / tile_dscores (hkt_attention_body.h), same operands, same
- * accumulation into float32. */
+/* ---- the backward with bfloat16 inputs ----
+ * q, k, v, dO and out bfloat16; lse, the gradients and the float mask float32.
+ * The float32 body's backward runs with these hooks in place of its gemm
+ * calls: same operands, same accumulation into float32, P and dS rounded to
+ * bfloat16 as the forward rounds P. */
 
 /* Key tile [j0, j1) of every level as the scores' B (pairs along D, key_tile)
  * and dq's B (row pairs, key_pairs), and the values as dP's B (values_t). */
 static void keys_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t j0,
                       int64_t j1) {
+    float *buf[HKT_MAX_LEVELS];
+    int64_t ld[HKT_MAX_LEVELS], col0[HKT_MAX_LEVELS];
+    key_tile_place(p, ws, base, j0, j1, buf, ld, col0);
+    pack_keys_bf16(p, b, h, j0, j1, buf, ld, col0);
     const int64_t hk = kv_head(p, h);
     for (int l = 0; l < p->L; l++) {
-        span sp = level_span(l, 0, 1, j0, j1);
-        const float *kb = (const float *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1] +
-                          sp.c0 * p->k_stride[l][2];
-        col_pairs(kb, p->k_stride[l][2], sp.cl, p->D, (uint32_t *)(base + ws->key_tile + ws->key_tile_off[l]), sp.cl);
-        row_pairs(kb, p->k_stride[l][2], sp.cl, p->D, 1.0f, (uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
-                  p->D);
+        const bf16 *kb = (const bf16 *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
+        bf16_row_pairs(kb + col0[l] * p->k_stride[l][2], p->k_stride[l][2], ld[l], p->D,
+                       (uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]), p->D);
     }
-    const float *vb = (const float *)p->v + b * p->v_stride[0] + hk * p->v_stride[1] + j0 * p->v_stride[2];
+    const bf16 *vb = (const bf16 *)p->v + b * p->v_stride[0] + hk * p->v_stride[1] + j0 * p->v_stride[2];
     col_pairs(vb, p->v_stride[2], j1 - j0, p->Dv, (uint32_t *)(base + ws->values_t), BK);
 }
 
-/* The pair's Gram blocks q_l k_l^T (the query rows rounded here, into q_bf16). */
-static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
-                       int64_t i1, int64_t j0, int64_t j1) {
+/* The pair's Gram blocks, from the key tile keys_bf16 packed. */
+static void tile_grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                            int64_t i1, int64_t j0, int64_t j1) {
+    const uint32_t *kp[HKT_MAX_LEVELS];
+    int64_t ld[HKT_MAX_LEVELS];
     for (int l = 0; l < p->L; l++) {
-        span sp = level_span(l, i0, i1, j0, j1);
-        const float *qb = (const float *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] +
-                          sp.r0 * p->q_stride[l][2];
-        bf16 *qr = (bf16 *)(base + ws->q_bf16 + ws->q_off[l]);
-        rows_to_bf16(qb, p->q_stride[l][2], sp.rl, p->D, 1.0f, qr, p->D);
-        gemm_bf16(sp.rl, sp.cl, p->D / 2, qr, 2 * p->D, 4, (const uint32_t *)(base + ws->key_tile + ws->key_tile_off[l]),
-                  sp.cl, base + ws->gram + ws->gram_off[l], sp.cl, 0);
+        kp[l] = (const uint32_t *)(base + ws->key_tile + ws->key_tile_off[l]);
+        ld[l] = level_span(l, 0, 1, j0, j1).cl;
     }
+    grams_bf16(p, ws, base, b, h, i0, i1, j0, j1, kp, ld);
 }
 
-/* dP (nq, BK) = dO V^T. */
-static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *dorows, int64_t nq,
-                    int64_t nk, float *dP) {
-    bf16 *dob = (bf16 *)(base + ws->do_bf16);
-    rows_to_bf16(dorows, p->dout_stride[2], nq, p->Dv, 1.0f, dob, p->Dv);
-    gemm_bf16(nq, nk, p->Dv / 2, dob, 2 * p->Dv, 4, (const uint32_t *)(base + ws->values_t), BK, dP, BK, 0);
+static const bf16 *dout_rows(const hkt_params *p, int64_t b, int64_t h, int64_t i0) {
+    return (const bf16 *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
 }
 
-/* dv rows [j0, j0 + nk) += Pv^T dO: Pv and dO both as row pairs (pairs along
- * the queries, the reduction), Pv read transposed. */
-static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, const float *dorows,
-                    int64_t nq, int64_t nk, float *dv) {
+/* dP (nq, BK) = dO V^T, the dO rows read as they are. */
+static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
+                    int64_t nq, int64_t nk, float *dP) {
+    gemm_bf16(nq, nk, p->Dv / 2, dout_rows(p, b, h, i0), 2 * p->dout_stride[2], 4,
+              (const uint32_t *)(base + ws->values_t), BK, dP, BK, 0);
+}
+
+/* dv rows [j0, j0 + nk) += Pv^T dO: Pv and dO as row pairs (pairs along the
+ * queries, the reduction), Pv read transposed. */
+static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, int64_t b, int64_t h,
+                    int64_t i0, int64_t nq, int64_t j0, int64_t nk) {
     uint32_t *pp = (uint32_t *)(base + ws->p_pairs), *dop = (uint32_t *)(base + ws->do_pairs);
     row_pairs(Pv, BK, nq, nk, 1.0f, pp, BK);
-    row_pairs(dorows, p->dout_stride[2], nq, p->Dv, 1.0f, dop, p->Dv);
+    bf16_row_pairs(dout_rows(p, b, h, i0), p->dout_stride[2], nq, p->Dv, dop, p->Dv);
+    float *dv = (float *)p->dv + b * p->dv_stride[0] + kv_head(p, h) * p->dv_stride[1] + j0 * p->dv_stride[2];
     gemm_bf16(nk, p->Dv, (nq + 1) / 2, pp, 4, 4 * BK, dop, p->Dv, dv, p->dv_stride[2], 1);
 }
 
-/* dq_l rows += wl dS_l k_l: dS_l (rl, cl) scaled and rounded, k_l as row pairs
- * (keys_bf16). */
+/* dq_l rows [r0, r0 + rl) += wl dS_l k_l: dS_l (rl, cl) scaled and rounded,
+ * k_l as row pairs (keys_bf16). */
 static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t rl, int64_t cl, float wl, float *dq) {
+                    int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h) {
     bf16 *ds = (bf16 *)(base + ws->ds_bf16);
     rows_to_bf16(dsl, ldsl, rl, cl, wl, ds, BK);
+    float *dq = (float *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1] + r0 * p->dq_stride[l][2];
     gemm_bf16(rl, p->D, (cl + 1) / 2, ds, 2 * BK, 4, (const uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
               p->D, dq, p->dq_stride[l][2], 1);
 }
 
-/* dk_l rows += wl dS_l^T q_l: dS_l and the query rows q (rl of them) as row
- * pairs, dS_l read transposed. */
+/* dk_l rows [c0, c0 + cl) += wl dS_l^T q_l: dS_l and the query rows [r0, r0 +
+ * rl) as row pairs, dS_l read transposed. */
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t rl, int64_t cl, float wl, const float *q, float *dk) {
+                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h) {
     uint32_t *dsp = (uint32_t *)(base + ws->ds_pairs), *qp = (uint32_t *)(base + ws->q_pairs + ws->q_off[l]);
     row_pairs(dsl, ldsl, rl, cl, wl, dsp, BK);
-    row_pairs(q, p->q_stride[l][2], rl, p->D, 1.0f, qp, p->D);
+    const bf16 *q = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] + r0 * p->q_stride[l][2];
+    bf16_row_pairs(q, p->q_stride[l][2], rl, p->D, qp, p->D);
+    float *dk = (float *)p->dk[l] + b * p->dk_stride[l][0] + kv_head(p, h) * p->dk_stride[l][1] +
+                c0 * p->dk_stride[l][2];
     gemm_bf16(cl, p->D, (rl + 1) / 2, dsp, 4, 4 * BK, qp, p->D, dk, p->dk_stride[l][2], 1);
+}
+
+static inline float bf16_value(bf16 x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* delta[i] = rowsum(dO * out) of (b, h)'s rows, in float32. */
+static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta) {
+    const bf16 *ob = (const bf16 *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
+    for (int64_t i = 0; i < p->T; i++) {
+        const bf16 *o = ob + i * p->out_stride[2], *d = dout_rows(p, b, h, i);
+        float acc = 0;
+        for (int64_t e = 0; e < p->Dv; e++) acc += bf16_value(d[e]) * bf16_value(o[e]);
+        delta[i] = acc;
+    }
 }
 #endif

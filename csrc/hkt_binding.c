@@ -660,9 +660,9 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     int rc = -1;
     memset(p, 0, sizeof *p);
     if ((p->L = level_tuples(qs, ks, "k", &qt, &kt)) < 0) goto done;
-    /* bfloat16 q, k and v (the forward only) compute in float32: w, a float
-     * mask, out and lse are float32, checked against cref */
-    const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0), output);
+    /* bfloat16 q, k and v compute in float32: w, a float mask, lse and the
+     * forward's out are float32, checked against cref */
+    const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0), 1);
     if (!q0) goto done;
     DLTensor cref_f32 = *q0;
     cref_f32.dtype.code = kDLFloat;
@@ -711,7 +711,9 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     {
         int64_t want[4] = {p->B, p->H, p->T, p->Dv};
         const void *ptr;
-        if (take_4d(ot, "out", cref, want, "= (B, H, T, Dv)", 0, output, &ptr, p->out_stride)) goto done;
+        /* the forward writes float32; the backward reads the bfloat16 result */
+        if (take_4d(ot, "out", output ? cref : q0, want, "= (B, H, T, Dv)", 0, output, &ptr, p->out_stride))
+            goto done;
         p->out = (void *)ptr;
         note_span(hd, ot, "out", output);
     }
@@ -931,16 +933,15 @@ static int take_scratch(hkt_params *p, held *hd, PyObject *scratch, const DLTens
 PyDoc_STRVAR(backward_doc,
 "backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, attn_mask=None,\n"
 "         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0,\n"
-"         dmask=None, stream=None, scratch=None, bf16_products=False)\n--\n\n"
+"         dmask=None, stream=None, scratch=None)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
 "(like v) and dw (like w), all C-contiguous and sharing memory with no other\n"
 "argument.  With a float attn_mask, dmask (shaped like it) receives the mask's\n"
 "gradient, summed over its broadcast dimensions.  dropout_p and seed must be\n"
 "the forward's.\n\n"
-"bf16_products: every product takes its operands rounded to bfloat16 (float32\n"
-"sums), for float32 arrays holding bfloat16 numbers; CPU with cpu_has_bf16(),\n"
-"even D and Dv.\n\n"
+"bfloat16 q, k, v, dout and out (CPU, where cpu_has_bf16(), D and Dv even) run\n"
+"natively, with lse, w, a float mask and the gradients float32.\n\n"
 "CUDA arrays: queued on stream, as for forward.  scratch: a C-contiguous\n"
 "array on q's device of at least cuda_scratch_bytes(B, H, T, L, itemsize)\n"
 "bytes, aligned to the real type, sharing memory with no other argument: the\n"
@@ -949,18 +950,17 @@ PyDoc_STRVAR(backward_doc,
 static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw",
                              "attn_mask", "is_causal", "scale", "dropout_p", "seed",
-                             "num_threads", "dmask", "stream", "scratch", "bf16_products", NULL};
+                             "num_threads", "dmask", "stream", "scratch", NULL};
     PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw;
     PyObject *mask = Py_None, *scale = Py_None, *nthreads = NULL, *dmask = Py_None;
     PyObject *stream = Py_None, *scratch = Py_None;
-    int causal = 0, bf16_products = 0;
+    int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOOp:backward", kwlist, &dout, &qs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOO:backward", kwlist, &dout, &qs,
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
-                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch,
-                                     &bf16_products))
+                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch))
         return NULL;
     held hd = {.n = 0};
     hkt_params p;
@@ -972,40 +972,37 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;
-    if (bf16_products) {
-        /* products of bfloat16 numbers held in float32 (hkt's bfloat16 backward) */
-        if (p.dtype != HKT_FLOAT32 || q0->device.device_type != kDLCPU || !hkt_cpu_has_bf16()) {
-            PyErr_SetString(PyExc_TypeError, "bf16_products: needs float32 arrays on a CPU with AVX512_BF16 "
-                            "(hkt._C.cpu_has_bf16())");
-            goto done;
-        }
-        if (p.D % 2 || p.Dv % 2) {
-            PyErr_Format(PyExc_ValueError, "bf16_products: needs even head dimensions, got D = %lld, Dv = %lld",
-                         (long long)p.D, (long long)p.Dv);
-            goto done;
-        }
-        p.bf16_products = 1;
+    if (p.dtype == HKT_BFLOAT16 && p.Dv % 2) {
+        /* dP's products take Dv in pairs */
+        PyErr_Format(PyExc_ValueError, "v: the native bfloat16 backward needs an even value dimension Dv, got "
+                     "%lld; pass float32", (long long)p.Dv);
+        goto done;
     }
+    /* the gradients (and dmask) are float32 when the inputs are bfloat16 */
+    DLTensor cref_f32 = *q0;
+    cref_f32.dtype.code = kDLFloat;
+    cref_f32.dtype.bits = 32;
+    const DLTensor *cref = p.dtype == HKT_BFLOAT16 ? &cref_f32 : q0;
     {
         int64_t want[4] = {p.B, p.H, p.T, p.Dv};
         t = import_array(&hd, dout, "dout");
         if (!t || take_4d(t, "dout", q0, want, "= (B, H, T, Dv)", 0, 0, &p.dout, p.dout_stride)) goto done;
         note_span(&hd, t, "dout", 0);
     }
-    if (take_grads(&hd, dq, "dq", &p, q0, 1, p.dq, p.dq_stride)) goto done;
-    if (take_grads(&hd, dk, "dk", &p, q0, 0, p.dk, p.dk_stride)) goto done;
+    if (take_grads(&hd, dq, "dq", &p, cref, 1, p.dq, p.dq_stride)) goto done;
+    if (take_grads(&hd, dk, "dk", &p, cref, 0, p.dk, p.dk_stride)) goto done;
     {
         int64_t want[4] = {p.B, p.H_kv, p.S, p.Dv};
         const void *ptr;
         t = import_array(&hd, dv, "dv");
-        if (!t || take_4d(t, "dv", q0, want, "like v", 0, 1, &ptr, p.dv_stride)) goto done;
+        if (!t || take_4d(t, "dv", cref, want, "like v", 0, 1, &ptr, p.dv_stride)) goto done;
         p.dv = (void *)ptr;
         note_span(&hd, t, "dv", 1);
     }
     {
         int64_t want[2] = {p.H, p.L};
         t = import_array(&hd, dw, "dw");
-        if (!t || check_real(t, "dw", q0)) goto done;
+        if (!t || check_real(t, "dw", cref)) goto done;
         if (p.w_per_head ? check_shape(t, "dw", want, 2, "= (H, L) like w", 0)
                          : check_shape(t, "dw", want + 1, 1, "= (L,) like w", 0))
             goto done;
@@ -1013,7 +1010,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         p.dw = data_of(t);
         note_span(&hd, t, "dw", 1);
     }
-    if (dmask != Py_None && take_dmask(&p, &hd, dmask, mt, q0)) goto done;
+    if (dmask != Py_None && take_dmask(&p, &hd, dmask, mt, cref)) goto done;
     if (scratch != Py_None && take_scratch(&p, &hd, scratch, q0)) goto done;
     if (check_overlaps(&hd)) goto done;
     rc = run_kernel(&p, 1, q0);

@@ -70,12 +70,10 @@ typedef struct {
     int64_t values_all;     /* one (b, kv head)'s values as row pairs, (ceil(S / 2), Dv) 32-bit words */
     int64_t value_tile;     /* (BK / 2, Dv) words: one tile's values as row pairs */
     int64_t p_bf16;         /* BQ x BK bfloat16: the tile's P, rounded */
-    /* backward with bf16_products only (key_tile and values_t then hold pairs) */
+    /* bfloat16 backward only (key_tile and values_t then hold pairs) */
     int64_t key_pairs;      /* levels: the tile's keys as row pairs, (ceil(cols / 2), D) words each */
-    int64_t q_bf16;         /* levels: the pair's query rows rounded, (rows, D) bfloat16 each */
-    int64_t q_pairs;        /* levels: the same as row pairs, (ceil(rows / 2), D) words each */
-    int64_t do_bf16;        /* (BQ, Dv) bfloat16: the pair's dO rows rounded */
-    int64_t do_pairs;       /* (BQ / 2, Dv) words: the same as row pairs */
+    int64_t q_pairs;        /* levels: the pair's query rows as row pairs, (ceil(rows / 2), D) words each */
+    int64_t do_pairs;       /* (BQ / 2, Dv) words: the pair's dO rows as row pairs */
     int64_t p_pairs;        /* (BQ / 2, BK) words: P as row pairs */
     int64_t ds_bf16;        /* (BQ, BK) bfloat16: one level's scaled dS rounded */
     int64_t ds_pairs;       /* (BQ / 2, BK) words: the same as row pairs */

@@ -72,10 +72,10 @@ def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.d
 
 
 # bfloat16 runs natively (bfloat16 dot products, float32 accumulation) where the
-# CPU has AVX512_BF16 and D is even: the forward takes the bfloat16 arrays as
-# they are; the backward takes them upcast to float32 (exactly) and rounds only
-# P and dS (bf16_products; Dv even too).  Elsewhere bfloat16 is computed in
-# float32.  A module attribute so tests can switch it off.
+# CPU has AVX512_BF16 and D is even (the backward: Dv too): the kernels take the
+# bfloat16 arrays as they are, with w, a float mask, lse and the gradients in
+# float32.  Elsewhere bfloat16 is upcast and computed in float32.  A module
+# attribute so tests can switch it off.
 native_bf16 = bool(_C.cpu_has_bf16())
 
 
@@ -119,10 +119,13 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
-    _C.backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
+    # native: q, k, v, dout and out as they are; w, mask, lse and the gradients float32
+    arg = _feat if _native_bf16(q[0], v.shape[-1] if v.dim() else 1) and dout.dtype == out.dtype == in_dtype \
+        else _arg
+    _C.backward(arg(dout), [arg(x) for x in q], [arg(x) for x in k], arg(v), _arg(w), arg(out),
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
                 is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask), _stream(device),
-                _dl(scratch), _native_bf16(q[0], v.shape[-1] if v.dim() else 1))
+                _dl(scratch))
     dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
