@@ -121,13 +121,42 @@ def test_gradients_agree_with_the_upcast_path(mask):
 
 
 def test_dropout_drops_the_same_entries():
-    _, (q, k, v, w) = bf16_inputs(1, 2, 70, 70, 16, 16, 2)
-    torch.manual_seed(5)
-    native = hkt.hkt_attention(q, k, v, w, dropout_p=0.3)
-    torch.manual_seed(5)
-    upcast = upcast_path(lambda: hkt.hkt_attention(q, k, v, w, dropout_p=0.3))
-    assert (native.float() - upcast.float()).abs().max().item() <= 4 * torch.finfo(BF).eps * \
-        upcast.float().abs().max().item()
+    """Same seed, same dropped entries, forward and backward."""
+    _, (q, k, v, w) = bf16_inputs(1, 2, 70, 70, 16, 16, 2, requires_grad=True)
+    leaves = [*q, *k, v, w]
+
+    def run():
+        torch.manual_seed(5)
+        out = hkt.hkt_attention(q, k, v, w, dropout_p=0.3)
+        return [out, *torch.autograd.grad(out, leaves, torch.ones_like(out))]
+
+    native, upcast = run(), upcast_path(run)
+    for a, b in zip(native, upcast):
+        assert (a.float() - b.float()).abs().max().item() <= 4 * torch.finfo(BF).eps * b.float().abs().max().item()
+
+
+def test_strided_inputs_read_as_they_are():
+    """Rows an odd number of bfloat16 apart (pairs then start off a 4-byte
+    boundary) and every level a view: the same bits as contiguous copies."""
+    _, (q, k, v, w) = bf16_inputs(2, 2, 67, 67, 16, 10, 3, requires_grad=False)
+
+    def widened(x):  # x as a view into rows of length D + 1
+        big = torch.zeros(*x.shape[:-1], x.shape[-1] + 1, dtype=x.dtype)
+        big[..., :-1] = x
+        return big[..., :-1]
+
+    qs, ks, vs = [widened(x).requires_grad_() for x in q], [widened(x).requires_grad_() for x in k], \
+        widened(v).requires_grad_()
+    qc, kc, vc = [x.clone().requires_grad_() for x in q], [x.clone().requires_grad_() for x in k], \
+        v.clone().requires_grad_()
+    assert qs[0].stride(2) % 2 == 1
+    g = torch.randn(2, 2, 67, 10).to(BF)
+    a = hkt.hkt_attention(qs, ks, vs, w, is_causal=True)
+    b = hkt.hkt_attention(qc, kc, vc, w, is_causal=True)
+    assert torch.equal(a, b)
+    ga = torch.autograd.grad(a, [*qs, *ks, vs], g)
+    gb = torch.autograd.grad(b, [*qc, *kc, vc], g)
+    assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
 def raw_forward(q, k, v, w, *, threads=2, key_cache_bytes=-1, causal=False):
