@@ -152,7 +152,8 @@ static inline size_t hkt_cuda_scratch_bytes(int64_t B, int64_t H, int64_t T, int
 
 /* Threads OpenMP would use by default (1 without OpenMP). */
 int hkt_default_threads(void);
-/* Which build of the hot loops this CPU runs: "avx512f", "avx2" or "default". */
+/* Which instruction-set build of the CPU kernels runs: "avx512f", "avx2" or
+ * "default" (hkt_cpu.h, hkt_isa). */
 const char *hkt_cpu_kernels(void);
 /* 1 when this build and this CPU run the bfloat16 forward natively (dtype
  * HKT_BFLOAT16: AVX512_BF16 dot products, float32 accumulation). */

@@ -1,26 +1,56 @@
 /*
  * HKT attention on the CPU: the type-free part.  hkt.h's CPU entry points, the
  * per-thread workspace layout (hkt_cpu.h) and the dispatch to the float32 and
- * float64 kernels, which are one body (hkt_attention_body.h) compiled twice
- * (hkt_cpu_f32.c, hkt_cpu_f64.c).
+ * float64 kernels, which are one body (hkt_attention_body.h) compiled per type
+ * (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set (hkt_isa).
  */
 #include "hkt_cpu.h"
 #include "hkt_dropout.h"
 
+#include <stdlib.h>
 #include <string.h>
 
-const char *hkt_cpu_kernels(void) {
-#if HKT_CLONES
-    /* the order target_clones' resolver tries them in */
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return "avx512f";
-    if (__builtin_cpu_supports("avx2")) return "avx2";
+#define HKT_ISA_TABLE(isa, label, bf16)                                                              \
+    {label, hkt_forward_f32_##isa, hkt_backward_f32_##isa, hkt_decode_f32_##isa, hkt_forward_f64_##isa, \
+     hkt_backward_f64_##isa, hkt_decode_f64_##isa, bf16}
+
+static const hkt_isa_table isa_generic = HKT_ISA_TABLE(generic, "default", NULL);
+#if HKT_ISA_BUILDS
+static const hkt_isa_table isa_avx2 = HKT_ISA_TABLE(avx2, "avx2", NULL);
+#if HKT_BF16_NATIVE
+static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", hkt_forward_bf16_avx512);
+#else
+static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", NULL);
 #endif
-    return "default";
+#endif
+
+static const hkt_isa_table *pick_isa(void) {
+#if HKT_ISA_BUILDS
+    __builtin_cpu_init();
+    const int has512 = __builtin_cpu_supports("avx512f");
+    const int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const char *want = getenv("HKT_CPU_KERNELS"); /* for tests and benchmarks: a narrower set */
+    if (want && strcmp(want, "default") == 0) return &isa_generic;
+    if (want && strcmp(want, "avx2") == 0 && has2) return &isa_avx2;
+    if (has512) return &isa_avx512;
+    if (has2) return &isa_avx2;
+#endif
+    return &isa_generic;
 }
 
+const hkt_isa_table *hkt_isa(void) {
+    /* every thread that races here stores the same pointer */
+    static const hkt_isa_table *volatile chosen = NULL;
+    const hkt_isa_table *t = chosen;
+    if (!t) chosen = t = pick_isa();
+    return t;
+}
+
+const char *hkt_cpu_kernels(void) { return hkt_isa()->name; }
+
 int hkt_cpu_has_bf16(void) {
-#if HKT_BF16_NATIVE
+    if (!hkt_isa()->forward_bf16) return 0;
+#if HKT_ISA_BUILDS
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
@@ -129,15 +159,14 @@ size_t hkt_dw_partial_bytes(const hkt_params *p) {
 }
 
 void hkt_forward_cpu(const hkt_params *p) {
-    if (p->dtype == HKT_FLOAT64) hkt_forward_f64(p);
-#if HKT_BF16_NATIVE
-    else if (p->dtype == HKT_BFLOAT16) hkt_forward_bf16(p);
-#endif
-    else hkt_forward_f32(p);
+    const hkt_isa_table *isa = hkt_isa();
+    if (p->dtype == HKT_FLOAT64) isa->forward_f64(p);
+    else if (p->dtype == HKT_BFLOAT16) isa->forward_bf16(p); /* the binding checked hkt_cpu_has_bf16 */
+    else isa->forward_f32(p);
 }
 
 void hkt_backward_cpu(const hkt_params *p) {
     /* the float32 body runs the bfloat16 backward too (hkt_bf16_body.h's hooks) */
-    if (p->dtype == HKT_FLOAT64) hkt_backward_f64(p);
-    else hkt_backward_f32(p);
+    if (p->dtype == HKT_FLOAT64) hkt_isa()->backward_f64(p);
+    else hkt_isa()->backward_f32(p);
 }

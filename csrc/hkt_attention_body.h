@@ -28,7 +28,7 @@
 /* The backward with bfloat16 inputs (p->dtype HKT_BFLOAT16), float32 build
  * only: hkt_bf16_body.h defines these hooks after this file; each replaces one
  * gemm (or the delta loop) below, reading the bfloat16 arrays itself. */
-#if REAL_IS_FLOAT && HKT_BF16_NATIVE
+#if REAL_IS_FLOAT && HKT_BF16_HERE
 #define HKT_BF16_BACKWARD 1
 static void keys_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t j0,
                       int64_t j1);
@@ -81,10 +81,10 @@ static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
     }
 #define DEFINE_TILE(NAME, R, NV, AIDX) DEFINE_TILE_OF(NAME, R, NV, AIDX, vec, VL)
 
-/* Narrow columns (coarse levels of short sequences): 32- and 16-byte vectors, so
- * only what is left below 4 (2) reals runs scalar. */
-typedef real vech __attribute__((vector_size(32)));
-typedef real vecq __attribute__((vector_size(16)));
+/* Narrow columns (coarse levels of short sequences): half- and quarter-width
+ * vectors, so only what is left below a quarter vector runs scalar. */
+typedef real vech __attribute__((vector_size(HKT_VEC_BYTES / 2)));
+typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
 DEFINE_TILE_OF(tile_8xh, 8, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_1xh, 1, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_t8xh, 8, 1, kk * lda + r, vech, VL / 2)
@@ -95,16 +95,27 @@ DEFINE_TILE_OF(tile_t8xq, 8, 1, kk * lda + r, vecq, VL / 4)
 DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
 
 /* narrower column blocks (coarse levels, small Dv) take more rows, so every
- * block still keeps 16 (8) accumulators busy */
-DEFINE_TILE(tile_4x4, 4, 4, r * lda + kk)
-DEFINE_TILE(tile_1x4, 1, 4, r * lda + kk)
-DEFINE_TILE(tile_8x2, 8, 2, r * lda + kk)
+ * block still keeps 16 (8) accumulators busy.  With 16 vector registers (AVX2,
+ * and the portable build) 16 accumulators would spill: 6 x 2 blocks keep 12
+ * and leave room for the two B vectors and the broadcast. */
+#if HKT_VEC_BYTES == 64 && !defined(HKT_ISA_AVX2)
+#define WIDE_R 4
+#define WIDE_NV 4
+#define MID_R 8
+#else
+#define WIDE_R 6
+#define WIDE_NV 2
+#define MID_R 6
+#endif
+DEFINE_TILE(tile_wide, WIDE_R, WIDE_NV, r * lda + kk)
+DEFINE_TILE(tile_1xwide, 1, WIDE_NV, r * lda + kk)
+DEFINE_TILE(tile_8x2, MID_R, 2, r * lda + kk)
 DEFINE_TILE(tile_1x2, 1, 2, r * lda + kk)
 DEFINE_TILE(tile_8x1, 8, 1, r * lda + kk)
 DEFINE_TILE(tile_1x1, 1, 1, r * lda + kk)
-DEFINE_TILE(tile_t4x4, 4, 4, kk * lda + r)
-DEFINE_TILE(tile_t1x4, 1, 4, kk * lda + r)
-DEFINE_TILE(tile_t8x2, 8, 2, kk * lda + r)
+DEFINE_TILE(tile_twide, WIDE_R, WIDE_NV, kk * lda + r)
+DEFINE_TILE(tile_t1xwide, 1, WIDE_NV, kk * lda + r)
+DEFINE_TILE(tile_t8x2, MID_R, 2, kk * lda + r)
 DEFINE_TILE(tile_t1x2, 1, 2, kk * lda + r)
 DEFINE_TILE(tile_t8x1, 8, 1, kk * lda + r)
 DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
@@ -125,8 +136,8 @@ static HKT_HOT void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alph
             for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
         }                                                                                                \
     }
-    HKT_TILES(4, 4, tile_4x4, tile_1x4, tile_t4x4, tile_t1x4)
-    HKT_TILES(8, 2, tile_8x2, tile_1x2, tile_t8x2, tile_t1x2)
+    HKT_TILES(WIDE_R, WIDE_NV, tile_wide, tile_1xwide, tile_twide, tile_t1xwide)
+    HKT_TILES(MID_R, 2, tile_8x2, tile_1x2, tile_t8x2, tile_t1x2)
     HKT_TILES(8, 1, tile_8x1, tile_1x1, tile_t8x1, tile_t1x1)
 #undef VL
 #define VL (VL_FULL / 2)
@@ -189,10 +200,10 @@ static inline void exp_shift(real *restrict x, int64_t n, real m) {
 }
 
 
-/* x[0..n) added lane-wise into one 64-byte vector (x[c] to lane c % VL): a row
- * sum kept in lanes, reduced once per row at the end (lanes_total), in the same
- * order whatever ISA the clone runs on, so results stay bitwise equal across
- * machines. */
+/* x[0..n) added lane-wise into one vector (x[c] to lane c % VL): a row sum
+ * kept in lanes, reduced once per row at the end (lanes_total), in an order
+ * fixed by the vector width alone: bitwise the same results for any thread
+ * count (the AVX2 and AVX-512 builds, of different widths, differ in rounding). */
 static inline vec row_lanes(const real *restrict x, int64_t n) {
     vec acc = {0};
     int64_t c = 0;

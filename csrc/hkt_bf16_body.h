@@ -9,7 +9,7 @@
  *
  * Not a header of declarations: included by hkt_cpu_f32.c after
  * hkt_attention_body.h (real = float), whose static helpers it calls.  Built
- * only where HKT_BF16_NATIVE (hkt_cpu.h); it runs only where the CPU has the
+ * only into the AVX-512 set (HKT_BF16_HERE, hkt_cpu.h); it runs only where the CPU has the
  * instructions (hkt_cpu_has_bf16, checked by the binding).
  *
  * vdpbf16ps takes its operands as pairs along the reduction: C[i][n] +=
@@ -20,7 +20,7 @@
  * by two.  Both are built once per (b, kv head) when they fit the key cache
  * (keys_all, values_all), else tile by tile.
  */
-#if HKT_BF16_NATIVE
+#if HKT_BF16_HERE
 #include <immintrin.h>
 
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -243,7 +243,7 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
     finish_rows(p, ws, base, b, h, i0, nq, ob);
 }
 
-void hkt_forward_bf16(const hkt_params *p) { run_forward(p, forward_task_bf16); }
+void hkt_forward_bf16_avx512(const hkt_params *p) { run_forward(p, forward_task_bf16); }
 /* ---- the backward with bfloat16 inputs ----
  * q, k, v, dO and out bfloat16; lse, the gradients and the float mask float32.
  * The float32 body's backward runs with these hooks in place of its gemm

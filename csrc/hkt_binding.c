@@ -1776,7 +1776,8 @@ static PyMethodDef methods[] = {
     {"default_threads", py_default_threads, METH_NOARGS, "OpenMP's default thread count."},
     {"cuda_scratch_bytes", py_cuda_scratch_bytes, METH_VARARGS, cuda_scratch_bytes_doc},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS,
-     "Which build of the CPU kernels' hot loops this CPU runs: 'avx512f', 'avx2' or 'default'."},
+     "Which build of the CPU kernels this process runs: 'avx512f', 'avx2' or 'default' (the widest the CPU "
+     "has, or a narrower one named by the environment variable HKT_CPU_KERNELS)."},
     {"cpu_has_bf16", py_cpu_has_bf16, METH_NOARGS,
      "True when forward takes bfloat16 q, k, v natively on this CPU (AVX512_BF16; w, a float mask, out and "
      "lse float32; even D)."},

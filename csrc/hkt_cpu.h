@@ -28,22 +28,42 @@
 /* Bytes at the head of each thread's workspace block, before the reals: per-thread state. */
 #define WS_HEADER 64
 
-/* Compile the hot loops for several ISAs and pick one at load time, so one
- * build runs anywhere and still uses AVX2/AVX-512 where present. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && !defined(HKT_NO_CLONES)
-#define HKT_CLONES 1
-#define HKT_HOT __attribute__((target_clones("avx512f", "avx2", "default")))
+/* The kernels are built once per instruction set, each with vectors as wide
+ * as its registers (HKT_VEC_BYTES), and hkt_attention.c picks one set when
+ * first called (hkt_isa).  The per-type files (hkt_cpu_f32.c, hkt_cpu_f64.c)
+ * are the portable build; hkt_cpu_{f32,f64}_{avx2,avx512}.c include them under
+ * `#pragma GCC target` with HKT_ISA set.  (GCC's target_clones, used before,
+ * builds one source per ISA but with one vector type: 64-byte vectors in the
+ * AVX2 clone have no register mode and ran ~20x slower.) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
+#define HKT_ISA_BUILDS 1
 #else
-#define HKT_CLONES 0
-#define HKT_HOT
+#define HKT_ISA_BUILDS 0
 #endif
+#ifndef HKT_ISA
+#define HKT_ISA generic
+#endif
+#ifndef HKT_VEC_BYTES
+#define HKT_VEC_BYTES 64
+#endif
+#define HKT_HOT
+#define HKT_CAT2(a, b) a##_##b
+#define HKT_CAT(a, b) HKT_CAT2(a, b)
+#define HKT_ISA_NAME(x) HKT_CAT(x, HKT_ISA) /* x_generic, x_avx2, x_avx512 */
 
-/* The native bfloat16 forward (hkt_bf16_body.h) needs GCC's AVX512_BF16
- * intrinsics and target attributes; elsewhere bfloat16 is upcast by the caller. */
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && !defined(HKT_NO_BF16)
+/* The native bfloat16 kernels (hkt_bf16_body.h) need GCC's AVX512_BF16
+ * intrinsics and target attributes, and are built into the AVX-512 set only;
+ * elsewhere bfloat16 is upcast by the caller. */
+#if HKT_ISA_BUILDS && __GNUC__ >= 11 && !defined(HKT_NO_BF16)
 #define HKT_BF16_NATIVE 1
 #else
 #define HKT_BF16_NATIVE 0
+#endif
+/* this translation unit builds them: the AVX-512 set's float32 file */
+#if HKT_BF16_NATIVE && defined(HKT_ISA_AVX512)
+#define HKT_BF16_HERE 1
+#else
+#define HKT_BF16_HERE 0
 #endif
 
 /* One thread's workspace (after WS_HEADER): offsets, in reals, of its regions.
@@ -125,13 +145,34 @@ typedef struct {
 
 hkt_decode_plan_t hkt_decode_plan(const hkt_decode_params *p);
 
-/* The per-type entry points (hkt_cpu_f32.c, hkt_cpu_f64.c). */
-void hkt_forward_f32(const hkt_params *p);
-void hkt_backward_f32(const hkt_params *p);
-void hkt_decode_f32(const hkt_decode_params *p);
-void hkt_forward_f64(const hkt_params *p);
-void hkt_backward_f64(const hkt_params *p);
-void hkt_decode_f64(const hkt_decode_params *p);
-void hkt_forward_bf16(const hkt_params *p);
+/* The per-type entry points of each instruction set's build (hkt_cpu_f32.c,
+ * hkt_cpu_f64.c and their ISA wrappers), gathered in one table per set. */
+typedef struct {
+    const char *name; /* hkt_cpu_kernels(): "avx512f", "avx2", "default" */
+    void (*forward_f32)(const hkt_params *);
+    void (*backward_f32)(const hkt_params *); /* also the bfloat16 backward (avx512f only) */
+    void (*decode_f32)(const hkt_decode_params *);
+    void (*forward_f64)(const hkt_params *);
+    void (*backward_f64)(const hkt_params *);
+    void (*decode_f64)(const hkt_decode_params *);
+    void (*forward_bf16)(const hkt_params *); /* NULL: no native bfloat16 */
+} hkt_isa_table;
+
+/* The set this process runs: the widest the CPU has, or the one the
+ * environment variable HKT_CPU_KERNELS names ("avx512f", "avx2", "default")
+ * if the CPU has it; chosen at the first call. */
+const hkt_isa_table *hkt_isa(void);
+
+#define HKT_DECLARE_ISA(isa)                                                                \
+    void hkt_forward_f32_##isa(const hkt_params *p);                                      \
+    void hkt_backward_f32_##isa(const hkt_params *p);                                     \
+    void hkt_decode_f32_##isa(const hkt_decode_params *p);                                \
+    void hkt_forward_f64_##isa(const hkt_params *p);                                      \
+    void hkt_backward_f64_##isa(const hkt_params *p);                                     \
+    void hkt_decode_f64_##isa(const hkt_decode_params *p);
+HKT_DECLARE_ISA(generic)
+HKT_DECLARE_ISA(avx2)
+HKT_DECLARE_ISA(avx512)
+void hkt_forward_bf16_avx512(const hkt_params *p);
 
 #endif

@@ -1,5 +1,7 @@
 /* The CPU kernels in float32: the attention and decoding bodies with real = float,
- * and the bfloat16 forward, which computes in float32 and shares their helpers. */
+ * and (in the AVX-512 build) the bfloat16 kernels, which compute in float32 and
+ * share their helpers.  Built as it is (the portable set) and by
+ * hkt_cpu_f32_avx2.c / hkt_cpu_f32_avx512.c for their instruction sets. */
 #include <math.h>
 
 typedef float real;
@@ -10,6 +12,6 @@ typedef float real;
 #include "hkt_decode_body.h"
 #include "hkt_bf16_body.h"
 
-void hkt_forward_f32(const hkt_params *p) { forward(p); }
-void hkt_backward_f32(const hkt_params *p) { backward(p); }
-void hkt_decode_f32(const hkt_decode_params *p) { decode(p); }
+void HKT_ISA_NAME(hkt_forward_f32)(const hkt_params *p) { forward(p); }
+void HKT_ISA_NAME(hkt_backward_f32)(const hkt_params *p) { backward(p); }
+void HKT_ISA_NAME(hkt_decode_f32)(const hkt_decode_params *p) { decode(p); }

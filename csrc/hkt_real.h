@@ -12,22 +12,36 @@
 #include <stdint.h>
 #include <string.h>
 
-/* One 64-byte vector: a zmm register with AVX-512, two ymm with AVX2. */
-#define VL_FULL ((int64_t)(64 / sizeof(real)))
+/* One vector of HKT_VEC_BYTES (hkt_cpu.h): as wide as the registers of the
+ * instruction set the translation unit is built for -- a zmm with AVX-512, a
+ * ymm with AVX2.  A vector wider than the registers has no machine mode and
+ * lives in memory (GCC gives it BLKmode): 64-byte vectors built for AVX2 ran
+ * ~20x slower than these. */
+#define VL_FULL ((int64_t)(HKT_VEC_BYTES / sizeof(real)))
 #define VL VL_FULL
-typedef real vec __attribute__((vector_size(64)));
-#if REAL_IS_FLOAT
+typedef real vec __attribute__((vector_size(HKT_VEC_BYTES)));
+#if REAL_IS_FLOAT && HKT_VEC_BYTES == 64
 typedef int32_t ivec __attribute__((vector_size(64)));
 static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 static const ivec dup_hi = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
 static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+#elif HKT_VEC_BYTES == 64 || REAL_IS_FLOAT /* 8 lanes: 64-byte doubles, 32-byte floats */
+#if REAL_IS_FLOAT
+typedef int32_t ivec __attribute__((vector_size(32))); /* shuffle masks: integers as wide as the reals */
 #else
 typedef int64_t ivec __attribute__((vector_size(64)));
+#endif
 static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3};
 static const ivec dup_hi = {4, 4, 5, 5, 6, 6, 7, 7};
 static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14};
 static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15};
+#else /* 32-byte doubles: 4 lanes */
+typedef int64_t ivec __attribute__((vector_size(32)));
+static const ivec dup_lo = {0, 0, 1, 1};
+static const ivec dup_hi = {2, 2, 3, 3};
+static const ivec even = {0, 2, 4, 6};
+static const ivec odd = {1, 3, 5, 7};
 #endif
 
 static inline __attribute__((always_inline)) vec vload(const real *p) {

@@ -1,0 +1,75 @@
+"""Every instruction-set build of the CPU kernels (hkt_cpu.h: AVX-512, AVX2 and
+the portable one, each with vectors as wide as its registers) against the
+float64 reference: forward, backward and decoding, float32 and float64,
+bitwise the same for any thread count.  The build is chosen once per process,
+so each runs in a subprocess with HKT_CPU_KERNELS naming it; a set this CPU
+lacks falls back to the widest it has, and is skipped."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import hkt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import hkt
+from hkt.reference import hkt_attention_reference as reference
+from helpers import sample_inputs, with_threads
+
+res = {"kernels": hkt._C.cpu_kernels(), "errors": {}, "same_bits": True}
+for dtype in (torch.float32, torch.float64):
+    # awkward sizes: tails of every tile width, coarse levels, grouped kv heads
+    for (B, H, T, S, D, Dv, L, kv, causal) in [(2, 4, 97, 130, 13, 7, 3, 2, False), (1, 2, 200, 200, 64, 64, 3, 1, True),
+                                                 (1, 3, 33, 33, 5, 3, 4, None, True)]:
+        q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=dtype, requires_grad=True, kv_heads=kv)
+        g = torch.randn(B, H, T, Dv, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        leaves = [*q, *k, v, w]
+
+        def run():
+            out = hkt.hkt_attention(q, k, v, w, is_causal=causal)
+            return [out, *torch.autograd.grad(out, leaves, g)]
+
+        got = run()
+        leaves64 = [x.detach().double().requires_grad_() for x in leaves]
+        out64 = reference(leaves64[:L], leaves64[L:2 * L], leaves64[2 * L], leaves64[2 * L + 1], is_causal=causal)
+        want = [out64, *torch.autograd.grad(out64, leaves64, g.double())]
+        err = max(((a.double() - b).abs().max() / (1 + b.abs().max())).item() for a, b in zip(got, want))
+        res["errors"][f"{dtype} T={T} L={L}"] = err
+        for n in (1, 3):
+            res["same_bits"] &= all(torch.equal(a, b) for a, b in zip(with_threads(n, run), got))
+    # decoding: one call over a cache against the causal forward's last row
+    q, k, v, w = sample_inputs(1, 4, 40, 40, 16, 8, 3, dtype=dtype)
+    full = hkt.hkt_attention(q, k, v, w, is_causal=True)
+    with torch.no_grad():
+        last = hkt.hkt_attention_with_kvcache([x[:, :, (39 >> l):(39 >> l) + 1] for l, x in enumerate(q)], k, v, w, 39)
+    res["errors"][f"{dtype} decode"] = (last[:, :, 0] - full[:, :, 39]).abs().max().item()
+print(json.dumps(res))
+"""
+
+
+def run_with(kernels):
+    env = {**os.environ, "HKT_CPU_KERNELS": kernels}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, HERE], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kernels", ["avx512f", "avx2", "default"])
+def test_every_build_matches_the_reference(kernels):
+    res = run_with(kernels)
+    if res["kernels"] != kernels:
+        pytest.skip(f"this CPU or build has no {kernels} kernels (runs {res['kernels']})")
+    for case, err in res["errors"].items():
+        tol = 5e-5 if "float32" in case else 1e-12
+        assert err <= tol, (kernels, case, err)
+    assert res["same_bits"], f"{kernels}: results depend on the thread count"
+
+
+def test_unknown_choice_falls_back_to_the_widest():
+    assert run_with("no-such-set")["kernels"] == hkt._C.cpu_kernels()
