@@ -799,7 +799,7 @@ static void backward_prepare(const hkt_params *p, int64_t b, int64_t h) {
 #endif
     const real *ob = (const real *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
     const real *dob = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1];
-    for (int64_t i = 0; i < T; i++) delta[i] = dot(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
+    for (int64_t i = 0; i < T; i++) delta[i] = dot_exact(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
 }
 
 /* Two schedules, bitwise equal results:

@@ -333,14 +333,14 @@ static inline float bf16_value(bf16 x) {
     return f;
 }
 
-/* delta[i] = rowsum(dO * out) of (b, h)'s rows, in float32. */
+/* delta[i] = rowsum(dO * out) of (b, h)'s rows, summed in double (dot_exact). */
 static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta) {
     const bf16 *ob = (const bf16 *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
     for (int64_t i = 0; i < p->T; i++) {
         const bf16 *o = ob + i * p->out_stride[2], *d = dout_rows(p, b, h, i);
-        float acc = 0;
-        for (int64_t e = 0; e < p->Dv; e++) acc += bf16_value(d[e]) * bf16_value(o[e]);
-        delta[i] = acc;
+        double acc = 0;
+        for (int64_t e = 0; e < p->Dv; e++) acc += (double)bf16_value(d[e]) * (double)bf16_value(o[e]);
+        delta[i] = (float)acc;
     }
 }
 #endif

@@ -59,6 +59,17 @@ static inline real dot(int64_t n, const real *restrict x, const real *restrict y
     return acc;
 }
 
+/* <x, y> summed in double: the backward's delta = rowsum(dO * out), which dS =
+ * P (dP - delta) subtracts from a number of about its size, so its rounding
+ * error is magnified there; a double sum leaves one rounding, whatever the
+ * vector width (the builds of different ISAs sum in different orders). */
+static inline real dot_exact(int64_t n, const real *restrict x, const real *restrict y) {
+    double acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t e = 0; e < n; e++) acc += (double)x[e] * (double)y[e];
+    return (real)acc;
+}
+
 /* exp(x) for x <= 0 (the softmax's exp(score - max), or exp(score - lse) in the
  * backward); -inf gives exactly 0, NaN stays NaN. */
 #if REAL_IS_FLOAT
