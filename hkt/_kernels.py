@@ -85,7 +85,7 @@ def _native_bf16(q0: Tensor, dv: int = 0) -> bool:
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The kernels run in float32 or float64; bfloat16 inputs are computed in float32."""
+    """The dtype of the kernels' outputs and sums: float32 or float64 (float32 for bfloat16 inputs)."""
     return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
