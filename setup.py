@@ -37,7 +37,8 @@ openmp = os.environ.get("HKT_NO_OPENMP", "0") != "1"
 
 # -fno-trapping-math: FP operations raise no traps we rely on, so GCC may compute
 # both sides of a select and vectorise branchy loops (the softmax's exp) without
-# AVX-512's masks; it changes no computed value (no reassociation, unlike -ffast-math)
+# AVX-512's masks -- with AVX2 it kept that loop scalar; it changes no computed
+# value (no reassociation, unlike -ffast-math)
 cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi", "-fno-trapping-math"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
 ldflags = []

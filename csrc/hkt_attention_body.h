@@ -95,10 +95,10 @@ DEFINE_TILE_OF(tile_t8xq, 8, 1, kk * lda + r, vecq, VL / 4)
 DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
 
 /* narrower column blocks (coarse levels, small Dv) take more rows, so every
- * block still keeps 16 (8) accumulators busy.  With 16 vector registers (AVX2,
- * and the portable build) 16 accumulators would spill: 6 x 2 blocks keep 12
- * and leave room for the two B vectors and the broadcast. */
-#if HKT_VEC_BYTES == 64 && !defined(HKT_ISA_AVX2)
+ * block still keeps 16 (8) accumulators busy.  With AVX2's 16 vector registers
+ * 16 accumulators would spill: 6 x 2 blocks keep 12 and leave room for the two
+ * B vectors and the broadcast. */
+#if HKT_VEC_BYTES == 64
 #define WIDE_R 4
 #define WIDE_NV 4
 #define MID_R 8
@@ -109,19 +109,19 @@ DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
 #endif
 DEFINE_TILE(tile_wide, WIDE_R, WIDE_NV, r * lda + kk)
 DEFINE_TILE(tile_1xwide, 1, WIDE_NV, r * lda + kk)
-DEFINE_TILE(tile_8x2, MID_R, 2, r * lda + kk)
+DEFINE_TILE(tile_mid, MID_R, 2, r * lda + kk)
 DEFINE_TILE(tile_1x2, 1, 2, r * lda + kk)
 DEFINE_TILE(tile_8x1, 8, 1, r * lda + kk)
 DEFINE_TILE(tile_1x1, 1, 1, r * lda + kk)
 DEFINE_TILE(tile_twide, WIDE_R, WIDE_NV, kk * lda + r)
 DEFINE_TILE(tile_t1xwide, 1, WIDE_NV, kk * lda + r)
-DEFINE_TILE(tile_t8x2, MID_R, 2, kk * lda + r)
+DEFINE_TILE(tile_tmid, MID_R, 2, kk * lda + r)
 DEFINE_TILE(tile_t1x2, 1, 2, kk * lda + r)
 DEFINE_TILE(tile_t8x1, 8, 1, kk * lda + r)
 DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
 
-static HKT_HOT void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const real *A,
-                             int64_t lda, const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
+static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const real *A,
+                 int64_t lda, const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
     /* row i of op(A) starts at A + i * as, and op(A)[i][kk] = A[i * as + kk * ks] */
     const int64_t as = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
     int64_t j = 0;
@@ -137,7 +137,7 @@ static HKT_HOT void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alph
         }                                                                                                \
     }
     HKT_TILES(WIDE_R, WIDE_NV, tile_wide, tile_1xwide, tile_twide, tile_t1xwide)
-    HKT_TILES(MID_R, 2, tile_8x2, tile_1x2, tile_t8x2, tile_t1x2)
+    HKT_TILES(MID_R, 2, tile_mid, tile_1x2, tile_tmid, tile_t1x2)
     HKT_TILES(8, 1, tile_8x1, tile_1x1, tile_t8x1, tile_t1x1)
 #undef VL
 #define VL (VL_FULL / 2)
@@ -196,8 +196,6 @@ static inline void exp_shift(real *restrict x, int64_t n, real m) {
         for (int64_t c = 0; c < n; c++) x[c] = x[c] == -INFINITY ? 0 : NAN;
         return;
     }
-    /* vectorised with AVX2's blends too (GCC's cost model alone kept it scalar there) */
-#pragma omp simd
     for (int64_t c = 0; c < n; c++) x[c] = exp_nonpos(x[c] - m);
 }
 
@@ -291,8 +289,8 @@ static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, 
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1);
 
-static HKT_HOT void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
-                                int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
+static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                        int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
 #if HKT_BF16_BACKWARD
     if (BF16_INPUTS(p)) {
         tile_grams_bf16(p, ws, base, b, h, i0, i1, j0, j1);
@@ -311,8 +309,8 @@ static HKT_HOT void tile_scores(const hkt_params *p, const ws_layout *ws, real *
 
 /* The tile's scores from its Gram blocks (in ws->gram, however they were
  * computed): the fold described above, then the masks. */
-static HKT_HOT void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
-                              int64_t i1, int64_t j0, int64_t j1) {
+static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                      int64_t i1, int64_t j0, int64_t j1) {
     const int64_t nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
     real *S = base + ws->scores, *tmp = base + ws->row_tmp;
@@ -401,8 +399,8 @@ static void start_task(const hkt_params *p, const ws_layout *ws, char *block, in
  * into P (dropped out, with dropout) in place, rescales what the out rows hold
  * so far and updates each row's running max and lane sums.  The caller then
  * adds P @ V to the out rows. */
-static HKT_HOT void softmax_update(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
-                                   int64_t i0, int64_t nq, int64_t j0, int64_t nk, real *ob) {
+static void softmax_update(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                           int64_t i0, int64_t nq, int64_t j0, int64_t nk, real *ob) {
     const int use_dropout = p->dropout_p > 0;
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
     const real kf = (real)keep_scale(p->dropout_p);
@@ -459,8 +457,8 @@ static void finish_rows(const hkt_params *p, const ws_layout *ws, real *base, in
 /* forward: one task per (b, h, query tile); each task owns its out rows.  The
  * transposed keys of the current (b, h) stay in the thread's workspace, so each
  * key tile is transposed once per thread, not once per query tile. */
-static HKT_HOT void forward_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
-                                 int64_t qt) {
+static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
+                         int64_t qt) {
     const int64_t T = p->T, S = p->S, Dv = p->Dv;
     const int64_t i0 = qt * BQ, i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
     real *base = (real *)(block + WS_HEADER);
@@ -522,9 +520,9 @@ static void forward(const hkt_params *p) { run_forward(p, forward_task); }
  * Leaves the tile's scores' Gram blocks in gram (for dw), P in scores, dS
  * (nq, BK, before the scale) in dscores and, with dropout, the dropped P in
  * pdrop; returns the P that weighed v (scores or pdrop). */
-static HKT_HOT const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
-                                        int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
-                                        const int64_t *ktld) {
+static const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
+                                const int64_t *ktld) {
     const int64_t T = p->T, S = p->S, Dv = p->Dv, nq = i1 - i0, nk = j1 - j0;
     real *Sb = base + ws->scores, *dP = base + ws->dscores, *Vt = base + ws->values_t, *Pd = base + ws->pdrop;
     const real *delta = (const real *)p->dw_partial + (b * p->H + h) * T; /* shared (B, H, T) */
@@ -589,9 +587,9 @@ static HKT_HOT const real *tile_dscores(const hkt_params *p, const ws_layout *ws
  * with neither it only leaves dS in dscores (for the mask's gradient).
  * kt/ktld are the key tile's transposed keys, values_t (Dv, BK) its transposed values.
  * All gradients accumulate: the caller orders the pairs. */
-static HKT_HOT void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
-                                  int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
-                                  const int64_t *ktld, int want, real *dwacc) {
+static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                          int64_t i0, int64_t i1, int64_t j0, int64_t j1, const real *const *kt,
+                          const int64_t *ktld, int want, real *dwacc) {
     const int64_t D = p->D, Dv = p->Dv, nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
     const real scale = (real)p->scale;

@@ -148,8 +148,8 @@ static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, in
 }
 
 /* dst = alpha * src rounded to bfloat16 (nearest even): n rows of w floats
- * (lds apart) to n rows lds_dst bfloat16 apart, each zero-padded to an even
- * length so its last pair is whole. */
+ * (lds apart) to n rows ldd bfloat16 apart, each zero-padded to an even length
+ * so its last pair is whole. */
 static BF16_TARGET void rows_to_bf16(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, bf16 *dst,
                                      int64_t ldd) {
     const __m512 a = _mm512_set1_ps(alpha);

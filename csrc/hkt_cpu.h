@@ -31,22 +31,27 @@
 /* The kernels are built once per instruction set, each with vectors as wide
  * as its registers (HKT_VEC_BYTES), and hkt_attention.c picks one set when
  * first called (hkt_isa).  The per-type files (hkt_cpu_f32.c, hkt_cpu_f64.c)
- * are the portable build; hkt_cpu_{f32,f64}_{avx2,avx512}.c include them under
- * `#pragma GCC target` with HKT_ISA set.  (GCC's target_clones, used before,
- * builds one source per ISA but with one vector type: 64-byte vectors in the
- * AVX2 clone have no register mode and ran ~20x slower.) */
+ * are the portable build; hkt_cpu_{f32,f64}_{avx2,avx512}.c define
+ * HKT_ISA_AVX2 or HKT_ISA_AVX512 and include them through hkt_isa.h, which
+ * turns the instruction set on.  (GCC's target_clones, used before, builds one
+ * source per ISA but with one vector type: 64-byte vectors in the AVX2 clone
+ * have no register mode and ran ~20x slower.)  HKT_ISA_BUILDS is 0 where GCC's
+ * x86-64 target pragma is not available; the portable build then serves alone. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
 #define HKT_ISA_BUILDS 1
 #else
 #define HKT_ISA_BUILDS 0
 #endif
-#ifndef HKT_ISA
+#if HKT_ISA_BUILDS && defined(HKT_ISA_AVX512)
+#define HKT_ISA avx512
+#define HKT_VEC_BYTES 64
+#elif HKT_ISA_BUILDS && defined(HKT_ISA_AVX2)
+#define HKT_ISA avx2
+#define HKT_VEC_BYTES 32
+#else
 #define HKT_ISA generic
-#endif
-#ifndef HKT_VEC_BYTES
 #define HKT_VEC_BYTES 64
 #endif
-#define HKT_HOT
 #define HKT_CAT2(a, b) a##_##b
 #define HKT_CAT(a, b) HKT_CAT2(a, b)
 #define HKT_ISA_NAME(x) HKT_CAT(x, HKT_ISA) /* x_generic, x_avx2, x_avx512 */

@@ -1,6 +1,6 @@
 /* The float64 kernels built for AVX2 + FMA, 32-byte vectors (hkt_isa.h, hkt_cpu.h). */
 #define HKT_ISA_AVX2 1
 #include "hkt_isa.h"
-#if HKT_BUILD_THIS_ISA
+#if HKT_ISA_BUILDS
 #include "hkt_cpu_f64.c"
 #endif

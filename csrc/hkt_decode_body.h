@@ -102,8 +102,8 @@ static inline __attribute__((always_inline)) void chunk_scores(const hkt_decode_
 
 /* Task (b, h, chunk c): for each new row i that sees the chunk, its max score,
  * sum of exp(score - max) and unnormalised output, into slot (b, h, i, c). */
-static HKT_HOT void chunk_task(const hkt_decode_params *p, const hkt_decode_plan_t *pl, real *restrict scratch,
-                                   real *restrict part, int64_t b, int64_t h, int64_t c) {
+static void chunk_task(const hkt_decode_params *p, const hkt_decode_plan_t *pl, real *restrict scratch,
+                       real *restrict part, int64_t b, int64_t h, int64_t c) {
     const int64_t C = pl->C, nch = pl->nch, Dv = p->Dv, hk = h / (p->H / p->H_kv), j0 = c * C;
     const real *vb = (const real *)p->v_cache + b * p->v_cache_stride[0] + hk * p->v_cache_stride[1];
     const int64_t ldv = p->v_cache_stride[2];

@@ -1,24 +1,16 @@
 /*
  * hkt_isa.h -- included first by the instruction-set builds of the CPU kernels
  * (hkt_cpu_{f32,f64}_{avx2,avx512}.c), which define HKT_ISA_AVX2 or
- * HKT_ISA_AVX512 before it: turns on that instruction set for the rest of the
- * translation unit and sets the vector width and name the kernels are built
- * with (hkt_cpu.h).  HKT_BUILD_THIS_ISA is 0 where GCC's x86-64 target pragma
- * is not available; the portable build then serves alone.
+ * HKT_ISA_AVX512 before it: turns that instruction set on for the rest of the
+ * translation unit (hkt_cpu.h sets the vector width and names from the same
+ * macros).  Where HKT_ISA_BUILDS is 0 the file builds nothing.
  */
-#include "hkt.h"
+#include "hkt_cpu.h"
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
-#define HKT_BUILD_THIS_ISA 1
+#if HKT_ISA_BUILDS
 #if defined(HKT_ISA_AVX512)
 #pragma GCC target("avx512f")
-#define HKT_ISA avx512
-#define HKT_VEC_BYTES 64
 #else
 #pragma GCC target("avx2,fma")
-#define HKT_ISA avx2
-#define HKT_VEC_BYTES 32
 #endif
-#else
-#define HKT_BUILD_THIS_ISA 0
 #endif

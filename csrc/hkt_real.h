@@ -92,12 +92,7 @@ static inline float exp_nonpos(float x) {
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    /* every value computed unconditionally, then selected: with GCC's default
-     * -ftrapping-math a product inside a branch keeps the loop from being
-     * if-converted, and without AVX-512's masks the loop then stays scalar */
-    const float e = p * scale;
-    const float finite = x == x ? e : x;
-    return x < -87.0f ? 0.0f : finite;
+    return x < -87.0f ? 0.0f : (x == x ? p * scale : x);
 }
 #else
 static inline double exp_nonpos(double x) { return exp(x); }

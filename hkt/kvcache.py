@@ -285,8 +285,9 @@ class _Constants:
         first), so that one product with the state, summed, gives both streams'
         next element.
     stacked: per level l >= 1, when query and key projections have the same
-        shape (no grouped kv heads), (weights (2, E, E), bias (2, 1, E) or None):
-        both projections in one batched matmul; else None.
+        shape (no grouped kv heads) and both or neither have a bias, (weights
+        (2, E, E), bias (2, 1, E) or None): both projections in one batched
+        matmul; else None.
     """
 
     def __init__(self, mha) -> None:
@@ -297,10 +298,10 @@ class _Constants:
         for l in range(1, mha.levels):
             self.taps.append(torch.stack([mha.q_downsample[l - 1].flip(0), mha.k_downsample[l - 1].flip(0)]))
             cwq, cbq, cwk, cbk = self.projs[l]
-            if cwq.shape != cwk.shape:
+            if cwq.shape != cwk.shape or (cbq is None) != (cbk is None):
                 self.stacked.append(None)
                 continue
-            bias = None if cbq is None or cbk is None else torch.stack([cbq, cbk]).unsqueeze(1)
+            bias = None if cbq is None else torch.stack([cbq, cbk]).unsqueeze(1)
             self.stacked.append((torch.stack([cwq.t(), cwk.t()]), bias))
 
 
