@@ -10,10 +10,12 @@ Correctness (float64, on the device, against hkt.reference on the same device):
 the "kernels" and "sdpa" backends, out and every gradient (q[l], k[l], v, w and a
 float mask's), no mask / bool mask / float mask, causal or not; bitwise
 repeatability of the kernels' forward+backward; bfloat16 at the timed size
-against a float32 result.  Any failure makes the exit status 1.
+(kernels, tensor-core forward, sdpa) against a float32 result; and
+tests/test_cuda.py's GPU tests, the tensor-core forward's among them.  Any failure makes the exit status 1.
 
 Timing (bfloat16, causal, B=4 H=16 T=S=4096 D=Dv=64 L=3 unless --quick):
-forward and forward+backward of hkt_attention(backend="kernels"), of
+forward and forward+backward of hkt_attention(backend="kernels"), the same with
+the bfloat16 tensor-core forward switched on (its backward is float32), of
 backend="sdpa", of the sdpa construction with v zero-padded to L*D (so that
 FlashAttention can take it: it wants equal head dims), and of plain SDPA with
 FlashAttention on one level (q[0], k[0], v) as the yardstick.  Medians of CUDA-
@@ -37,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import hkt  # noqa: E402
-from hkt import _C, _sdpa, functional  # noqa: E402
+from hkt import _C, _kernels, _sdpa, functional  # noqa: E402
 from hkt.reference import hkt_attention_reference as reference  # noqa: E402
 
 START = time.monotonic()
@@ -74,7 +76,8 @@ class Report:
 def machine(device):
     info = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": platform.python_version(),
             "hkt_has_cuda": bool(_C.has_cuda), "hkt_extension": _C.__file__,
-            "cuda_kernels_preferred": functional._CUDA_KERNELS_PREFERRED}
+            "cuda_kernels_preferred": functional._CUDA_KERNELS_PREFERRED,
+            "cuda_tensor_cores_default": _kernels.cuda_tensor_cores}
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         info.update(gpu=p.name, capability=f"sm_{p.major}{p.minor}", gpu_memory_gib=round(p.total_memory / 2**30, 1),
@@ -187,15 +190,38 @@ def check_bf16_at_size(rep, device, size):
         want = _sdpa.sdpa_attention([x.float() for x in q], [x.float() for x in k], v.float(), w.float(), None,
                                     True, None)
         res = {}
-        for backend in ("kernels", "sdpa"):
-            if backend == "kernels" and device.type == "cuda" and not _C.has_cuda:
+        for backend in ("kernels", "kernels, tensor cores", "sdpa"):
+            if backend.startswith("kernels") and device.type == "cuda" and not _C.has_cuda:
                 continue
-            got = hkt.hkt_attention(q, k, v, w, is_causal=True, backend=backend)
+            if backend == "kernels, tensor cores" and not _tensor_cores_apply(q, v, device):
+                continue
+            with tensor_cores(backend == "kernels, tensor cores"):
+                got = hkt.hkt_attention(q, k, v, w, is_causal=True, backend=backend.split(",")[0])
             res[backend] = rel_err(got, want)
             if not res[backend] < 5e-2:
                 rep.fail(f"bfloat16 {backend} at the timed size: relative error {res[backend]:.3g} against float32")
     rep.set("bfloat16_vs_float32_at_timed_size", res)
     log(f"bfloat16 at the timed size: {res}")
+
+
+class tensor_cores:
+    """hkt's bfloat16 tensor-core forward on (or off) inside the block: it is
+    opt-in (hkt._kernels.cuda_tensor_cores) until this check has passed."""
+
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.was, _kernels.cuda_tensor_cores = _kernels.cuda_tensor_cores, self.on
+
+    def __exit__(self, *exc):
+        _kernels.cuda_tensor_cores = self.was
+
+
+def _tensor_cores_apply(q, v, device):
+    """whether a bfloat16 forward of these inputs would take the tensor-core kernel"""
+    with tensor_cores(True):
+        return device.type == "cuda" and _C.has_cuda and _kernels._cuda_tc(q, v, 0.0)
 
 
 def sync(device):
@@ -233,6 +259,11 @@ def candidates(q, k, v, w, device):
     c = {}
     if _C.has_cuda or device.type == "cpu":
         c["hkt kernels"] = lambda: hkt.hkt_attention(q, k, v, w, is_causal=True, backend="kernels")
+    if _tensor_cores_apply(q, v, device):
+        def tc():
+            with tensor_cores(True):
+                return hkt.hkt_attention(q, k, v, w, is_causal=True, backend="kernels")
+        c["hkt kernels, tensor-core forward"] = tc
     c["hkt sdpa"] = lambda: hkt.hkt_attention(q, k, v, w, is_causal=True, backend="sdpa")
 
     def padded():

@@ -1,5 +1,6 @@
 /*
- * HKT attention on CUDA: forward and backward, float32 and float64.
+ * HKT attention on CUDA: forward and backward, float32 and float64; forward,
+ * bfloat16 on tensor cores.
  *
  * Shapes (see hkt.h): q[l] (B, H, ceil(T/2^l), D), k[l] (B, H_kv, ceil(S/2^l), D),
  * v (B, H_kv, S, Dv), w (H, L) or (L,); out (B, H, T, Dv), lse (B, H, T).
@@ -8,7 +9,9 @@
  * field for field, as hkt_attention.c; every pointer in hkt_params is a device
  * pointer on p->device_id.
  *
- * Written to be plainly right rather than fast (the CPU file is the fast one):
+ * bfloat16 (forward only) goes to tc_forward_kernel, on tensor cores (its
+ * comment, below).  The float32 and float64 kernels are written to be plainly
+ * right rather than fast (the CPU file is the fast one):
  *
  *   forward   one warp per query row i; its 32 lanes take 32 keys at a time,
  *             each lane computes its key's full score, the warp runs the online
@@ -34,10 +37,11 @@
  * the same in all its lanes (loop bounds, and the butterfly max and sum), so a
  * NaN in one lane cannot split the warp before a shuffle or __syncwarp.
  *
- * Unlike the CPU kernels, the score of every (i, j) is computed from all L
- * levels (T*S*D*L multiply-adds, not the T*S*D*sum 4^-l of docs/contract.md
- * section 1.6): sharing a coarse level's product across its 2^l x 2^l block
- * would need a tiled kernel, which this file leaves for later.
+ * Unlike the CPU kernels and tc_forward_kernel, the float32 and float64
+ * kernels compute the score of every (i, j) from all L levels (T*S*D*L
+ * multiply-adds, not the T*S*D*sum 4^-l of docs/contract.md section 1.6):
+ * sharing a coarse level's product across its 2^l x 2^l block needs a tiled
+ * kernel, which only the tensor-core forward is so far.
  *
  * Allocation: "kernels never allocate" (docs/contract.md section 3) holds
  * here too: nothing in this file allocates.  The backward's scratch (delta,
@@ -447,6 +451,365 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dmask_kernel(const __grid
     }
 }
 
+/* ---- tensor-core forward: bfloat16 q, k, v; float32 accumulation ----
+ *
+ * FlashAttention-2's forward with HKT's levels.  A block of 4 warps owns 64
+ * query rows of one (b, h) (each warp 16 rows, TC_BM) and walks the keys in
+ * tiles of 32 (TC_BN).  Per key tile:
+ *   1. the block copies the tile's keys of every level, and v transposed, to
+ *      shared memory;
+ *   2. the coarse levels' Gram blocks q_l k_l^T, (64 >> l) x (32 >> l) for
+ *      l >= 1, are computed once each (mma tiles of 16 x 8, shared out among
+ *      the warps) into shared float32: l >= 1 costs 4^-l of level 0, the
+ *      1.3125x of docs/contract.md section 1.6 at L = 3;
+ *   3. each warp multiplies its level-0 scores, 16 x 32, and adds to each
+ *      entry (r, c) the coarse ones, w_l G_l[r >> l][c >> l], folded coarsest
+ *      first like the CPU's tile_fold; then the mask and causality;
+ *   4. online softmax in float32 (row max and sum over the 4 lanes that share
+ *      a row), P rounded to bfloat16 in registers: the score accumulator's
+ *      fragment layout is the P.V product's A fragment layout, so P never
+ *      goes through memory;
+ *   5. P.V on tensor cores into the float32 output accumulator.
+ * The row sums are taken before P's rounding (as on the CPU).
+ *
+ * Fragments are those of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for
+ * mma.m16n8k16 with floating point type"); with g = lane / 4, t = lane % 4,
+ * each 32-bit register holding two consecutive elements, the lower in the low
+ * half:
+ *   A (16 x 16, row major): a0 (g, 2t), a1 (g + 8, 2t), a2 (g, 2t + 8), a3 (g + 8, 2t + 8)
+ *   B (16 x 8, by column):  b0 (2t, g), b1 (2t + 8, g)   [rows k, k + 1 of column g]
+ *   C (16 x 8, float32):    c0, c1 (g, 2t), (g, 2t + 1); c2, c3 (g + 8, 2t), (g + 8, 2t + 1)
+ * tests/test_cuda.py emulates the instruction from that description.
+ *
+ * Non-finite values follow hkt.h: a hidden entry's P is exactly 0; a visible
+ * NaN or +inf score makes the row NaN (NaN propagates through the max, the
+ * exponentials and the sums); a row with no visible key gives 0 and lse +inf.
+ * The only branches are on loop bounds and on values the whole block shares,
+ * so a NaN cannot split a warp.  Hidden keys' v is multiplied by P = 0, so a
+ * NaN there reaches the row (which hkt.h allows). */
+#define TC_BM 64
+#define TC_BN 32
+#define TC_WARPS 4
+#define TC_THREADS (32 * TC_WARPS)
+#define TC_ROW (HKT_TC_DMAX + 8)  /* halves per shared row: +16 bytes, so the 8 rows a
+                                      fragment load reads fall in different banks */
+#define TC_VROW (TC_BN + 8)
+/* shared rows of level l >= 1 (padded to whole mma tiles): queries 16-row
+ * tiles, keys 8-row tiles; with TC_BM = 64, TC_BN = 32 and at most 4 levels a
+ * block's rows of level l start at a multiple of 2^l, so row r's coarse row is
+ * r >> l */
+__host__ __device__ constexpr int tc_qrows(int l) { return (TC_BM >> l) > 16 ? (TC_BM >> l) : 16; }
+__host__ __device__ constexpr int tc_krows(int l) { return (TC_BN >> l) > 8 ? (TC_BN >> l) : 8; }
+__host__ __device__ constexpr int tc_qoff(int l) { return l <= 1 ? 0 : tc_qoff(l - 1) + tc_qrows(l - 1); }
+__host__ __device__ constexpr int tc_koff(int l) { return l == 0 ? 0 : l == 1 ? TC_BN : tc_koff(l - 1) + tc_krows(l - 1); }
+__host__ __device__ constexpr int tc_goff(int l) { return l <= 1 ? 0 : tc_goff(l - 1) + tc_qrows(l - 1) * tc_krows(l - 1); }
+static_assert(HKT_TC_LMAX <= 4 && (TC_BM >> (HKT_TC_LMAX - 1)) >= 1 && (TC_BN >> (HKT_TC_LMAX - 1)) >= 1,
+              "coarse rows r >> l need blocks aligned to 2^(L-1)");
+
+struct alignas(16) tc_shared {
+    uint16_t qc[tc_qoff(HKT_TC_LMAX)][TC_ROW];        /* the block's query rows of levels 1 .. L-1 */
+    uint16_t k[tc_koff(HKT_TC_LMAX)][TC_ROW];         /* the tile's key rows, level 0 then 1 .. L-1 */
+    uint16_t vt[HKT_TC_DMAX][TC_VROW];                /* the tile's v, transposed: vt[e][j] */
+    float gram[tc_goff(HKT_TC_LMAX)];                 /* G_l, l >= 1, row major (tc_qrows x tc_krows) */
+};
+static_assert(sizeof(tc_shared) <= 48 * 1024, "static shared memory is limited to 48 KiB");
+
+/* float -> bfloat16 bits, rounded to nearest even; NaN stays NaN */
+__device__ static inline uint32_t tc_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+__device__ static inline uint32_t tc_pack(float lo, float hi) { return tc_bf16(lo) | (tc_bf16(hi) << 16); }
+/* two consecutive halves of shared memory (4-byte aligned: even index, even row length) */
+__device__ static inline uint32_t tc_ld(const uint16_t *x) {
+    uint32_t u;
+    memcpy(&u, x, 4);
+    return u;
+}
+
+/* d += a b, one warp: a 16 x 16 bfloat16, b 16 x 8 bfloat16, d 16 x 8 float32 */
+__device__ static inline void tc_mma(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(HKT_CUDA_EMULATION)
+    emu_mma_m16n8k16_bf16(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif defined(__CUDA_ARCH__)
+    __trap(); /* the host refuses GPUs before sm_80 */
+#endif
+}
+
+/* rows [r0, r0 + n) of a (b, head) slice of level l's q or k, to shared rows
+ * dst[0 .. rows); rows past n (or past the array's end) are zeros */
+__device__ static void tc_load_rows(uint16_t (*dst)[TC_ROW], int rows, const uint16_t *src, const int64_t *stride,
+                                    int64_t b, int64_t h, int64_t r0, int64_t n, int D) {
+    const uint16_t *base = src + b * stride[0] + h * stride[1] + r0 * stride[2];
+    for (int x = threadIdx.x; x < rows * D; x += TC_THREADS) {
+        const int r = x / D, e = x % D;
+        dst[r][e] = r < n ? base[r * stride[2] + e] : (uint16_t)0;
+    }
+}
+
+/* compile-time bounds on D and Dv, so the fragment arrays stay in registers */
+template <int DMAX, int DVMAX>
+struct tc_cfg {
+    static constexpr int KS = DMAX / 16; /* k-steps of 16 over D */
+    static constexpr int NV = DVMAX / 8; /* n-tiles of 8 of the output accumulator */
+    /* the level-0 query fragments stay in registers across the key tiles
+     * when Dv <= 64; beside the 64 output accumulators of Dv up to 128 they
+     * spill (ptxas -v, sm_80), so there they are read again per key tile */
+    static constexpr bool QREG = DVMAX <= 64;
+};
+
+/* the A fragment of rows r, r + 8 and columns c, c + 1, c + 8, c + 9 (c = 16k + 2t)
+ * of a bfloat16 (rows, D) slice with row stride rs; rows at or past T are zeros
+ * (element by element: a row stride may be odd, so pairs need not be aligned) */
+__device__ static inline void tc_q_frag(uint32_t f[4], const uint16_t *x, int64_t rs, int64_t r, int64_t T, int c) {
+#pragma unroll
+    for (int half = 0; half < 4; half++) { /* (r, c) (r + 8, c) (r, c + 8) (r + 8, c + 8) */
+        const int64_t row = r + (half & 1 ? 8 : 0);
+        const uint16_t *at = x + row * rs + c + (half & 2 ? 8 : 0);
+        f[half] = row < T ? (uint32_t)at[0] | ((uint32_t)at[1] << 16) : 0u;
+    }
+}
+
+template <typename C>
+__global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_constant__ cuda_args a) {
+    const hkt_params &p = a.p;
+    __shared__ tc_shared sm;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int L = p.L;
+    const int64_t T = p.T, S = p.S;
+    const int D = (int)p.D, Dv = (int)p.Dv, nks = D / 16; /* at most HKT_TC_DMAX */
+    const int64_t nqt = (T + TC_BM - 1) / TC_BM;
+    float wl[HKT_TC_LMAX];
+    for (int64_t task = blockIdx.x; task < p.B * p.H * nqt; task += gridDim.x) {
+        const int64_t bh = task / nqt, i0 = task % nqt * TC_BM, b = bh / p.H, h = bh % p.H, hk = kv_head(p, h);
+#pragma unroll
+        for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? (float)p.scale * weight<float>(p, h, l) : 0.f;
+        __syncthreads(); /* the previous task's reads of shared memory are done */
+        for (int l = 1; l < L; l++) {
+            const int64_t tl = (T + ((int64_t)1 << l) - 1) >> l, r0 = i0 >> l;
+            const int64_t n = tl - r0 < (TC_BM >> l) ? tl - r0 : (TC_BM >> l);
+            tc_load_rows(sm.qc + tc_qoff(l), tc_qrows(l), (const uint16_t *)p.q[l], p.q_stride[l], b, h, r0, n, D);
+        }
+        /* this warp's level-0 query rows as A fragments, for every 16 of D:
+         * held in registers, or (C::QREG false) read again for each key tile */
+        const uint16_t *qb = (const uint16_t *)p.q[0] + b * p.q_stride[0][0] + h * p.q_stride[0][1];
+        const int64_t q_row = i0 + warp * 16 + g;
+        uint32_t qf[C::QREG ? C::KS : 1][4];
+        if (C::QREG) {
+#pragma unroll
+            for (int kk = 0; kk < C::KS; kk++)
+                if (kk < nks) tc_q_frag(qf[C::QREG ? kk : 0], qb, p.q_stride[0][2], q_row, T, 16 * kk + 2 * t);
+        }
+        float o[C::NV][4];
+#pragma unroll
+        for (int n = 0; n < C::NV; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+        float m[2] = {-INFINITY, -INFINITY}, lsum[2] = {0.f, 0.f};
+        const int64_t jend = p.causal ? (i0 + TC_BM < S ? i0 + TC_BM : S) : S;
+        for (int64_t j0 = 0; j0 < jend; j0 += TC_BN) {
+            /* 1. keys of every level, and v transposed */
+            __syncthreads();
+            for (int l = 0; l < L; l++) {
+                const int64_t sl = (S + ((int64_t)1 << l) - 1) >> l, r0 = j0 >> l;
+                const int64_t n = sl - r0 < (TC_BN >> l) ? sl - r0 : (TC_BN >> l);
+                tc_load_rows(sm.k + tc_koff(l), l ? tc_krows(l) : TC_BN, (const uint16_t *)p.k[l], p.k_stride[l], b,
+                             hk, r0, n, D);
+            }
+            {
+                const uint16_t *vb = (const uint16_t *)p.v + b * p.v_stride[0] + hk * p.v_stride[1];
+                for (int x = threadIdx.x; x < TC_BN * Dv; x += TC_THREADS) {
+                    const int r = x / Dv, e = x % Dv;
+                    sm.vt[e][r] = j0 + r < S ? vb[(j0 + r) * p.v_stride[2] + e] : (uint16_t)0;
+                }
+            }
+            __syncthreads();
+            /* 2. the coarse Gram blocks, one 16 x 8 mma tile per warp in turn */
+            {
+                int tile = 0;
+                for (int l = 1; l < L; l++)
+                    for (int mt = 0; mt < tc_qrows(l) / 16; mt++)
+                        for (int nt = 0; nt < tc_krows(l) / 8; nt++, tile++) {
+                            if (tile % TC_WARPS != warp) continue;
+                            const uint16_t(*qr)[TC_ROW] = sm.qc + tc_qoff(l) + 16 * mt;
+                            const uint16_t(*kr)[TC_ROW] = sm.k + tc_koff(l) + 8 * nt;
+                            float c[4] = {0.f, 0.f, 0.f, 0.f};
+                            for (int kk = 0; kk < nks; kk++) {
+                                const int e = 16 * kk + 2 * t;
+                                const uint32_t af[4] = {tc_ld(&qr[g][e]), tc_ld(&qr[g + 8][e]), tc_ld(&qr[g][e + 8]),
+                                                        tc_ld(&qr[g + 8][e + 8])};
+                                const uint32_t bf[2] = {tc_ld(&kr[g][e]), tc_ld(&kr[g][e + 8])};
+                                tc_mma(c, af, bf);
+                            }
+                            float *gr = sm.gram + tc_goff(l);
+                            const int cols = tc_krows(l), r = 16 * mt + g, cc = 8 * nt + 2 * t;
+                            gr[r * cols + cc] = c[0];
+                            gr[r * cols + cc + 1] = c[1];
+                            gr[(r + 8) * cols + cc] = c[2];
+                            gr[(r + 8) * cols + cc + 1] = c[3];
+                        }
+            }
+            __syncthreads();
+            /* 3. level-0 scores of this warp's 16 rows and the tile's 32 keys */
+            float s[TC_BN / 8][4];
+#pragma unroll
+            for (int n = 0; n < TC_BN / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < C::KS; kk++) {
+                if (kk < nks) {
+                    const int e = 16 * kk + 2 * t;
+#pragma unroll
+                    uint32_t qt[4];
+                    if (!C::QREG) tc_q_frag(qt, qb, p.q_stride[0][2], q_row, T, e);
+#pragma unroll
+                    for (int n = 0; n < TC_BN / 8; n++) {
+                        const uint32_t bf[2] = {tc_ld(&sm.k[8 * n + g][e]), tc_ld(&sm.k[8 * n + g][e + 8])};
+                        tc_mma(s[n], C::QREG ? qf[C::QREG ? kk : 0] : qt, bf);
+                    }
+                }
+            }
+            /* the fold (coarsest level first), then the mask and causality.
+             * Entry (r, c) reads G_l[r >> l][c >> l]: this lane's entries are
+             * rows r_lo (+ 8) and columns 2t (+ 1) + 8n, and for l <= 3 both
+             * steps are multiples of 2^l while 2t + 1 >> l = 2t >> l, so each
+             * level's reads are one base address plus constants. */
+            const int r_lo = warp * 16 + g;
+            const float *gb[HKT_TC_LMAX];
+#pragma unroll
+            for (int l = 1; l < HKT_TC_LMAX; l++) gb[l] = sm.gram + tc_goff(l) + (r_lo >> l) * tc_krows(l) + ((2 * t) >> l);
+#pragma unroll
+            for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    float acc = 0.f;
+#pragma unroll
+                    for (int l = HKT_TC_LMAX - 1; l >= 1; l--)
+                        if (l < L) {
+                            const float gl = gb[l][(x & 2 ? 8 >> l : 0) * tc_krows(l) + ((8 * n) >> l)];
+                            acc = l == L - 1 ? wl[l] * gl : wl[l] * gl + acc;
+                        }
+                    s[n][x] = L == 1 ? wl[0] * s[n][x] : wl[0] * s[n][x] + acc;
+                }
+            if (p.mask_kind != HKT_MASK_NONE) { /* float mask first, then hiding (as score_of) */
+#pragma unroll
+                for (int hr = 0; hr < 2; hr++) {
+                    const int64_t i = i0 + r_lo + 8 * hr;
+                    if (i >= T) continue;
+                    const int64_t at = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+#pragma unroll
+                    for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+                        for (int u = 0; u < 2; u++) {
+                            const int64_t j = j0 + 8 * n + 2 * t + u;
+                            if (j >= S) continue;
+                            float &sc = s[n][2 * hr + u];
+                            if (p.mask_kind == HKT_MASK_BOOL)
+                                sc = ((const unsigned char *)p.mask)[at + j * p.mask_stride[3]] ? sc : -INFINITY;
+                            else
+                                sc += ((const float *)p.mask)[at + j * p.mask_stride[3]];
+                        }
+                }
+            }
+            float mx[2] = {-INFINITY, -INFINITY};
+            {
+                /* keys past S, and causally hidden ones: j > i, i.e. cc - rr > i0 - j0 */
+                const int lim = (int)(S - j0 < TC_BN ? S - j0 : TC_BN);
+                const int64_t diag = i0 - j0;
+#pragma unroll
+                for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+                    for (int x = 0; x < 4; x++) {
+                        const int rr = r_lo + (x & 2 ? 8 : 0), cc = 8 * n + 2 * t + (x & 1);
+                        if (cc >= lim || (p.causal && cc - rr > diag)) s[n][x] = -INFINITY;
+                        mx[x >> 1] = max_or_nan(mx[x >> 1], s[n][x]);
+                    }
+            }
+            /* 4. online softmax, each row's statistics shared by the 4 lanes t of its g */
+            float scale_o[2];
+#pragma unroll
+            for (int hr = 0; hr < 2; hr++) {
+                mx[hr] = max_or_nan(mx[hr], __shfl_xor_sync(FULL, mx[hr], 1));
+                mx[hr] = max_or_nan(mx[hr], __shfl_xor_sync(FULL, mx[hr], 2));
+                const float mnew = max_or_nan(m[hr], mx[hr]);
+                /* no visible key yet: subtract 0, so exp(-inf) = 0 */
+                const float ref = mnew == -INFINITY ? 0.f : mnew;
+                scale_o[hr] = dev_exp(m[hr] - ref);
+                m[hr] = mnew;
+                float rs = 0.f;
+#pragma unroll
+                for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+                    for (int x = 2 * hr; x < 2 * hr + 2; x++) {
+                        s[n][x] = dev_exp(s[n][x] - ref);
+                        rs += s[n][x];
+                    }
+                lsum[hr] = lsum[hr] * scale_o[hr] + rs;
+            }
+#pragma unroll
+            for (int n = 0; n < C::NV; n++) {
+                o[n][0] *= scale_o[0];
+                o[n][1] *= scale_o[0];
+                o[n][2] *= scale_o[1];
+                o[n][3] *= scale_o[1];
+            }
+            /* 5. o += P V, 16 keys at a time: P's A fragment is two score n-tiles */
+#pragma unroll
+            for (int ks = 0; ks < TC_BN / 16; ks++) {
+                const uint32_t pf[4] = {tc_pack(s[2 * ks][0], s[2 * ks][1]), tc_pack(s[2 * ks][2], s[2 * ks][3]),
+                                        tc_pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                        tc_pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+                const int e = 16 * ks + 2 * t;
+#pragma unroll
+                for (int n = 0; n < C::NV; n++) {
+                    if (8 * n < Dv) {
+                        const uint32_t bf[2] = {tc_ld(&sm.vt[8 * n + g][e]), tc_ld(&sm.vt[8 * n + g][e + 8])};
+                        tc_mma(o[n], pf, bf);
+                    }
+                }
+            }
+        }
+        /* the row sums over the 4 lanes of each row (the same bits in all four) */
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            lsum[hr] += __shfl_xor_sync(FULL, lsum[hr], 1);
+            lsum[hr] += __shfl_xor_sync(FULL, lsum[hr], 2);
+        }
+        float *ob = (float *)p.out + b * p.out_stride[0] + h * p.out_stride[1];
+#pragma unroll
+        for (int hr = 0; hr < 2; hr++) {
+            const int64_t i = i0 + warp * 16 + g + 8 * hr;
+            if (i >= T) continue;
+            /* lsum == 0: no visible key (zeros, lse +inf); NaN stays NaN */
+            const float inv = lsum[hr] == 0.f ? 0.f : 1.f / lsum[hr];
+#pragma unroll
+            for (int n = 0; n < C::NV; n++)
+                for (int u = 0; u < 2; u++) {
+                    const int64_t e = 8 * n + 2 * t + u;
+                    if (e < Dv) ob[i * p.out_stride[2] + e] = o[n][2 * hr + u] * inv;
+                }
+            if (t == 0)
+                ((float *)p.lse)[bh * T + i] = lsum[hr] == 0.f ? INFINITY : m[hr] + dev_log(lsum[hr]);
+        }
+    }
+}
+
+/* the tensor-core forward, for D and Dv each up to 64 or up to 128 */
+template <typename C>
+static cudaError_t tc_forward_launch(const cuda_args &a, const char **what) {
+    const hkt_params &p = a.p;
+    const int64_t tasks = p.B * p.H * ((p.T + TC_BM - 1) / TC_BM);
+    const unsigned grid = (unsigned)(tasks < MAX_BLOCKS ? tasks : MAX_BLOCKS);
+    cudaStream_t stream = (cudaStream_t)p.stream;
+    *what = "tensor-core forward kernel launch";
+    if (tasks > 0) tc_forward_kernel<C><<<grid, TC_THREADS, 0, stream>>>(a);
+    return cudaGetLastError();
+}
+
 /* ---- host side ---- */
 static unsigned blocks_for(int64_t warps) {
     const int64_t n = (warps + WARPS - 1) / WARPS;
@@ -499,6 +862,24 @@ static cudaError_t backward_launch(const cuda_args &a, const char **what) {
     return cudaGetLastError();
 }
 
+/* bfloat16: the tensor-core kernel, on sm_80 or later, within its limits
+ * (the binding has named the argument already; this is the kernel's own guard) */
+static cudaError_t tc_forward(const cuda_args &a, const char **what) {
+    const hkt_params &p = a.p;
+    int major = 0;
+    cudaError_t e;
+    if ((*what = hkt_cuda_tc_refusal(&p)) != NULL) return cudaErrorInvalidValue;
+    *what = "cudaDeviceGetAttribute";
+    if ((e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, p.device_id)) != cudaSuccess) return e;
+    if (major < 8) {
+        *what = "the bfloat16 forward needs a GPU of compute capability 8.0 or later (tensor cores with bfloat16)";
+        return cudaErrorInvalidValue;
+    }
+    if (p.D <= 64)
+        return p.Dv <= 64 ? tc_forward_launch<tc_cfg<64, 64>>(a, what) : tc_forward_launch<tc_cfg<64, 128>>(a, what);
+    return p.Dv <= 64 ? tc_forward_launch<tc_cfg<128, 64>>(a, what) : tc_forward_launch<tc_cfg<128, 128>>(a, what);
+}
+
 static int report(cudaError_t e, const char *what, char *err, size_t errlen) {
     if (e == cudaSuccess) return 0;
     if (err && errlen) snprintf(err, errlen, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
@@ -525,7 +906,10 @@ extern "C" int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen) {
     cudaError_t e = enter_device(p, &prev, &what);
     if (e == cudaSuccess) {
         const cuda_args a = make_args(p);
-        e = p->dtype == HKT_FLOAT64 ? forward_launch<double>(a, &what) : forward_launch<float>(a, &what);
+        if (p->dtype == HKT_BFLOAT16)
+            e = tc_forward(a, &what);
+        else
+            e = p->dtype == HKT_FLOAT64 ? forward_launch<double>(a, &what) : forward_launch<float>(a, &what);
     }
     leave_device(prev);
     return report(e, what, err, errlen);
@@ -542,7 +926,10 @@ extern "C" int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen) 
         a.delta = p->dw_partial;
         a.dw_part = (char *)p->dw_partial + (size_t)(p->B * p->H * p->T) * elem;
         what = "backward scratch: dw_partial is NULL";
-        if (p->dw_partial == NULL && hkt_cuda_scratch_bytes(p->B, p->H, p->T, p->L, elem) > 0)
+        if (p->dtype == HKT_BFLOAT16) {
+            what = "the CUDA backward takes float32 or float64, not bfloat16";
+            e = cudaErrorInvalidValue;
+        } else if (p->dw_partial == NULL && hkt_cuda_scratch_bytes(p->B, p->H, p->T, p->L, elem) > 0)
             e = cudaErrorInvalidValue;
         else
             e = p->dtype == HKT_FLOAT64 ? backward_launch<double>(a, &what) : backward_launch<float>(a, &what);

@@ -512,18 +512,31 @@ static int parse_threads(PyObject *obj, int *out) {
 
 /* ---- arrays ---- */
 
+/* 1 when q[0] (so every array of the call) is on a CUDA device: the CUDA
+ * kernels run.  The one place that decides it (tests/test_cuda.py's emulation
+ * makes it return 1 to run the CUDA kernels on CPU arrays). */
+static int q0_on_cuda(const DLTensor *q0) {
+#ifdef HKT_WITH_CUDA
+    return q0->device.device_type == kDLCUDA;
+#else
+    (void)q0;
+    return 0;
+#endif
+}
+
 /* q[0]: the array every other one is checked against (dtype, device). */
 static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     const DLTensor *q0 = import_array(hd, obj, "q[0]");
     if (!q0) return NULL;
     const int bf16 = q0->dtype.code == kDLBfloat && q0->dtype.bits == 16 && q0->dtype.lanes == 1;
     if (bf16 && allow_bf16) {
-        /* hkt.hkt_attention upcasts bfloat16 to float32 wherever this is refused */
-        if (q0->device.device_type != kDLCPU) {
-            PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 runs on the CPU only; pass float32");
+        /* hkt.hkt_attention upcasts bfloat16 to float32 wherever this is refused;
+         * on CUDA, the forward checks its limits once the shapes are known */
+        if (!q0_on_cuda(q0) && q0->device.device_type != kDLCPU) {
+            PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 runs on the CPU and CUDA only; pass float32");
             return NULL;
         }
-        if (!hkt_cpu_has_bf16()) {
+        if (!q0_on_cuda(q0) && !hkt_cpu_has_bf16()) {
             PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 needs a CPU with AVX512_BF16 (and a build "
                             "with GCC >= 11 on x86-64), which this is not; pass float32");
             return NULL;
@@ -531,7 +544,7 @@ static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     } else if (q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
                q0->dtype.lanes != 1) {
         PyErr_Format(PyExc_TypeError, "q[0]: dtype must be float32 or float64%s, got %s",
-                     allow_bf16 ? " (or bfloat16 on a CPU with AVX512_BF16)" : "", dtype_name(q0->dtype));
+                     allow_bf16 ? " (or bfloat16 on a CPU with AVX512_BF16, or for the CUDA forward)" : "", dtype_name(q0->dtype));
         return NULL;
     }
     if (q0->device.device_type != kDLCPU) {
@@ -749,7 +762,7 @@ done:
  * there, and the caller's allocator is torch's caching one). */
 static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 #ifdef HKT_WITH_CUDA
-    if (q0->device.device_type == kDLCUDA) {
+    if (q0_on_cuda(q0)) {
         char err[256] = "unknown error";
         int rc;
         const size_t need = hkt_cuda_scratch_bytes(p->B, p->H, p->T, p->L, p->dtype == HKT_FLOAT64 ? 8 : 4);
@@ -841,6 +854,13 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
                          nthreads, 1, &q0, &mt);
     p.stream = stream_handle;
     p.key_cache_bytes = key_cache_bytes;
+    if (rc == 0 && p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) {
+        const char *why = hkt_cuda_tc_refusal(&p); /* "argument: reason" */
+        if (why) {
+            PyErr_Format(PyExc_ValueError, "%s; pass float32", why);
+            rc = -1;
+        }
+    }
     if (rc == 0) rc = check_overlaps(&hd);
     if (rc == 0) rc = run_kernel(&p, 0, q0);
     release_all(&hd);
@@ -972,6 +992,11 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;
+    if (p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) {
+        PyErr_SetString(PyExc_TypeError, "q[0]: the CUDA backward takes float32 or float64, not bfloat16; pass "
+                        "float32 (hkt.hkt_attention does)");
+        goto done;
+    }
     if (p.dtype == HKT_BFLOAT16 && p.Dv % 2) {
         /* dP's products take Dv in pairs */
         PyErr_Format(PyExc_ValueError, "v: the native bfloat16 backward needs an even value dimension Dv, got "
@@ -1088,6 +1113,23 @@ static PyObject *py_cuda_scratch_bytes(PyObject *self, PyObject *args) {
         return NULL;
     }
     return PyLong_FromSize_t(n);
+}
+
+static PyObject *py_cuda_tc_refusal(PyObject *self, PyObject *args) {
+    long long D, Dv;
+    int L;
+    double dropout_p;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "LLid:cuda_tc_refusal", &D, &Dv, &L, &dropout_p)) return NULL;
+    hkt_params p;
+    memset(&p, 0, sizeof p);
+    p.D = D;
+    p.Dv = Dv;
+    p.L = L;
+    p.dropout_p = dropout_p;
+    const char *why = hkt_cuda_tc_refusal(&p);
+    if (!why) Py_RETURN_NONE;
+    return PyUnicode_FromString(why);
 }
 
 static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
@@ -1775,6 +1817,9 @@ static PyMethodDef methods[] = {
      dropout_mask_doc},
     {"default_threads", py_default_threads, METH_NOARGS, "OpenMP's default thread count."},
     {"cuda_scratch_bytes", py_cuda_scratch_bytes, METH_VARARGS, cuda_scratch_bytes_doc},
+    {"cuda_tc_refusal", py_cuda_tc_refusal, METH_VARARGS,
+     "cuda_tc_refusal(D, Dv, L, dropout_p) -> None when the CUDA bfloat16 forward (tensor cores) takes a call of "
+     "these sizes, else the message that names the limit it breaks.  Defined for every build."},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS,
      "Which build of the CPU kernels this process runs: 'avx512f', 'avx2' or 'default' (the widest the CPU "
      "has, or a narrower one named by the environment variable HKT_CPU_KERNELS)."},

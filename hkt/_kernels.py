@@ -3,6 +3,7 @@
 Private _forward / _backward take torch tensors, allocate the outputs the
 destination-passing kernels expect, and hand everything over through DLPack.
 """
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -84,6 +85,20 @@ def _native_bf16(q0: Tensor, dv: int = 0) -> bool:
             and q0.shape[-1] % 2 == 0 and dv % 2 == 0)
 
 
+# CUDA: bfloat16 q, k, v go to the tensor-core forward (csrc/hkt_attention_cuda.cu)
+# within its limits (_C.cuda_tc_refusal); the backward runs in float32.  Off
+# unless asked for (HKT_CUDA_TENSOR_CORES=1, or set this to True) until
+# benchmarks/gpu_check.sh has passed with it on a GPU: it has run only in the
+# CPU emulation of tests/test_cuda.py.  Off: bfloat16 is upcast to float32.
+cuda_tensor_cores = os.environ.get("HKT_CUDA_TENSOR_CORES", "0") == "1"
+
+
+def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float) -> bool:
+    q0 = q[0]
+    return (cuda_tensor_cores and q0.dtype == torch.bfloat16 and q0.is_cuda and q0.dim() == 4 and v.dim() == 4
+            and _C.cuda_tc_refusal(q0.shape[-1], v.shape[-1], len(q), dropout_p) is None)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the kernels' outputs and sums: float32 or float64 (float32 for bfloat16 inputs)."""
     return torch.float32 if dtype == torch.bfloat16 else dtype
@@ -101,7 +116,8 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
     out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
     lse = torch.empty(lead, dtype=dtype, device=q0.device)
-    arg = _feat if _native_bf16(q0) else _arg  # native: q, k, v as they are; w, mask, out, lse float32
+    # native: q, k, v as they are; w, mask, out, lse float32
+    arg = _feat if _native_bf16(q0) or _cuda_tc(q, v, dropout_p) else _arg
     _C.forward([arg(x) for x in q], [arg(x) for x in k], arg(v), _arg(w), _dl(out), _dl(lse),
                _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, torch.get_num_threads(),
                _stream(q0.device))

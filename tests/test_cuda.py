@@ -634,6 +634,36 @@ def test_bfloat16_and_module_on_gpu():
 
 
 @needs_gpu
+@pytest.mark.parametrize("size", [(2, 4, 2, 300, 257, 64, 64, 3), (1, 2, 2, 129, 100, 128, 128, 4),
+                                  (1, 2, 1, 64, 33, 32, 40, 1)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_core_forward_on_gpu(monkeypatch, size, causal):
+    """The bfloat16 tensor-core forward on the GPU: against the float64 reference
+    (out within 2^-9 max|v|, as in the emulation), bitwise repeatable, and its
+    backward (float32) against the reference's."""
+    monkeypatch.setattr(hkt._kernels, "cuda_tensor_cores", True)
+    B, H, Hk, T, S, D, Dv, L = size
+    q, k, v, w = _bf16_inputs(size, 3)
+    q, k = [x.cuda().requires_grad_() for x in q], [x.cuda().requires_grad_() for x in k]
+    v, w = v.cuda().requires_grad_(), w.cuda().requires_grad_()
+    assert hkt._kernels._cuda_tc(q, v, 0.0)
+    out = hkt.hkt_attention(q, k, v, w, is_causal=causal, backend="kernels")
+    again = hkt.hkt_attention(q, k, v, w, is_causal=causal, backend="kernels")
+    assert torch.equal(out, again)
+    d = lambda x: x.detach().double().cpu().requires_grad_()  # noqa: E731
+    q64, k64, v64, w64 = [d(x) for x in q], [d(x) for x in k], d(v), d(w)
+    ref = reference(q64, k64, v64, w64, is_causal=causal)
+    # out is bfloat16: its own rounding (2^-9 relative) on top of P's
+    torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=2.0**-8, atol=2.0**-8 * float(v.abs().max()))
+    gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).bfloat16()
+    out.backward(gout.cuda())
+    ref.backward(gout.double())
+    for got, want in zip((*q, *k, v, w), (*q64, *k64, v64, w64)):
+        scale = float(want.grad.abs().max()) + 1e-6
+        assert float((got.grad.double().cpu() - want.grad).abs().max()) < 3e-2 * scale
+
+
+@needs_gpu
 def test_opcheck_on_gpu():
     q, k, v, w = sample_inputs(1, 2, 11, 9, 3, 4, 2, device="cuda", requires_grad=True)
     mask = torch.rand(1, 2, 11, 9, device="cuda") > 0.2
@@ -700,29 +730,14 @@ _SHIM = r"""
 typedef int cudaError_t;
 typedef struct emu_stream *cudaStream_t;
 enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, emuErrorDivergentWarp = 2 };
+enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75 };
 struct emu_dim { unsigned x; };
 inline thread_local emu_dim threadIdx, blockIdx;
 inline emu_dim blockDim, gridDim;
 
-/* A warp: 32 threads that meet at every shuffle and __syncwarp.  Each meeting
- * carries a tag (the source line of the operation, and the shuffle offset); the
- * first misuse -- lanes at different operations, a lane at one after another
- * lane returned, a lane returning while others wait, a minute's wait -- is
- * recorded, every later meeting of that launch passes straight through (so all
- * threads finish), and cudaGetLastError reports it. */
-struct emu_warp {
-    std::mutex mu;
-    std::condition_variable cv;
-    int live = 32, arrived = 0;
-    uint64_t generation = 0;
-    long tag = 0;
-    uint64_t slot[32];
-};
-inline std::vector<std::unique_ptr<emu_warp>> emu_warps;
 inline std::atomic<bool> emu_failed{false};
 inline std::mutex emu_msg_mu;
 inline std::string emu_msg;
-inline emu_warp &emu_my_warp() { return *emu_warps[threadIdx.x >> 5]; }
 inline void emu_fail(const char *what, long tag_a, long tag_b) {
     std::lock_guard<std::mutex> lk(emu_msg_mu);
     if (emu_failed.exchange(true)) return;
@@ -731,32 +746,62 @@ inline void emu_fail(const char *what, long tag_a, long tag_b) {
              threadIdx.x >> 5, blockIdx.x, threadIdx.x & 31, what, tag_a / 64, tag_b / 64);
     emu_msg = buf;
 }
+
+/* n threads that meet: each meeting carries a tag (the source line of the
+ * operation, and a shuffle's offset); the first misuse -- threads at different
+ * operations, a minute's wait -- is recorded, every later meeting of that
+ * launch passes straight through (so all threads finish), and
+ * cudaGetLastError reports it. */
+struct emu_barrier {
+    std::mutex mu;
+    std::condition_variable cv;
+    unsigned arrived = 0;
+    uint64_t generation = 0;
+    long tag = 0;
+    /* with mu held through lk; the n-th arrival releases the others */
+    void meet(std::unique_lock<std::mutex> &lk, long t, unsigned n, const char *what) {
+        if (arrived > 0 && tag != t) {
+            emu_fail(what, tag, t);
+            cv.notify_all();
+            return;
+        }
+        if (arrived == 0) tag = t;
+        if (++arrived == n) {
+            arrived = 0;
+            generation++;
+            cv.notify_all();
+            return;
+        }
+        const uint64_t gen = generation;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+        while (generation == gen && !emu_failed) {
+            cv.wait_for(lk, std::chrono::milliseconds(20));
+            if (generation == gen && std::chrono::steady_clock::now() > deadline)
+                emu_fail("waited a minute to meet the others", t, t);
+        }
+    }
+};
+
+/* A warp: 32 threads that meet at every shuffle, __syncwarp and mma; also a
+ * lane at one after another lane returned, or a lane returning while others
+ * wait, is a misuse. */
+struct emu_warp : emu_barrier {
+    unsigned live = 32;
+    uint64_t slot[32];
+    uint32_t frag[32][6]; /* emu_mma_m16n8k16_bf16: each lane's a0..a3, b0, b1 */
+};
+inline std::vector<std::unique_ptr<emu_warp>> emu_warps;
+inline emu_warp &emu_my_warp() { return *emu_warps[threadIdx.x >> 5]; }
 inline void emu_meet(long tag) {
     emu_warp &w = emu_my_warp();
     std::unique_lock<std::mutex> lk(w.mu);
     if (emu_failed) return;
     if (w.live != 32) {
         emu_fail("reached a warp-wide operation after another lane of its warp returned", tag, tag);
-    } else if (w.arrived > 0 && w.tag != tag) {
-        emu_fail("lanes of one warp met at different warp-wide operations", w.tag, tag);
-    } else {
-        if (w.arrived == 0) w.tag = tag;
-        if (++w.arrived == 32) {
-            w.arrived = 0;
-            w.generation++;
-            w.cv.notify_all();
-            return;
-        }
-        const uint64_t gen = w.generation;
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-        while (w.generation == gen && !emu_failed) {
-            w.cv.wait_for(lk, std::chrono::milliseconds(20));
-            if (w.generation == gen && std::chrono::steady_clock::now() > deadline)
-                emu_fail("waited a minute at a warp-wide operation", tag, tag);
-        }
+        w.cv.notify_all();
         return;
     }
-    w.cv.notify_all();
+    w.meet(lk, tag, 32, "lanes of one warp met at different warp-wide operations");
 }
 inline void emu_leave() {
     emu_warp &w = emu_my_warp();
@@ -778,6 +823,54 @@ inline T __shfl_xor_sync(unsigned, T x, int o, std::source_location at = std::so
     emu_meet(tag);
     return y;
 }
+/* __syncthreads: every thread of the block meets (the same call), as at a
+ * warp-wide operation */
+inline emu_barrier emu_blk;
+inline void __syncthreads(std::source_location at = std::source_location::current()) {
+    std::unique_lock<std::mutex> lk(emu_blk.mu);
+    if (emu_failed) return;
+    emu_blk.meet(lk, (long)at.line() * 64, blockDim.x, "threads of one block met at different __syncthreads");
+}
+/* mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += a b, written from
+ * the PTX ISA's description of its fragments (g = lane / 4, t = lane % 4; two
+ * elements per 32-bit register, the lower-indexed in the low half):
+ *   a0 A[g][2t..], a1 A[g+8][2t..], a2 A[g][2t+8..], a3 A[g+8][2t+8..]
+ *   b0 B[2t..][g] (rows 2t, 2t+1), b1 B[2t+8..][g]
+ *   d0, d1 D[g][2t], D[g][2t+1]; d2, d3 D[g+8][2t], D[g+8][2t+1]
+ * Products of bfloat16 are exact in float; they are summed in k order. */
+inline void emu_mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                  std::source_location at = std::source_location::current()) {
+    emu_warp &w = emu_my_warp();
+    const int me = threadIdx.x & 31;
+    const long tag = (long)at.line() * 64 + 63;
+    for (int x = 0; x < 4; x++) w.frag[me][x] = a[x];
+    w.frag[me][4] = b[0];
+    w.frag[me][5] = b[1];
+    emu_meet(tag);
+    auto bf = [](uint32_t bits) { float f; uint32_t u = bits << 16; std::memcpy(&f, &u, 4); return f; };
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane >> 2, t = lane & 3;
+        const uint32_t *f = w.frag[lane];
+        for (int u = 0; u < 2; u++) {
+            A[g][2 * t + u] = bf(f[0] >> (16 * u) & 0xffffu);
+            A[g + 8][2 * t + u] = bf(f[1] >> (16 * u) & 0xffffu);
+            A[g][2 * t + 8 + u] = bf(f[2] >> (16 * u) & 0xffffu);
+            A[g + 8][2 * t + 8 + u] = bf(f[3] >> (16 * u) & 0xffffu);
+            B[2 * t + u][g] = bf(f[4] >> (16 * u) & 0xffffu);
+            B[2 * t + 8 + u][g] = bf(f[5] >> (16 * u) & 0xffffu);
+        }
+    }
+    const int g = me >> 2, t = me & 3;
+    for (int x = 0; x < 4; x++) {
+        const int r = g + (x & 2 ? 8 : 0), c = 2 * t + (x & 1);
+        float acc = 0.f;
+        for (int k = 0; k < 16; k++) acc += A[r][k] * B[k][c];
+        d[x] += acc;
+    }
+    emu_meet(tag); /* nobody writes the next fragments before every lane has read these */
+}
+inline cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int) { *v = 8; return 0; }
 /* blocks run one after another (function-static "shared" arrays are then per
  * block); at most 3 of them, so the kernels' task loops are exercised.  The
  * launch is synchronous: the stream only has to be passed. */
@@ -789,6 +882,7 @@ inline void emu_launch(K kernel, unsigned grid, unsigned block, size_t shmem, cu
     for (unsigned b = 0; b < gridDim.x; b++) {
         emu_warps.clear();
         for (unsigned w = 0; w < (block + 31) / 32; w++) emu_warps.emplace_back(new emu_warp);
+        emu_blk.arrived = 0;
         std::vector<std::thread> ts;
         for (unsigned t = 0; t < block; t++)
             ts.emplace_back([=, &a] { threadIdx.x = t; blockIdx.x = b; kernel(a); emu_leave(); });
@@ -822,15 +916,15 @@ def emulated(tmp_path_factory):
     # kernel<real><<<grid, block, shmem, stream>>>(args): every launch names its stream
     cu, n = re.subn(r"(\w+<\w+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
                     r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "hkt_attention_cuda.cu").read_text())
-    assert n >= 6 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
+    assert n >= 7 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
         "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
     assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu), \
         "the CUDA entry points must not allocate or synchronize (graph capture, stream order)"
     (d / "emu.cpp").write_text(cu)
     binding = (csrc / "hkt_binding.c").read_text()
-    key = "if (q0->device.device_type == kDLCUDA) {"
-    assert key in binding, "hkt_binding.c changed: update the emulation's patch in this test"
-    binding = binding.replace(key, "if (1) {").replace("PyInit__C", "PyInit__Cemu").replace('"hkt._C"', '"_Cemu"')
+    key = "return q0->device.device_type == kDLCUDA;"  # in q0_on_cuda
+    assert binding.count(key) == 1, "hkt_binding.c changed: update the emulation's patch in this test"
+    binding = binding.replace(key, "return 1;").replace("PyInit__C", "PyInit__Cemu").replace('"hkt._C"', '"_Cemu"')
     (d / "module.c").write_text(binding)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     inc = sysconfig.get_paths()["include"]
@@ -840,7 +934,8 @@ def emulated(tmp_path_factory):
         pytest.skip(f"the emulation needs g++ with -std=c++20: {probe.stderr.strip()[:200]}")
     cpu_sources = sorted(c for c in csrc.glob("*.c") if c.name != "hkt_binding.c")
     for cmd in (
-        ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA", "-c",
+        ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA",
+         "-DHKT_CUDA_EMULATION", "-c",
          str(d / "emu.cpp"), "-o", str(d / "emu.o")],
         ["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", f"-I{inc}", "-DHKT_WITH_CUDA",
          "-c", str(d / "module.c"), "-o", str(d / "module.o")],
@@ -939,6 +1034,132 @@ def test_emulated_dmask(emulated, shape, causal, dropout_p):
     # float32 too
     args32 = dmask_args(shape, torch.float32, causal, dropout_p)
     assert_all_close(run_binding(emulated, *args32, dmask=True), run_binding(_C, *args32, dmask=True), 2e-4, 2e-4)
+
+
+# ---- the tensor-core bfloat16 forward (tc_forward_kernel), emulated: the
+# shim's mma follows the PTX ISA's fragment description, so this checks the
+# kernel's indexing, levels, masks and softmax against that description; that
+# the GPU's instruction matches it is for benchmarks/gpu_check.sh
+
+TC_SIZES = [  # B, H, H_kv, T, S, D, Dv, L
+    (1, 2, 2, 70, 45, 16, 8, 3),    # partial query and key tiles
+    (2, 2, 1, 64, 64, 32, 24, 4),   # grouped kv heads; 4 levels
+    (1, 1, 1, 5, 100, 16, 72, 1),   # one level; Dv past 64 (query fragments read per tile)
+    (1, 1, 1, 200, 40, 80, 16, 2),  # 4 query blocks over 3 emulated ones (the task loop); D past 64
+]
+
+
+def _bf16_inputs(size, seed):
+    B, H, Hk, T, S, D, Dv, L = size
+    g = torch.Generator().manual_seed(seed)
+    q = [torch.randn(B, H, -(-T // 2**l), D, generator=g).bfloat16() for l in range(L)]
+    k = [torch.randn(B, Hk, -(-S // 2**l), D, generator=g).bfloat16() for l in range(L)]
+    return q, k, torch.randn(B, Hk, S, Dv, generator=g).bfloat16(), torch.randn(H, L, generator=g)
+
+
+def _forward_into(mod, q, k, v, w, am, causal, scale, dtype):
+    B, H, T, _ = q[0].shape
+    out = torch.full((B, H, T, v.shape[-1]), 7.0, dtype=dtype)
+    lse = torch.full((B, H, T), 7.0, dtype=dtype)
+    mod.forward(q, k, v, w, out, lse, am, causal, scale, 0.0, 0, 2)
+    return out, lse
+
+
+def _tc_and_float64(emulated, q, k, v, w, am, causal, scale=None):
+    """the emulated bfloat16 forward, and the CPU's float64 one on the same (bfloat16) values"""
+    got = _forward_into(emulated, q, k, v, w, am, causal, scale, torch.float32)
+    d = lambda x: x.double()  # noqa: E731
+    am64 = am.double() if am is not None and am.is_floating_point() else am
+    want = _forward_into(_C, [d(x) for x in q], [d(x) for x in k], d(v), d(w), am64, causal, scale, torch.float64)
+    return got, want
+
+
+@pytest.mark.parametrize("size", TC_SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_emulated_tensor_core_forward(emulated, size, mask, causal):
+    B, H, Hk, T, S, D, Dv, L = size
+    q, k, v, w = _bf16_inputs(size, T + S + L)
+    am = make_mask(mask, B, H, T, S, torch.float32)
+    am = am.expand(B, H, T, S) if am is not None else None
+    (out, lse), (out64, lse64) = _tc_and_float64(emulated, q, k, v, w, am, causal, 0.3 if L % 2 else None)
+    # P is rounded to bfloat16 before P.V (a relative 2^-9 per entry), so out is
+    # within 2^-9 max|v| of float64; the scores and lse sum exact products in float32
+    empty = torch.isinf(lse64)
+    assert torch.equal(torch.isinf(lse), empty) and not torch.isnan(lse).any()
+    torch.testing.assert_close(lse[~empty].double(), lse64[~empty], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.double(), out64, rtol=0, atol=2.0**-9 * float(v.abs().max()) + 1e-6)
+    assert not out[empty.unsqueeze(-1).expand_as(out)].any(), "a row with no visible key must give zeros"
+
+
+def test_emulated_tensor_core_forward_non_finite(emulated):
+    B, H, T, S, D, L = 1, 2, 40, 40, 16, 2
+    q, k, v, w = _bf16_inputs((B, H, H, T, S, D, 16, L), 5)
+    am = torch.ones(B, H, T, S, dtype=torch.bool)
+    am[:, :, 3] = False                 # row 3 sees nothing
+    am[:, :, :, 7] = False              # nobody sees key 7 ...
+    k[0][:, :, 7, 0] = float("nan")     # ... whose k is NaN
+    q[0][:, 1, 5, 2] = float("nan")     # row 5 of head 1: NaN
+    (out, lse), (out64, lse64) = _tc_and_float64(emulated, q, k, v, w, am, False)
+    assert torch.isinf(lse[:, :, 3]).all() and (lse[:, :, 3] > 0).all() and not out[:, :, 3].any()
+    assert torch.isnan(lse[:, 1, 5]).all() and torch.isnan(out[:, 1, 5]).all()
+    fine = torch.ones(T, dtype=torch.bool)
+    fine[[3, 5]] = False
+    assert not torch.isnan(out[:, :, fine]).any()
+    torch.testing.assert_close(out[:, :, fine].double(), out64[:, :, fine], rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(D=8), "q[0]"), (dict(Dv=12), "v"), (dict(L=5), "q"), (dict(dropout_p=0.1), "dropout_p")])
+def test_emulated_tensor_core_limits_are_named(emulated, change, name):
+    size = dict(D=16, Dv=16, L=2, dropout_p=0.0)
+    size.update(change)
+    q, k, v, w = _bf16_inputs((1, 1, 1, 8, 8, size["D"], size["Dv"], size["L"]), 0)
+    out, lse = torch.empty(1, 1, 8, size["Dv"]), torch.empty(1, 1, 8)
+    with pytest.raises(ValueError, match=re.escape(name + ":")):
+        emulated.forward(q, k, v, w, out, lse, None, False, None, size["dropout_p"], 0, 2)
+    assert _C.cuda_tc_refusal(size["D"], size["Dv"], size["L"], size["dropout_p"]).startswith(name + ":")
+
+
+def test_emulated_backward_refuses_bfloat16(emulated):
+    q, k, v, w = _bf16_inputs((1, 1, 1, 8, 8, 16, 16, 2), 0)
+    out, lse = _forward_into(emulated, q, k, v, w, None, False, None, torch.float32)
+    grads = [torch.empty(x.shape) for x in (*q, *k, v, w)]
+    with pytest.raises(TypeError, match=re.escape("q[0]: the CUDA backward")):
+        emulated.backward(out.bfloat16(), q, k, v, w, out.bfloat16(), lse, grads[:2], grads[2:4], grads[4],
+                          grads[5], None, False, None, 0.0, 0, 2, scratch=torch.empty(1 << 12, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit), not a GPU")
+def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
+    """ptxas -v for the architectures setup.py builds by default: every kernel
+    of the .cu, the tensor-core forward's four configurations included, keeps
+    its values in registers (a spill to local memory costs a memory round trip
+    inside the inner loops)."""
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    cmd = ["nvcc", "-std=c++17", f"-I{csrc}", "-DHKT_WITH_CUDA", "-O3", "-Xptxas", "-v", "-c",
+           str(csrc / "hkt_attention_cuda.cu"), "-o", str(tmp_path / "k.o")]
+    for arch in ("80", "90"):
+        cmd[1:1] = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # "Compiling entry function 'NAME' for 'sm_XX'" ... "N bytes spill stores, M bytes spill loads"
+    entries = re.findall(r"Compiling entry function '(\w+)' for '(sm_\d+)'.*?(\d+) bytes spill stores, (\d+) bytes "
+                         r"spill loads", res.stdout + res.stderr, re.S)
+    names = {(n, a) for n, a, _, _ in entries}
+    assert sum("tc_forward_kernel" in n for n, _ in names) == 8, sorted(names)  # 4 configurations x 2 archs
+    spilled = [(n, a, st, ld) for n, a, st, ld in entries if st != "0" or ld != "0"]
+    assert not spilled, spilled
+
+
+def test_tensor_core_limits_without_a_gpu():
+    """_C.cuda_tc_refusal (every build) says which calls the tensor-core forward takes"""
+    assert _C.cuda_tc_refusal(64, 64, 3, 0.0) is None
+    assert _C.cuda_tc_refusal(128, 8, 4, 0.0) is None
+    assert _C.cuda_tc_refusal(48, 128, 1, 0.0) is None
+    for args in ((72, 64, 3, 0.0), (144, 64, 3, 0.0), (64, 136, 3, 0.0), (64, 60, 3, 0.0), (64, 64, 5, 0.0),
+                 (64, 64, 3, 0.5)):
+        assert _C.cuda_tc_refusal(*args) is not None, args
 
 
 # --------------------------------------------------------------------------- stream and scratch arguments, no GPU
