@@ -84,15 +84,19 @@ static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
 /* Narrow columns (coarse levels of short sequences): half- and quarter-width
  * vectors, so only what is left below a quarter vector runs scalar. */
 typedef real vech __attribute__((vector_size(HKT_VEC_BYTES / 2)));
-typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
 DEFINE_TILE_OF(tile_8xh, 8, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_1xh, 1, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_t8xh, 8, 1, kk * lda + r, vech, VL / 2)
 DEFINE_TILE_OF(tile_t1xh, 1, 1, kk * lda + r, vech, VL / 2)
+/* (a quarter of a 16-byte vector is narrower than a double: none there) */
+#define HKT_QUARTER_TILES (HKT_VEC_BYTES >= 32 || REAL_IS_FLOAT)
+#if HKT_QUARTER_TILES
+typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
 DEFINE_TILE_OF(tile_8xq, 8, 1, r * lda + kk, vecq, VL / 4)
 DEFINE_TILE_OF(tile_1xq, 1, 1, r * lda + kk, vecq, VL / 4)
 DEFINE_TILE_OF(tile_t8xq, 8, 1, kk * lda + r, vecq, VL / 4)
 DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
+#endif
 
 /* narrower column blocks (coarse levels, small Dv) take more rows, so every
  * block still keeps 16 (8) accumulators busy.  With AVX2's 16 vector registers
@@ -142,9 +146,11 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
 #undef VL
 #define VL (VL_FULL / 2)
     HKT_TILES(8, 1, tile_8xh, tile_1xh, tile_t8xh, tile_t1xh)
+#if HKT_QUARTER_TILES
 #undef VL
 #define VL (VL_FULL / 4)
     HKT_TILES(8, 1, tile_8xq, tile_1xq, tile_t8xq, tile_t1xq)
+#endif
 #undef VL
 #define VL VL_FULL
 #undef HKT_TILES

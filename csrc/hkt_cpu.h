@@ -49,8 +49,11 @@
 #define HKT_ISA avx2
 #define HKT_VEC_BYTES 32
 #else
+/* the portable build: 16-byte vectors, which every 64-bit target has in
+ * registers (SSE2 on x86-64, NEON/ASIMD on AArch64); the compiler splits wider
+ * generic vectors into pieces kept in memory (BLKmode), ~7x slower than these */
 #define HKT_ISA generic
-#define HKT_VEC_BYTES 64
+#define HKT_VEC_BYTES 16
 #endif
 #define HKT_CAT2(a, b) a##_##b
 #define HKT_CAT(a, b) HKT_CAT2(a, b)

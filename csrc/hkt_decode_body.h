@@ -51,14 +51,21 @@ static inline __attribute__((always_inline)) void gemv(int64_t n, int64_t D, con
             a2 += vload(k2 + d) * xv;
             a3 += vload(k3 + d) * xv;
         }
-        /* lanes [q VL/4, (q+1) VL/4) of u hold partial sums of row q */
-        const vec u = pair_sums(pair_sums(a0, a1), pair_sums(a2, a3));
-        real part[VL];
-        memcpy(part, &u, sizeof part);
+        /* lanes [q P, (q+1) P) of part hold partial sums of row q, P = VL/4 ... */
+        enum { P = VL >= 4 ? VL / 4 : 1 };
+        real part[VL >= 4 ? VL : 4];
+        if (VL >= 4) {
+            const vec u = pair_sums(pair_sums(a0, a1), pair_sums(a2, a3));
+            memcpy(part, &u, sizeof u);
+        } else { /* ... or, with two lanes (16-byte doubles), one pair step sums a row */
+            const vec u01 = pair_sums(a0, a1), u23 = pair_sums(a2, a3);
+            memcpy(part, &u01, sizeof u01);
+            memcpy(part + 2, &u23, sizeof u23);
+        }
         for (int q = 0; q < 4; q++) {
             const real *kq = K + (r + q) * ld;
             real s = 0;
-            for (int64_t e = 0; e < VL / 4; e++) s += part[q * (VL / 4) + e];
+            for (int64_t e = 0; e < P; e++) s += part[q * P + e];
             for (int64_t d = Dvec; d < D; d++) s += kq[d] * x[d];
             y[r + q] = s;
         }

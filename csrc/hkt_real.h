@@ -1,6 +1,6 @@
 /*
  * hkt_real.h -- small helpers the CPU kernel bodies (hkt_attention_body.h,
- * hkt_decode_body.h) share for one real type: the 64-byte vector type, loads and
+ * hkt_decode_body.h) share for one real type: the vector type, loads and
  * stores, a dot product, the vectorisable exp of the softmax and the row max.
  * Like those bodies it needs `real` and REAL_IS_FLOAT defined first; a
  * translation unit includes it once (the guard), for its one real type.
@@ -14,7 +14,8 @@
 
 /* One vector of HKT_VEC_BYTES (hkt_cpu.h): as wide as the registers of the
  * instruction set the translation unit is built for -- a zmm with AVX-512, a
- * ymm with AVX2.  A vector wider than the registers has no machine mode and
+ * ymm with AVX2, an xmm (or a NEON q register) in the portable build.  A
+ * vector wider than the registers has no machine mode and
  * lives in memory (GCC gives it BLKmode): 64-byte vectors built for AVX2 ran
  * ~20x slower than these. */
 #define VL_FULL ((int64_t)(HKT_VEC_BYTES / sizeof(real)))
@@ -26,7 +27,7 @@ static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
 static const ivec dup_hi = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
 static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-#elif HKT_VEC_BYTES == 64 || REAL_IS_FLOAT /* 8 lanes: 64-byte doubles, 32-byte floats */
+#elif HKT_VEC_BYTES == 64 || (REAL_IS_FLOAT && HKT_VEC_BYTES == 32) /* 8 lanes: 64-byte doubles, 32-byte floats */
 #if REAL_IS_FLOAT
 typedef int32_t ivec __attribute__((vector_size(32))); /* shuffle masks: integers as wide as the reals */
 #else
@@ -36,12 +37,22 @@ static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3};
 static const ivec dup_hi = {4, 4, 5, 5, 6, 6, 7, 7};
 static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14};
 static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15};
-#else /* 32-byte doubles: 4 lanes */
+#elif HKT_VEC_BYTES == 32 || REAL_IS_FLOAT /* 4 lanes: 32-byte doubles, 16-byte floats */
+#if REAL_IS_FLOAT
+typedef int32_t ivec __attribute__((vector_size(16)));
+#else
 typedef int64_t ivec __attribute__((vector_size(32)));
+#endif
 static const ivec dup_lo = {0, 0, 1, 1};
 static const ivec dup_hi = {2, 2, 3, 3};
 static const ivec even = {0, 2, 4, 6};
 static const ivec odd = {1, 3, 5, 7};
+#else /* 16-byte doubles: 2 lanes */
+typedef int64_t ivec __attribute__((vector_size(16)));
+static const ivec dup_lo = {0, 0};
+static const ivec dup_hi = {1, 1};
+static const ivec even = {0, 2};
+static const ivec odd = {1, 3};
 #endif
 
 static inline __attribute__((always_inline)) vec vload(const real *p) {
