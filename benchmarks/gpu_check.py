@@ -10,12 +10,12 @@ Correctness (float64, on the device, against hkt.reference on the same device):
 the "kernels" and "sdpa" backends, out and every gradient (q[l], k[l], v, w and a
 float mask's), no mask / bool mask / float mask, causal or not; bitwise
 repeatability of the kernels' forward+backward; bfloat16 at the timed size
-(kernels, tensor-core forward, sdpa) against a float32 result; and
-tests/test_cuda.py's GPU tests, the tensor-core forward's among them.  Any failure makes the exit status 1.
+(kernels, tensor-core kernels, sdpa) against a float32 result; and
+tests/test_cuda.py's GPU tests, the tensor-core kernels' among them.  Any failure makes the exit status 1.
 
 Timing (bfloat16, causal, B=4 H=16 T=S=4096 D=Dv=64 L=3 unless --quick):
 forward and forward+backward of hkt_attention(backend="kernels"), the same with
-the bfloat16 tensor-core forward switched on (its backward is float32), of
+the bfloat16 tensor-core kernels switched on, of
 backend="sdpa", of the sdpa construction with v zero-padded to L*D (so that
 FlashAttention can take it: it wants equal head dims), and of plain SDPA with
 FlashAttention on one level (q[0], k[0], v) as the yardstick.  Medians of CUDA-
@@ -205,7 +205,7 @@ def check_bf16_at_size(rep, device, size):
 
 
 class tensor_cores:
-    """hkt's bfloat16 tensor-core forward on (or off) inside the block: it is
+    """hkt's bfloat16 tensor-core kernels on (or off) inside the block: they are
     opt-in (hkt._kernels.cuda_tensor_cores) until this check has passed."""
 
     def __init__(self, on):
@@ -263,7 +263,7 @@ def candidates(q, k, v, w, device):
         def tc():
             with tensor_cores(True):
                 return hkt.hkt_attention(q, k, v, w, is_causal=True, backend="kernels")
-        c["hkt kernels, tensor-core forward"] = tc
+        c["hkt kernels, tensor cores"] = tc
     c["hkt sdpa"] = lambda: hkt.hkt_attention(q, k, v, w, is_causal=True, backend="sdpa")
 
     def padded():

@@ -150,12 +150,12 @@ static inline size_t hkt_cuda_scratch_bytes(int64_t B, int64_t H, int64_t T, int
     return (size_t)total;
 }
 
-/* The CUDA tensor-core forward (hkt_attention_cuda.cu), the only CUDA kernel
- * that takes HKT_BFLOAT16: bfloat16 q, k and v (w, a float mask, out and lse
+/* The CUDA tensor-core kernels (hkt_attention_cuda.cu), the only CUDA kernels
+ * that take HKT_BFLOAT16: bfloat16 q, k and v (w, a float mask, out and lse
  * float32, as on the CPU), multiplied on tensor cores (sm_80 and later) with
  * float32 accumulation.  It has limits the float32/float64 kernels do not:
- * hkt_cuda_tc_refusal names the first one p breaks (NULL: p is fine).  The
- * backward takes bfloat16 on the CPU only; on CUDA it runs in float32. */
+ * hkt_cuda_tc_refusal names the first one p breaks (NULL: p is fine); the
+ * backward (hkt_cuda_tc_backward_refusal) has narrower ones. */
 #define HKT_TC_DMAX 128  /* D a multiple of 16, Dv a multiple of 8, both at most this */
 #define HKT_TC_LMAX 4    /* levels */
 static inline const char *hkt_cuda_tc_refusal(const hkt_params *p) {
@@ -163,6 +163,16 @@ static inline const char *hkt_cuda_tc_refusal(const hkt_params *p) {
     if (p->Dv % 8 || p->Dv > HKT_TC_DMAX) return "v: the CUDA bfloat16 forward needs Dv a multiple of 8 up to 128";
     if (p->L > HKT_TC_LMAX) return "q: the CUDA bfloat16 forward takes at most 4 levels";
     if (p->dropout_p > 0) return "dropout_p: the CUDA bfloat16 forward has no dropout";
+    return NULL;
+}
+/* The same for the backward (tensor cores too): the forward's limits, D and
+ * Dv multiples of 16 up to 64, and no float mask gradient (dmask). */
+static inline const char *hkt_cuda_tc_backward_refusal(const hkt_params *p) {
+    const char *why = hkt_cuda_tc_refusal(p);
+    if (why) return why;
+    if (p->D > 64) return "q[0]: the CUDA bfloat16 backward needs D a multiple of 16 up to 64";
+    if (p->Dv % 16 || p->Dv > 64) return "v: the CUDA bfloat16 backward needs Dv a multiple of 16 up to 64";
+    if (p->dmask) return "dmask: the CUDA bfloat16 backward has no float mask gradient";
     return NULL;
 }
 

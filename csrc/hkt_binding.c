@@ -992,12 +992,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;
-    if (p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) {
-        PyErr_SetString(PyExc_TypeError, "q[0]: the CUDA backward takes float32 or float64, not bfloat16; pass "
-                        "float32 (hkt.hkt_attention does)");
-        goto done;
-    }
-    if (p.dtype == HKT_BFLOAT16 && p.Dv % 2) {
+    if (p.dtype == HKT_BFLOAT16 && !q0_on_cuda(q0) && p.Dv % 2) {
         /* dP's products take Dv in pairs */
         PyErr_Format(PyExc_ValueError, "v: the native bfloat16 backward needs an even value dimension Dv, got "
                      "%lld; pass float32", (long long)p.Dv);
@@ -1037,6 +1032,13 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     }
     if (dmask != Py_None && take_dmask(&p, &hd, dmask, mt, cref)) goto done;
     if (scratch != Py_None && take_scratch(&p, &hd, scratch, q0)) goto done;
+    if (p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) {
+        const char *why = hkt_cuda_tc_backward_refusal(&p); /* "argument: reason" */
+        if (why) {
+            PyErr_Format(PyExc_ValueError, "%s; pass float32", why);
+            goto done;
+        }
+    }
     if (check_overlaps(&hd)) goto done;
     rc = run_kernel(&p, 1, q0);
 done:
@@ -1115,19 +1117,24 @@ static PyObject *py_cuda_scratch_bytes(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(n);
 }
 
-static PyObject *py_cuda_tc_refusal(PyObject *self, PyObject *args) {
+static PyObject *py_cuda_tc_refusal(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"D", "Dv", "L", "dropout_p", "backward", "mask_grad", NULL};
     long long D, Dv;
-    int L;
+    int L, backward = 0, mask_grad = 0;
     double dropout_p;
+    static char dummy; /* stands for a dmask array: only whether there is one matters */
     (void)self;
-    if (!PyArg_ParseTuple(args, "LLid:cuda_tc_refusal", &D, &Dv, &L, &dropout_p)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LLid|pp:cuda_tc_refusal", kwlist, &D, &Dv, &L, &dropout_p,
+                                     &backward, &mask_grad))
+        return NULL;
     hkt_params p;
     memset(&p, 0, sizeof p);
     p.D = D;
     p.Dv = Dv;
     p.L = L;
     p.dropout_p = dropout_p;
-    const char *why = hkt_cuda_tc_refusal(&p);
+    p.dmask = mask_grad ? &dummy : NULL;
+    const char *why = backward ? hkt_cuda_tc_backward_refusal(&p) : hkt_cuda_tc_refusal(&p);
     if (!why) Py_RETURN_NONE;
     return PyUnicode_FromString(why);
 }
@@ -1817,9 +1824,10 @@ static PyMethodDef methods[] = {
      dropout_mask_doc},
     {"default_threads", py_default_threads, METH_NOARGS, "OpenMP's default thread count."},
     {"cuda_scratch_bytes", py_cuda_scratch_bytes, METH_VARARGS, cuda_scratch_bytes_doc},
-    {"cuda_tc_refusal", py_cuda_tc_refusal, METH_VARARGS,
-     "cuda_tc_refusal(D, Dv, L, dropout_p) -> None when the CUDA bfloat16 forward (tensor cores) takes a call of "
-     "these sizes, else the message that names the limit it breaks.  Defined for every build."},
+    {"cuda_tc_refusal", (PyCFunction)(void (*)(void))py_cuda_tc_refusal, METH_VARARGS | METH_KEYWORDS,
+     "cuda_tc_refusal(D, Dv, L, dropout_p, backward=False, mask_grad=False) -> None when the CUDA bfloat16 "
+     "forward (backward: the backward, with a float mask's gradient if mask_grad) on tensor cores takes a call "
+     "of these sizes, else the message that names the limit it breaks.  Defined for every build."},
     {"cpu_kernels", py_cpu_kernels, METH_NOARGS,
      "Which build of the CPU kernels this process runs: 'avx512f', 'avx2' or 'default' (the widest the CPU "
      "has, or a narrower one named by the environment variable HKT_CPU_KERNELS)."},

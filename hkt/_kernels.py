@@ -85,18 +85,20 @@ def _native_bf16(q0: Tensor, dv: int = 0) -> bool:
             and q0.shape[-1] % 2 == 0 and dv % 2 == 0)
 
 
-# CUDA: bfloat16 q, k, v go to the tensor-core forward (csrc/hkt_attention_cuda.cu)
-# within its limits (_C.cuda_tc_refusal); the backward runs in float32.  Off
-# unless asked for (HKT_CUDA_TENSOR_CORES=1, or set this to True) until
-# benchmarks/gpu_check.sh has passed with it on a GPU: it has run only in the
-# CPU emulation of tests/test_cuda.py.  Off: bfloat16 is upcast to float32.
+# CUDA: bfloat16 q, k, v go to the tensor-core kernels (csrc/hkt_attention_cuda.cu)
+# within their limits (_C.cuda_tc_refusal; the backward's are narrower, and
+# past them it runs in float32).  Off unless asked for (HKT_CUDA_TENSOR_CORES=1,
+# or set this to True) until benchmarks/gpu_check.sh has passed with them on a
+# GPU: they have run only in the CPU emulation of tests/test_cuda.py.  Off:
+# bfloat16 is upcast to float32.
 cuda_tensor_cores = os.environ.get("HKT_CUDA_TENSOR_CORES", "0") == "1"
 
 
-def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float) -> bool:
+def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float, backward: bool = False,
+             mask_grad: bool = False) -> bool:
     q0 = q[0]
     return (cuda_tensor_cores and q0.dtype == torch.bfloat16 and q0.is_cuda and q0.dim() == 4 and v.dim() == 4
-            and _C.cuda_tc_refusal(q0.shape[-1], v.shape[-1], len(q), dropout_p) is None)
+            and _C.cuda_tc_refusal(q0.shape[-1], v.shape[-1], len(q), dropout_p, backward, mask_grad) is None)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -136,8 +138,8 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
     # native: q, k, v, dout and out as they are; w, mask, lse and the gradients float32
-    arg = _feat if _native_bf16(q[0], v.shape[-1] if v.dim() else 1) and dout.dtype == out.dtype == in_dtype \
-        else _arg
+    native = _native_bf16(q[0], v.shape[-1] if v.dim() else 1) or _cuda_tc(q, v, dropout_p, True, mask_grad)
+    arg = _feat if native and dout.dtype == out.dtype == in_dtype else _arg
     _C.backward(arg(dout), [arg(x) for x in q], [arg(x) for x in k], arg(v), _arg(w), arg(out),
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
                 is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask), _stream(device),
