@@ -527,7 +527,12 @@ struct tc_cfg {
      * tiles when Dv <= 64; beside the 64 output accumulators of Dv up to 128
      * they spill (ptxas -v, sm_80), so there they are read again per tile */
     static constexpr bool QREG = DVMAX <= 64;
-    static constexpr int DKV = MODE; /* backward: 0 the dq kernel, 1 the dk/dv kernel */
+    /* backward: 0 the dq kernel, 1 the dv kernel, 2 the dk kernel.  dv and dk
+     * come from two kernels that each recompute the scores: with both
+     * accumulators (64 floats a lane) in one, ptxas spilled */
+    static constexpr bool DKV = MODE != 0;  /* rows are keys */
+    static constexpr bool DV = MODE == 1;   /* dv */
+    static constexpr bool GRAD = MODE != 1; /* dS, and the rows' own gradients: dq[l] or dk[l] */
 };
 
 /* what every tensor-core kernel keeps in shared memory to build a tile's scores */
@@ -592,12 +597,38 @@ __device__ static inline void tc_mma(float d[4], const uint32_t a[4], const uint
 #endif
 }
 
+/* 16 bytes (8 bfloat16) from src to dst, both 16-byte aligned: one 128-bit
+ * load and store on the GPU */
+__device__ static inline void tc_copy16(void *dst, const void *src) {
+#if defined(HKT_CUDA_EMULATION)
+    memcpy(dst, src, 16);
+#else
+    *(uint4 *)dst = *(const uint4 *)src;
+#endif
+}
+/* Whether rows of a bfloat16 array starting at x, rs apart, D long, can be
+ * read 16 bytes at a time (the whole block decides alike). */
+__device__ static inline bool tc_vec_rows(const uint16_t *x, int64_t rs, int D) {
+    return D % 8 == 0 && rs % 8 == 0 && ((uintptr_t)x & 15) == 0;
+}
+
 /* rows [r0, r0 + n) of a (b, head) slice of a bfloat16 array (D columns), to
- * shared rows dst[0 .. rows); rows past n are zeros */
+ * shared rows dst[0 .. rows); rows past n are zeros.  16 bytes a thread where
+ * the rows allow (C::ROW keeps shared rows 16-byte aligned), else 2. */
 template <int ROW>
 __device__ static void tc_load_rows(uint16_t (*dst)[ROW], int rows, const void *src, const int64_t *stride,
                                     int64_t b, int64_t h, int64_t r0, int64_t n, int D) {
+    static_assert(ROW % 8 == 0, "shared rows are 16-byte aligned");
     const uint16_t *base = (const uint16_t *)src + b * stride[0] + h * stride[1] + r0 * stride[2];
+    if (tc_vec_rows(base, stride[2], D)) {
+        static const uint16_t zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        const int per = D / 8;
+        for (int x = threadIdx.x; x < rows * per; x += TC_THREADS) {
+            const int r = x / per, e = x % per * 8;
+            tc_copy16(&dst[r][e], r < n ? base + r * stride[2] + e : zeros);
+        }
+        return;
+    }
     for (int x = threadIdx.x; x < rows * D; x += TC_THREADS) {
         const int r = x / D, e = x % D;
         dst[r][e] = r < n ? base[r * stride[2] + e] : (uint16_t)0;
@@ -893,12 +924,13 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_
     }
 }
 
-/* The backward, C::DKV = 0: dq[l], delta and the dw partials per block of 64
- * queries of (b, h); C::DKV = 1: dk[l] and dv per block of 64 keys of (b,
- * kv head), its query heads in order.  D and Dv multiples of 16 up to 64. */
+/* The backward, C::DKV false: dq[l], delta and the dw partials per block of 64
+ * queries of (b, h); C::DKV: dv (C::DV) or dk[l] (C::GRAD) per block of 64
+ * keys of (b, kv head), its query heads in order.  D and Dv multiples of 16 up
+ * to 64. */
 template <typename C>
 __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid_constant__ cuda_args a) {
-    constexpr bool DKV = C::DKV;
+    constexpr bool DKV = C::DKV, DV = C::DV, GRAD = C::GRAD;
     const hkt_params &p = a.p;
     __shared__ tc_backward_smem<C> sm;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -933,11 +965,11 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
             }
         }
         __syncthreads();
-        float acc0[C::ND][4], accv[DKV ? C::NV : 1][4], dwl[HKT_TC_LMAX];
+        float acc0[C::ND][4], accv[DV ? C::NV : 1][4], dwl[HKT_TC_LMAX];
 #pragma unroll
         for (int n = 0; n < C::ND; n++) acc0[n][0] = acc0[n][1] = acc0[n][2] = acc0[n][3] = 0.f;
 #pragma unroll
-        for (int n = 0; n < (DKV ? C::NV : 1); n++) accv[n][0] = accv[n][1] = accv[n][2] = accv[n][3] = 0.f;
+        for (int n = 0; n < (DV ? C::NV : 1); n++) accv[n][0] = accv[n][1] = accv[n][2] = accv[n][3] = 0.f;
 #pragma unroll
         for (int l = 0; l < HKT_TC_LMAX; l++) dwl[l] = 0.f;
         /* the rows' level-0 array and value array (q[0] and dout of h, or k[0] and v of the kv head) */
@@ -948,15 +980,19 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                                   : (const uint16_t *)p.dout + b * p.dout_stride[0] + hx * p.dout_stride[1];
         const int64_t r_vs = DKV ? p.v_stride[2] : p.dout_stride[2];
         const tc_rowpair xrows = tc_rows(r_x, r_xs, row, nrows, t), vrows = tc_rows(r_v, r_vs, row, nrows, t);
-        for (int64_t hh = 0; hh < (DKV ? group : 1); hh++) {
+        /* causal: keys j <= i; the dq block's keys end at its last query, the
+         * dk/dv block's queries start at the tile holding its first key */
+        const int64_t c_lo = DKV && p.causal ? r0 / TC_BN * TC_BN : 0;
+        const int64_t c_hi = !DKV && p.causal ? (r0 + TC_BM < S ? r0 + TC_BM : S) : ncols;
+        const int64_t ntile = (c_hi - c_lo + TC_BN - 1) / TC_BN;
+        /* one loop over (query head of the group, column tile): dk/dv sums a kv
+         * head's query heads in order (a nested head loop made ptxas spill) */
+        for (int64_t it = 0; it < (DKV ? group : 1) * ntile; it++) {
+            const int64_t hh = it / ntile, c0 = c_lo + it % ntile * TC_BN;
             const int64_t h = DKV ? hx * group + hh : hx, hk = DKV ? hx : kv_head(p, h);
+            {
 #pragma unroll
-            for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? (float)p.scale * weight<float>(p, h, l) : 0.f;
-            /* causal: keys j <= i; the dq block's keys end at its last query, the
-             * dk/dv block's queries start at the tile holding its first key */
-            const int64_t c_lo = DKV && p.causal ? r0 / TC_BN * TC_BN : 0;
-            const int64_t c_hi = !DKV && p.causal ? (r0 + TC_BM < S ? r0 + TC_BM : S) : ncols;
-            for (int64_t c0 = c_lo; c0 < c_hi; c0 += TC_BN) {
+                for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? (float)p.scale * weight<float>(p, h, l) : 0.f;
                 __syncthreads();
                 /* 1. the tile's columns of every level, its value rows (v, or dO), and (dk/dv) its queries' lse and delta */
                 if (DKV) {
@@ -993,7 +1029,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                 for (int n = 0; n < TC_BN / 8; n++) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
 #pragma unroll
                 for (int kk = 0; kk < C::NV / 2; kk++) {
-                    if (kk < nvs) {
+                    if (GRAD && kk < nvs) {
                         const int e = 16 * kk + 2 * t;
                         uint32_t af[4];
                         tc_a_frag(af, vrows, 16 * kk);
@@ -1020,7 +1056,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                         const float del = DKV ? sm.colstat[1][cc] : rd[x >> 1];
                         const bool hidden = s[n][x] == -INFINITY;
                         const float pv = hidden ? 0.f : dev_exp(s[n][x] - lse);
-                        const float ds = hidden ? 0.f : pv * (dp[n][x] - del);
+                        const float ds = hidden || !GRAD ? 0.f : pv * (dp[n][x] - del);
                         if (!DKV) dwl[0] += hidden ? 0.f : g0[DKV ? 0 : n][x] * ds;
                         s[n][x] = pv;
                         dp[n][x] = ds;
@@ -1029,7 +1065,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                  * the tile's level-0 rows, 16 columns at a time (the A fragments are
                  * the accumulators' registers, as P in the forward; P is done with
                  * before dS's products start, which keeps ptxas from spilling) */
-                if (DKV) {
+                if (DV) {
 #pragma unroll
                     for (int ks = 0; ks < TC_BN / 16; ks++) {
                         const int k0 = 16 * ks + 2 * t;
@@ -1037,7 +1073,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                                                 tc_pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
                                                 tc_pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
 #pragma unroll
-                        for (int n = 0; n < (DKV ? C::NV : 1); n++) {
+                        for (int n = 0; n < (DV ? C::NV : 1); n++) {
                             if (8 * n < Dv) {
                                 const uint16_t *col = &sm.cv[k0][8 * n + g];
                                 const uint32_t bf[2] = {tc_ld_col(col, C::VROW), tc_ld_col(col + 8 * C::VROW, C::VROW)};
@@ -1047,7 +1083,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                     }
                 }
 #pragma unroll
-                for (int ks = 0; ks < TC_BN / 16; ks++) {
+                for (int ks = 0; ks < (GRAD ? TC_BN / 16 : 0); ks++) {
                     const int k0 = 16 * ks + 2 * t;
                     const uint32_t df[4] = {tc_pack(wl[0] * dp[2 * ks][0], wl[0] * dp[2 * ks][1]),
                                             tc_pack(wl[0] * dp[2 * ks][2], wl[0] * dp[2 * ks][3]),
@@ -1066,7 +1102,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                  * butterfly over the lanes that hold it (rows: lane bits 2-4, columns:
                  * bits 0-1), the same bits in every lane of a block; one lane writes
                  * scale w_l times it, and (dq) adds G_l times it to dw */
-                if (L > 1) {
+                if (GRAD && L > 1) {
                     float v[TC_BN / 8][2];
 #pragma unroll
                     for (int n = 0; n < TC_BN / 8; n++)
@@ -1121,12 +1157,12 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                 const int64_t r = row + 8 * hr;
                 if (r >= nrows) continue;
 #pragma unroll
-                for (int n = 0; n < C::ND; n++)
+                for (int n = 0; n < (GRAD ? C::ND : 0); n++)
                     for (int u = 0; u < 2; u++)
                         if (8 * n + 2 * t + u < D) gb[r * gs[2] + 8 * n + 2 * t + u] = acc0[n][2 * hr + u];
-                if (DKV) {
+                if (DV) {
 #pragma unroll
-                    for (int n = 0; n < (DKV ? C::NV : 1); n++)
+                    for (int n = 0; n < (DV ? C::NV : 1); n++)
                         for (int u = 0; u < 2; u++)
                             if (8 * n + 2 * t + u < Dv)
                                 vb[r * p.dv_stride[2] + 8 * n + 2 * t + u] = accv[n][2 * hr + u];
@@ -1134,7 +1170,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
             }
         }
         /* the coarse rows this warp owns */
-        for (int l = 1; l < L; l++) {
+        for (int l = 1; l < (GRAD ? L : 1); l++) {
             const int64_t *gs = DKV ? p.dk_stride[l] : p.dq_stride[l];
             float *gb = (float *)(DKV ? p.dk[l] : p.dq[l]) + b * gs[0] + hx * gs[1];
             const int64_t rl = (nrows + ((int64_t)1 << l) - 1) >> l;
@@ -1178,7 +1214,8 @@ static cudaError_t tc_backward_launch(const cuda_args &a, const char **what) {
     const int64_t tasks = C::DKV ? p.B * p.H_kv * ((p.S + TC_BM - 1) / TC_BM) : p.B * p.H * ((p.T + TC_BM - 1) / TC_BM);
     const unsigned grid = (unsigned)(tasks < MAX_BLOCKS ? tasks : MAX_BLOCKS);
     cudaStream_t stream = (cudaStream_t)p.stream;
-    *what = C::DKV ? "tensor-core dk/dv kernel launch" : "tensor-core dq kernel launch";
+    *what = !C::DKV ? "tensor-core dq kernel launch" : C::DV ? "tensor-core dv kernel launch"
+                                                             : "tensor-core dk kernel launch";
     if (tasks > 0) tc_backward_kernel<C><<<grid, TC_THREADS, 0, stream>>>(a);
     return cudaGetLastError();
 }
@@ -1258,7 +1295,7 @@ static cudaError_t tc_forward(const cuda_args &a, const char **what) {
 }
 
 /* bfloat16 backward: dq (and delta, dw partials per block of 64 queries),
- * then dk and dv, then dw summed by dw_kernel */
+ * then dv, then dk, then dw summed by dw_kernel */
 static cudaError_t tc_backward(cuda_args a, const char **what) {
     const hkt_params &p = a.p;
     cudaError_t e = tc_check(p, hkt_cuda_tc_backward_refusal(&p), what);
@@ -1266,6 +1303,7 @@ static cudaError_t tc_backward(cuda_args a, const char **what) {
     a.nqb = (p.T + TC_BM - 1) / TC_BM; /* dw partials per block of TC_BM queries (fewer than per G) */
     if ((e = tc_backward_launch<tc_cfg<64, 64, 0>>(a, what)) != cudaSuccess) return e;
     if ((e = tc_backward_launch<tc_cfg<64, 64, 1>>(a, what)) != cudaSuccess) return e;
+    if ((e = tc_backward_launch<tc_cfg<64, 64, 2>>(a, what)) != cudaSuccess) return e;
     cudaStream_t stream = (cudaStream_t)p.stream;
     *what = "backward dw kernel launch";
     if ((p.w_per_head ? p.H : 1) * p.L > 0) dw_kernel<float><<<1, 256, 0, stream>>>(a);

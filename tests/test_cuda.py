@@ -1083,6 +1083,8 @@ def _tc_and_float64(emulated, q, k, v, w, am, causal, scale=None):
 def test_emulated_tensor_core_forward(emulated, size, mask, causal):
     B, H, Hk, T, S, D, Dv, L = size
     q, k, v, w = _bf16_inputs(size, T + S + L)
+    if causal:  # rows 3 elements longer than D: the kernels copy them 2 bytes at a time, not 16
+        q, k = [torch.cat([x, x[..., :3]], -1)[..., :D] for x in q], [torch.cat([x, x[..., :3]], -1)[..., :D] for x in k]
     am = make_mask(mask, B, H, T, S, torch.float32)
     am = am.expand(B, H, T, S) if am is not None else None
     (out, lse), (out64, lse64) = _tc_and_float64(emulated, q, k, v, w, am, causal, 0.3 if L % 2 else None)
@@ -1218,12 +1220,9 @@ def test_emulated_tensor_core_backward_limits_are_named(emulated, change, name):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (the CUDA toolkit), not a GPU")
 def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
     """ptxas -v for the architectures setup.py builds by default: every kernel
-    of the .cu, the tensor-core forward's four configurations and both backward
-    kernels included, keeps its values in registers (a spill to local memory
-    costs a memory round trip inside the inner loops) -- except the tensor-core
-    dk/dv kernel for sm_80, whose 64 float32 accumulators per lane (dk and dv
-    rows) beside the scores, P and dS leave ptxas short: it spills 116 bytes
-    there (none for sm_90).  That one is held to what it spills now."""
+    of the .cu, the tensor-core forward's four configurations and the three
+    backward kernels included, keeps its values in registers (a spill to local
+    memory costs a memory round trip inside the inner loops)."""
     csrc = Path(__file__).resolve().parent.parent / "csrc"
     cmd = ["nvcc", "-std=c++17", f"-I{csrc}", "-DHKT_WITH_CUDA", "-O3", "-Xptxas", "-v", "-c",
            str(csrc / "hkt_attention_cuda.cu"), "-o", str(tmp_path / "k.o")]
@@ -1236,11 +1235,9 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
                          r"spill loads", res.stdout + res.stderr, re.S)
     names = {(n, a) for n, a, _, _ in entries}
     assert sum("tc_forward_kernel" in n for n, _ in names) == 8, sorted(names)  # 4 configurations x 2 archs
-    assert sum("tc_backward_kernel" in n for n, _ in names) == 4, sorted(names)  # dq and dk/dv x 2 archs
-    known = lambda n, a: "tc_backward_kernel" in n and "Li1E" in n and a == "sm_80"  # noqa: E731 (dk/dv)
-    spilled = [(n, a, st, ld) for n, a, st, ld in entries if (st != "0" or ld != "0") and not known(n, a)]
+    assert sum("tc_backward_kernel" in n for n, _ in names) == 6, sorted(names)  # dq, dv, dk x 2 archs
+    spilled = [(n, a, st, ld) for n, a, st, ld in entries if st != "0" or ld != "0"]
     assert not spilled, spilled
-    assert all(int(st) <= 128 for n, a, st, _ in entries if known(n, a)), entries
 
 
 def test_tensor_core_limits_without_a_gpu():
