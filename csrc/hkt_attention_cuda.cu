@@ -576,9 +576,13 @@ __device__ static inline float tc_f32(uint16_t h) {
 __device__ static inline uint32_t tc_pack(float lo, float hi) { return tc_bf16(lo) | (tc_bf16(hi) << 16); }
 /* two consecutive halves of shared memory (4-byte aligned: even index, even row length) */
 __device__ static inline uint32_t tc_ld(const uint16_t *x) {
+#if defined(HKT_CUDA_EMULATION)
     uint32_t u;
     memcpy(&u, x, 4);
     return u;
+#else
+    return *(const uint32_t *)x; /* one 32-bit load (memcpy from a uint16_t pointer may make two) */
+#endif
 }
 /* two halves one row apart: a B fragment register read down a column */
 __device__ static inline uint32_t tc_ld_col(const uint16_t *x, int ld) { return (uint32_t)x[0] | ((uint32_t)x[ld] << 16); }
@@ -597,13 +601,14 @@ __device__ static inline void tc_mma(float d[4], const uint32_t a[4], const uint
 #endif
 }
 
-/* 16 bytes (8 bfloat16) from src to dst, both 16-byte aligned: one 128-bit
- * load and store on the GPU */
+/* 16 bytes (8 bfloat16) from src (or zeros, src NULL) to dst, both 16-byte
+ * aligned: one 128-bit load and store on the GPU */
 __device__ static inline void tc_copy16(void *dst, const void *src) {
 #if defined(HKT_CUDA_EMULATION)
-    memcpy(dst, src, 16);
+    if (src) memcpy(dst, src, 16);
+    else memset(dst, 0, 16);
 #else
-    *(uint4 *)dst = *(const uint4 *)src;
+    *(uint4 *)dst = src ? *(const uint4 *)src : make_uint4(0, 0, 0, 0);
 #endif
 }
 /* Whether rows of a bfloat16 array starting at x, rs apart, D long, can be
@@ -621,11 +626,10 @@ __device__ static void tc_load_rows(uint16_t (*dst)[ROW], int rows, const void *
     static_assert(ROW % 8 == 0, "shared rows are 16-byte aligned");
     const uint16_t *base = (const uint16_t *)src + b * stride[0] + h * stride[1] + r0 * stride[2];
     if (tc_vec_rows(base, stride[2], D)) {
-        static const uint16_t zeros[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         const int per = D / 8;
         for (int x = threadIdx.x; x < rows * per; x += TC_THREADS) {
             const int r = x / per, e = x % per * 8;
-            tc_copy16(&dst[r][e], r < n ? base + r * stride[2] + e : zeros);
+            tc_copy16(&dst[r][e], r < n ? base + r * stride[2] + e : nullptr);
         }
         return;
     }
