@@ -31,7 +31,8 @@
  * A non-finite value that only hidden entries see (in a hidden key's k or v, in
  * q or dout of a row that sees nothing) may or may not reach other results: the
  * kernels multiply whole tiles, and 0 * NaN is NaN where a hidden entry shares a
- * tile with visible ones (the CUDA kernels skip such products; the plain
+ * tile with visible ones (CUDA's float32/float64 kernels skip such products,
+ * its bfloat16 tensor-core kernels multiply whole tiles too; the plain
  * reference always makes them).
  *
  * The _cuda functions (built with HKT_WITH_CUDA, hkt_attention_cuda.cu) compute
