@@ -1151,6 +1151,8 @@ def test_emulated_tensor_core_backward(emulated, size, mask, causal):
     to bfloat16 on their way into level 0's products, a relative 2^-9 each"""
     B, H, Hk, T, S, D, Dv, L = size
     q, k, v, w = _bf16_inputs(size, T + S + L + 1)
+    if mask == "bool":
+        w = w[0].contiguous()  # one w for every head: dw sums over them
     dout = torch.randn(B, H, T, Dv, generator=torch.Generator().manual_seed(2)).bfloat16()
     am = make_mask(mask, B, H, T, S, torch.float32)
     am = am.expand(B, H, T, S) if am is not None else None
@@ -1190,6 +1192,16 @@ def test_emulated_tensor_core_backward_empty_rows(emulated):
     assert all(torch.isfinite(x).all() for x in (dq, dk, dv))
     assert not dq[:, :, 3].any() and not dk[:, :, 7].any() and not dv[:, :, 7].any()
     assert dq[:, :, 2].abs().sum() > 0 and dk[:, :, 6].abs().sum() > 0
+
+
+@pytest.mark.parametrize("T, S", [(5, 0), (0, 7)])
+def test_emulated_tensor_core_no_keys_or_no_queries(emulated, T, S):
+    q, k, v, w = _bf16_inputs((1, 2, 2, T, S, 16, 16, 2), 1)
+    out, lse = _forward_into(emulated, q, k, v, w, None, False, None, torch.float32)
+    assert not out.any() and (torch.isinf(lse) & (lse > 0)).all()
+    grads = _tc_backward(emulated, q, k, v, w, out.bfloat16(), lse, torch.ones(1, 2, T, 16).bfloat16(), None, False,
+                         None)
+    assert not any(g.any() for g in grads)  # overwritten with zeros (they were 5.0)
 
 
 def test_emulated_tensor_core_backward_repeats_bitwise(emulated):
