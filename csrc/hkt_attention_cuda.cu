@@ -455,9 +455,9 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dmask_kernel(const __grid
  *
  * FlashAttention-2 with HKT's levels.  A block of 4 warps owns 64 "rows" (each
  * warp 16, TC_BM) and walks the "columns" in tiles of 32 (TC_BN).  Forward and
- * the dq kernel: rows are queries, columns keys; the dk/dv kernel: rows are
- * keys, columns queries (its scores are S transposed, which HKT builds the same
- * way with q and k swapped).  Per column tile:
+ * the dq kernel: rows are queries, columns keys; the dv and dk kernels: rows
+ * are keys, columns queries (their scores are S transposed, which HKT builds
+ * the same way with q and k swapped).  Per column tile:
  *   1. the block copies the tile's columns of every level (and the value rows
  *      the kernel needs) to shared memory;
  *   2. the coarse levels' Gram blocks, (64 >> l) x (32 >> l) for l >= 1, are
@@ -481,8 +481,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dmask_kernel(const __grid
  * in shared memory until the block is done); dw from the dq kernel's Grams.
  * Every gradient row belongs to one block, which writes it once: no atomics,
  * bitwise the same run to run.  delta = rowsum(dO * out) is the dq kernel's,
- * in double, into the scratch, where the dk/dv kernel (queued after it) reads
- * it.
+ * in double, into the scratch, where the dk kernel (queued after it) reads it.
  *
  * Fragments are those of mma.sync.m16n8k16 (PTX ISA, "Matrix Fragments for
  * mma.m16n8k16 with floating point type"); with g = lane / 4, t = lane % 4,
@@ -574,6 +573,16 @@ __device__ static inline float tc_f32(uint16_t h) {
     return x;
 }
 __device__ static inline uint32_t tc_pack(float lo, float hi) { return tc_bf16(lo) | (tc_bf16(hi) << 16); }
+/* The A fragment of keys (columns) 16 ks .. 16 ks + 15 of a score-shaped
+ * accumulator s (16 rows x TC_BN, C layout), times scale, rounded to bfloat16:
+ * two C n-tiles side by side are one A fragment, so P or dS go from one
+ * product into the next without leaving the registers. */
+__device__ static inline void tc_c_to_a(uint32_t f[4], const float (*s)[4], int ks, float scale) {
+    f[0] = tc_pack(scale * s[2 * ks][0], scale * s[2 * ks][1]);
+    f[1] = tc_pack(scale * s[2 * ks][2], scale * s[2 * ks][3]);
+    f[2] = tc_pack(scale * s[2 * ks + 1][0], scale * s[2 * ks + 1][1]);
+    f[3] = tc_pack(scale * s[2 * ks + 1][2], scale * s[2 * ks + 1][3]);
+}
 /* two consecutive halves of shared memory (4-byte aligned: even index, even row length) */
 __device__ static inline uint32_t tc_ld(const uint16_t *x) {
 #if defined(HKT_CUDA_EMULATION)
@@ -890,9 +899,8 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_
             /* 5. o += P V, 16 keys at a time: P's A fragment is two score n-tiles */
 #pragma unroll
             for (int ks = 0; ks < TC_BN / 16; ks++) {
-                const uint32_t pf[4] = {tc_pack(s[2 * ks][0], s[2 * ks][1]), tc_pack(s[2 * ks][2], s[2 * ks][3]),
-                                        tc_pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                                        tc_pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+                uint32_t pf[4];
+                tc_c_to_a(pf, s, ks, 1.f);
                 const int e = 16 * ks + 2 * t;
 #pragma unroll
                 for (int n = 0; n < C::NV; n++) {
@@ -994,161 +1002,154 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
         for (int64_t it = 0; it < (DKV ? group : 1) * ntile; it++) {
             const int64_t hh = it / ntile, c0 = c_lo + it % ntile * TC_BN;
             const int64_t h = DKV ? hx * group + hh : hx, hk = DKV ? hx : kv_head(p, h);
-            {
 #pragma unroll
-                for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? (float)p.scale * weight<float>(p, h, l) : 0.f;
-                __syncthreads();
-                /* 1. the tile's columns of every level, its value rows (v, or dO), and (dk/dv) its queries' lse and delta */
-                if (DKV) {
-                    tc_load_tile(sm.sc, p, p.q, p.q_stride, b, h, c0, ncols);
-                    tc_load_rows<C::VROW>(sm.cv, TC_BN, p.dout, p.dout_stride, b, h, c0,
-                                          ncols - c0 < TC_BN ? ncols - c0 : TC_BN, Dv);
-                    for (int c = threadIdx.x; c < TC_BN; c += TC_THREADS) {
-                        const int64_t i = c0 + c, at = (b * p.H + h) * T + i;
-                        sm.colstat[0][c] = i < T ? ((const float *)p.lse)[at] : 0.f;
-                        sm.colstat[1][c] = i < T ? delta[at] : 0.f;
-                    }
-                } else {
-                    tc_load_tile(sm.sc, p, p.k, p.k_stride, b, hk, c0, ncols);
-                    tc_load_rows<C::VROW>(sm.cv, TC_BN, p.v, p.v_stride, b, hk, c0,
-                                          ncols - c0 < TC_BN ? ncols - c0 : TC_BN, Dv);
+            for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? (float)p.scale * weight<float>(p, h, l) : 0.f;
+            __syncthreads();
+            /* 1. the tile's columns of every level, its value rows (v, or dO), and (dk/dv) its queries' lse and delta */
+            if (DKV) {
+                tc_load_tile(sm.sc, p, p.q, p.q_stride, b, h, c0, ncols);
+                tc_load_rows<C::VROW>(sm.cv, TC_BN, p.dout, p.dout_stride, b, h, c0,
+                                      ncols - c0 < TC_BN ? ncols - c0 : TC_BN, Dv);
+                for (int c = threadIdx.x; c < TC_BN; c += TC_THREADS) {
+                    const int64_t i = c0 + c, at = (b * p.H + h) * T + i;
+                    sm.colstat[0][c] = i < T ? ((const float *)p.lse)[at] : 0.f;
+                    sm.colstat[1][c] = i < T ? delta[at] : 0.f;
                 }
-                __syncthreads();
-                /* 2. the coarse Gram blocks; 3. the scores */
-                tc_grams(sm.sc, L, nks, warp, g, t);
-                __syncthreads();
-                float s[TC_BN / 8][4], g0[DKV ? 1 : TC_BN / 8][4];
-                tc_level0<C, false>(s, sm.sc, nullptr, xrows, nks, g, t);
-                if (!DKV) {
-#pragma unroll
-                    for (int n = 0; n < TC_BN / 8; n++)
-#pragma unroll
-                        for (int x = 0; x < 4; x++) g0[DKV ? 0 : n][x] = s[n][x];
-                }
-                tc_fold(s, sm.sc, wl, L, r_lo, t);
-                tc_hide<DKV>(s, p, b, h, r0, c0, r_lo, t, nrows, ncols);
-                /* 4. dP: the rows' values against the tile's value rows */
-                float dp[TC_BN / 8][4];
-#pragma unroll
-                for (int n = 0; n < TC_BN / 8; n++) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
-#pragma unroll
-                for (int kk = 0; kk < C::NV / 2; kk++) {
-                    if (GRAD && kk < nvs) {
-                        const int e = 16 * kk + 2 * t;
-                        uint32_t af[4];
-                        tc_a_frag(af, vrows, 16 * kk);
-#pragma unroll
-                        for (int n = 0; n < TC_BN / 8; n++) {
-                            const uint32_t bf[2] = {tc_ld(&sm.cv[8 * n + g][e]), tc_ld(&sm.cv[8 * n + g][e + 8])};
-                            tc_mma(dp[n], af, bf);
-                        }
-                    }
-                }
-                /* 5. P (into s) and dS (into dp); a hidden entry's are exactly 0 */
-                float rl[2] = {0.f, 0.f}, rd[2] = {0.f, 0.f};
-                if (!DKV)
-                    for (int hr = 0; hr < 2; hr++) {
-                        rl[hr] = sm.rowstat[0][r_lo + 8 * hr];
-                        rd[hr] = sm.rowstat[1][r_lo + 8 * hr];
-                    }
+            } else {
+                tc_load_tile(sm.sc, p, p.k, p.k_stride, b, hk, c0, ncols);
+                tc_load_rows<C::VROW>(sm.cv, TC_BN, p.v, p.v_stride, b, hk, c0,
+                                      ncols - c0 < TC_BN ? ncols - c0 : TC_BN, Dv);
+            }
+            __syncthreads();
+            /* 2. the coarse Gram blocks; 3. the scores */
+            tc_grams(sm.sc, L, nks, warp, g, t);
+            __syncthreads();
+            float s[TC_BN / 8][4], g0[DKV ? 1 : TC_BN / 8][4];
+            tc_level0<C, false>(s, sm.sc, nullptr, xrows, nks, g, t);
+            if (!DKV) {
 #pragma unroll
                 for (int n = 0; n < TC_BN / 8; n++)
 #pragma unroll
-                    for (int x = 0; x < 4; x++) {
-                        const int cc = 8 * n + 2 * t + (x & 1);
-                        const float lse = DKV ? sm.colstat[0][cc] : rl[x >> 1];
-                        const float del = DKV ? sm.colstat[1][cc] : rd[x >> 1];
-                        const bool hidden = s[n][x] == -INFINITY;
-                        const float pv = hidden ? 0.f : dev_exp(s[n][x] - lse);
-                        const float ds = hidden || !GRAD ? 0.f : pv * (dp[n][x] - del);
-                        if (!DKV) dwl[0] += hidden ? 0.f : g0[DKV ? 0 : n][x] * ds;
-                        s[n][x] = pv;
-                        dp[n][x] = ds;
-                    }
-                /* 6. dV += P dO (dk/dv), then the level-0 gradient += (scale w_0 dS) x
-                 * the tile's level-0 rows, 16 columns at a time (the A fragments are
-                 * the accumulators' registers, as P in the forward; P is done with
-                 * before dS's products start, which keeps ptxas from spilling) */
-                if (DV) {
+                    for (int x = 0; x < 4; x++) g0[DKV ? 0 : n][x] = s[n][x];
+            }
+            tc_fold(s, sm.sc, wl, L, r_lo, t);
+            tc_hide<DKV>(s, p, b, h, r0, c0, r_lo, t, nrows, ncols);
+            /* 4. dP: the rows' values against the tile's value rows */
+            float dp[TC_BN / 8][4];
 #pragma unroll
-                    for (int ks = 0; ks < TC_BN / 16; ks++) {
-                        const int k0 = 16 * ks + 2 * t;
-                        const uint32_t pf[4] = {tc_pack(s[2 * ks][0], s[2 * ks][1]), tc_pack(s[2 * ks][2], s[2 * ks][3]),
-                                                tc_pack(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                                                tc_pack(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+            for (int n = 0; n < TC_BN / 8; n++) dp[n][0] = dp[n][1] = dp[n][2] = dp[n][3] = 0.f;
 #pragma unroll
-                        for (int n = 0; n < (DV ? C::NV : 1); n++) {
-                            if (8 * n < Dv) {
-                                const uint16_t *col = &sm.cv[k0][8 * n + g];
-                                const uint32_t bf[2] = {tc_ld_col(col, C::VROW), tc_ld_col(col + 8 * C::VROW, C::VROW)};
-                                tc_mma(accv[n], pf, bf);
-                            }
-                        }
+            for (int kk = 0; kk < C::NV / 2; kk++) {
+                if (GRAD && kk < nvs) {
+                    const int e = 16 * kk + 2 * t;
+                    uint32_t af[4];
+                    tc_a_frag(af, vrows, 16 * kk);
+#pragma unroll
+                    for (int n = 0; n < TC_BN / 8; n++) {
+                        const uint32_t bf[2] = {tc_ld(&sm.cv[8 * n + g][e]), tc_ld(&sm.cv[8 * n + g][e + 8])};
+                        tc_mma(dp[n], af, bf);
                     }
                 }
+            }
+            /* 5. P (into s) and dS (into dp); a hidden entry's are exactly 0 */
+            float rl[2] = {0.f, 0.f}, rd[2] = {0.f, 0.f};
+            if (!DKV)
+                for (int hr = 0; hr < 2; hr++) {
+                    rl[hr] = sm.rowstat[0][r_lo + 8 * hr];
+                    rd[hr] = sm.rowstat[1][r_lo + 8 * hr];
+                }
 #pragma unroll
-                for (int ks = 0; ks < (GRAD ? TC_BN / 16 : 0); ks++) {
+            for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int cc = 8 * n + 2 * t + (x & 1);
+                    const float lse = DKV ? sm.colstat[0][cc] : rl[x >> 1];
+                    const float del = DKV ? sm.colstat[1][cc] : rd[x >> 1];
+                    const bool hidden = s[n][x] == -INFINITY;
+                    const float pv = hidden ? 0.f : dev_exp(s[n][x] - lse);
+                    const float ds = hidden || !GRAD ? 0.f : pv * (dp[n][x] - del);
+                    if (!DKV) dwl[0] += hidden ? 0.f : g0[DKV ? 0 : n][x] * ds;
+                    s[n][x] = pv;
+                    dp[n][x] = ds;
+                }
+            /* 6. dV += P dO (the dv kernel), or the level-0 gradient += (scale w_0
+             * dS) x the tile's level-0 rows, 16 columns at a time */
+            if (DV) {
+#pragma unroll
+                for (int ks = 0; ks < TC_BN / 16; ks++) {
                     const int k0 = 16 * ks + 2 * t;
-                    const uint32_t df[4] = {tc_pack(wl[0] * dp[2 * ks][0], wl[0] * dp[2 * ks][1]),
-                                            tc_pack(wl[0] * dp[2 * ks][2], wl[0] * dp[2 * ks][3]),
-                                            tc_pack(wl[0] * dp[2 * ks + 1][0], wl[0] * dp[2 * ks + 1][1]),
-                                            tc_pack(wl[0] * dp[2 * ks + 1][2], wl[0] * dp[2 * ks + 1][3])};
+                    uint32_t pf[4];
+                    tc_c_to_a(pf, s, ks, 1.f);
 #pragma unroll
-                    for (int n = 0; n < C::ND; n++) {
-                        if (8 * n < D) {
-                            const uint16_t *col = &sm.sc.ct[k0][8 * n + g];
-                            const uint32_t bf[2] = {tc_ld_col(col, C::ROW), tc_ld_col(col + 8 * C::ROW, C::ROW)};
-                            tc_mma(acc0[n], df, bf);
+                    for (int n = 0; n < (DV ? C::NV : 1); n++) {
+                        if (8 * n < Dv) {
+                            const uint16_t *col = &sm.cv[k0][8 * n + g];
+                            const uint32_t bf[2] = {tc_ld_col(col, C::VROW), tc_ld_col(col + 8 * C::VROW, C::VROW)};
+                            tc_mma(accv[n], pf, bf);
                         }
                     }
                 }
-                /* 7. the coarse levels: dS summed over each 2^l x 2^l block by a
-                 * butterfly over the lanes that hold it (rows: lane bits 2-4, columns:
-                 * bits 0-1), the same bits in every lane of a block; one lane writes
-                 * scale w_l times it, and (dq) adds G_l times it to dw */
-                if (GRAD && L > 1) {
-                    float v[TC_BN / 8][2];
+            }
+#pragma unroll
+            for (int ks = 0; ks < (GRAD ? TC_BN / 16 : 0); ks++) {
+                const int k0 = 16 * ks + 2 * t;
+                uint32_t df[4];
+                tc_c_to_a(df, dp, ks, wl[0]);
+#pragma unroll
+                for (int n = 0; n < C::ND; n++) {
+                    if (8 * n < D) {
+                        const uint16_t *col = &sm.sc.ct[k0][8 * n + g];
+                        const uint32_t bf[2] = {tc_ld_col(col, C::ROW), tc_ld_col(col + 8 * C::ROW, C::ROW)};
+                        tc_mma(acc0[n], df, bf);
+                    }
+                }
+            }
+            /* 7. the coarse levels: dS summed over each 2^l x 2^l block by a
+             * butterfly over the lanes that hold it (rows: lane bits 2-4, columns:
+             * bits 0-1), the same bits in every lane of a block; one lane writes
+             * scale w_l times it, and (dq) adds G_l times it to dw */
+            if (GRAD && L > 1) {
+                float v[TC_BN / 8][2];
+#pragma unroll
+                for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+                    for (int hr = 0; hr < 2; hr++) v[n][hr] = dp[n][2 * hr] + dp[n][2 * hr + 1];
+#pragma unroll
+                for (int l = 1; l < HKT_TC_LMAX; l++) {
+                    if (l >= L) break; /* L is the same in every lane */
+                    const int rowbit = 4 << (l - 1), colbit = l >= 2 ? 1 << (l - 2) : 0;
+                    const bool writer = (g & ((1 << l) - 1)) == 0 && (t & ((1 << (l - 1)) - 1)) == 0;
 #pragma unroll
                     for (int n = 0; n < TC_BN / 8; n++)
 #pragma unroll
-                        for (int hr = 0; hr < 2; hr++) v[n][hr] = dp[n][2 * hr] + dp[n][2 * hr + 1];
-#pragma unroll
-                    for (int l = 1; l < HKT_TC_LMAX; l++) {
-                        if (l >= L) break; /* L is the same in every lane */
-                        const int rowbit = 4 << (l - 1), colbit = l >= 2 ? 1 << (l - 2) : 0;
-                        const bool writer = (g & ((1 << l) - 1)) == 0 && (t & ((1 << (l - 1)) - 1)) == 0;
-#pragma unroll
-                        for (int n = 0; n < TC_BN / 8; n++)
-#pragma unroll
-                            for (int hr = 0; hr < 2; hr++) {
-                                if (colbit) v[n][hr] += __shfl_xor_sync(FULL, v[n][hr], colbit);
-                                v[n][hr] += __shfl_xor_sync(FULL, v[n][hr], rowbit);
-                                if (writer) {
-                                    const int ar = (r_lo + 8 * hr) >> l, ac = (8 * n + 2 * t) >> l;
-                                    const int at = tc_goff(l) + ar * tc_krows(l) + ac;
-                                    sm.dgs[at] = wl[l] * v[n][hr];
-                                    if (!DKV && v[n][hr] != 0.f) dwl[l] += sm.sc.gram[at] * v[n][hr];
-                                }
+                        for (int hr = 0; hr < 2; hr++) {
+                            if (colbit) v[n][hr] += __shfl_xor_sync(FULL, v[n][hr], colbit);
+                            v[n][hr] += __shfl_xor_sync(FULL, v[n][hr], rowbit);
+                            if (writer) {
+                                const int ar = (r_lo + 8 * hr) >> l, ac = (8 * n + 2 * t) >> l;
+                                const int at = tc_goff(l) + ar * tc_krows(l) + ac;
+                                sm.dgs[at] = wl[l] * v[n][hr];
+                                if (!DKV && v[n][hr] != 0.f) dwl[l] += sm.sc.gram[at] * v[n][hr];
                             }
-                    }
-                    __syncwarp();
-                    /* the warp's coarse gradient rows += (scale w_l dG_l) x the tile's
-                     * level-l rows, lane d owning columns d and d + 32 */
-                    for (int l = 1; l < L; l++) {
-                        const int a_lo = (warp * 16) >> l, a_hi = (warp * 16 + 16) >> l;
-                        const int64_t cl = (ncols + ((int64_t)1 << l) - 1) >> l, cb = c0 >> l;
-                        const int nc = (int)(cl - cb < (TC_BN >> l) ? cl - cb : (TC_BN >> l));
-                        for (int ar = a_lo; ar < a_hi; ar++)
-                            for (int d = lane; d < D; d += 32) {
-                                float acc = sm.acc[tc_qoff(l) + ar][d];
-                                for (int c = 0; c < nc; c++)
-                                    acc += sm.dgs[tc_goff(l) + ar * tc_krows(l) + c] *
-                                           tc_f32(sm.sc.ct[tc_koff(l) + c][d]);
-                                sm.acc[tc_qoff(l) + ar][d] = acc;
-                            }
-                    }
-                    __syncwarp();
+                        }
                 }
+                __syncwarp();
+                /* the warp's coarse gradient rows += (scale w_l dG_l) x the tile's
+                 * level-l rows, lane d owning columns d and d + 32 */
+                for (int l = 1; l < L; l++) {
+                    const int a_lo = (warp * 16) >> l, a_hi = (warp * 16 + 16) >> l;
+                    const int64_t cl = (ncols + ((int64_t)1 << l) - 1) >> l, cb = c0 >> l;
+                    const int nc = (int)(cl - cb < (TC_BN >> l) ? cl - cb : (TC_BN >> l));
+                    for (int ar = a_lo; ar < a_hi; ar++)
+                        for (int d = lane; d < D; d += 32) {
+                            float acc = sm.acc[tc_qoff(l) + ar][d];
+                            for (int c = 0; c < nc; c++)
+                                acc += sm.dgs[tc_goff(l) + ar * tc_krows(l) + c] *
+                                       tc_f32(sm.sc.ct[tc_koff(l) + c][d]);
+                            sm.acc[tc_qoff(l) + ar][d] = acc;
+                        }
+                }
+                __syncwarp();
             }
         }
         /* write the block's gradient rows: level 0 (and dv) from the registers */

@@ -524,6 +524,15 @@ static int q0_on_cuda(const DLTensor *q0) {
 #endif
 }
 
+/* A bfloat16 call on CUDA within the tensor-core kernels' limits (hkt.h):
+ * 0, else -1 with a ValueError that names the argument. */
+static int check_cuda_tc(const hkt_params *p, int backward) {
+    const char *why = backward ? hkt_cuda_tc_backward_refusal(p) : hkt_cuda_tc_refusal(p); /* "argument: reason" */
+    if (!why) return 0;
+    PyErr_Format(PyExc_ValueError, "%s; pass float32", why);
+    return -1;
+}
+
 /* q[0]: the array every other one is checked against (dtype, device). */
 static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     const DLTensor *q0 = import_array(hd, obj, "q[0]");
@@ -854,13 +863,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
                          nthreads, 1, &q0, &mt);
     p.stream = stream_handle;
     p.key_cache_bytes = key_cache_bytes;
-    if (rc == 0 && p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) {
-        const char *why = hkt_cuda_tc_refusal(&p); /* "argument: reason" */
-        if (why) {
-            PyErr_Format(PyExc_ValueError, "%s; pass float32", why);
-            rc = -1;
-        }
-    }
+    if (rc == 0 && p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) rc = check_cuda_tc(&p, 0);
     if (rc == 0) rc = check_overlaps(&hd);
     if (rc == 0) rc = run_kernel(&p, 0, q0);
     release_all(&hd);
@@ -1032,13 +1035,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     }
     if (dmask != Py_None && take_dmask(&p, &hd, dmask, mt, cref)) goto done;
     if (scratch != Py_None && take_scratch(&p, &hd, scratch, q0)) goto done;
-    if (p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) {
-        const char *why = hkt_cuda_tc_backward_refusal(&p); /* "argument: reason" */
-        if (why) {
-            PyErr_Format(PyExc_ValueError, "%s; pass float32", why);
-            goto done;
-        }
-    }
+    if (p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0) && check_cuda_tc(&p, 1)) goto done;
     if (check_overlaps(&hd)) goto done;
     rc = run_kernel(&p, 1, q0);
 done:
