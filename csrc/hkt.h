@@ -157,22 +157,29 @@ static inline size_t hkt_cuda_scratch_bytes(int64_t B, int64_t H, int64_t T, int
  * float32 accumulation.  It has limits the float32/float64 kernels do not:
  * hkt_cuda_tc_refusal names the first one p breaks (NULL: p is fine); the
  * backward (hkt_cuda_tc_backward_refusal) has narrower ones. */
-#define HKT_TC_DMAX 128  /* D a multiple of 16, Dv a multiple of 8, both at most this */
-#define HKT_TC_LMAX 4    /* levels */
+#define HKT_TC_DMAX 128     /* D a multiple of 16, Dv a multiple of 8, both at most this */
+#define HKT_TC_LMAX 4       /* levels */
+#define HKT_TC_BWD_DMAX 64  /* the backward: D and Dv multiples of 16, at most this */
+#define HKT_STR_(x) #x
+#define HKT_STR(x) HKT_STR_(x) /* a macro's value as a string, so a message cannot drift from it */
 static inline const char *hkt_cuda_tc_refusal(const hkt_params *p) {
-    if (p->D % 16 || p->D > HKT_TC_DMAX) return "q[0]: the CUDA bfloat16 forward needs D a multiple of 16 up to 128";
-    if (p->Dv % 8 || p->Dv > HKT_TC_DMAX) return "v: the CUDA bfloat16 forward needs Dv a multiple of 8 up to 128";
-    if (p->L > HKT_TC_LMAX) return "q: the CUDA bfloat16 forward takes at most 4 levels";
+    if (p->D % 16 || p->D > HKT_TC_DMAX)
+        return "q[0]: the CUDA bfloat16 forward needs D a multiple of 16 up to " HKT_STR(HKT_TC_DMAX);
+    if (p->Dv % 8 || p->Dv > HKT_TC_DMAX)
+        return "v: the CUDA bfloat16 forward needs Dv a multiple of 8 up to " HKT_STR(HKT_TC_DMAX);
+    if (p->L > HKT_TC_LMAX) return "q: the CUDA bfloat16 forward takes at most " HKT_STR(HKT_TC_LMAX) " levels";
     if (p->dropout_p > 0) return "dropout_p: the CUDA bfloat16 forward has no dropout";
     return NULL;
 }
 /* The same for the backward (tensor cores too): the forward's limits, D and
- * Dv multiples of 16 up to 64, and no float mask gradient (dmask). */
+ * Dv multiples of 16 up to HKT_TC_BWD_DMAX, and no float mask gradient (dmask). */
 static inline const char *hkt_cuda_tc_backward_refusal(const hkt_params *p) {
     const char *why = hkt_cuda_tc_refusal(p);
     if (why) return why;
-    if (p->D > 64) return "q[0]: the CUDA bfloat16 backward needs D a multiple of 16 up to 64";
-    if (p->Dv % 16 || p->Dv > 64) return "v: the CUDA bfloat16 backward needs Dv a multiple of 16 up to 64";
+    if (p->D > HKT_TC_BWD_DMAX)
+        return "q[0]: the CUDA bfloat16 backward needs D a multiple of 16 up to " HKT_STR(HKT_TC_BWD_DMAX);
+    if (p->Dv % 16 || p->Dv > HKT_TC_BWD_DMAX)
+        return "v: the CUDA bfloat16 backward needs Dv a multiple of 16 up to " HKT_STR(HKT_TC_BWD_DMAX);
     if (p->dmask) return "dmask: the CUDA bfloat16 backward has no float mask gradient";
     return NULL;
 }

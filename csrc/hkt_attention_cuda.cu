@@ -509,9 +509,23 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dmask_kernel(const __grid
  * of 2^l, so row r's coarse row is r >> l */
 __host__ __device__ constexpr int tc_qrows(int l) { return (TC_BM >> l) > 16 ? (TC_BM >> l) : 16; }
 __host__ __device__ constexpr int tc_krows(int l) { return (TC_BN >> l) > 8 ? (TC_BN >> l) : 8; }
-__host__ __device__ constexpr int tc_qoff(int l) { return l <= 1 ? 0 : tc_qoff(l - 1) + tc_qrows(l - 1); }
-__host__ __device__ constexpr int tc_koff(int l) { return l == 0 ? 0 : l == 1 ? TC_BN : tc_koff(l - 1) + tc_krows(l - 1); }
-__host__ __device__ constexpr int tc_goff(int l) { return l <= 1 ? 0 : tc_goff(l - 1) + tc_qrows(l - 1) * tc_krows(l - 1); }
+/* offsets as loops, not recursion: a recursive tc_koff was compiled as a real
+ * call (with a stack frame) wherever l is not a constant */
+__host__ __device__ constexpr int tc_qoff(int l) {
+    int o = 0;
+    for (int m = 1; m < l; m++) o += tc_qrows(m);
+    return o;
+}
+__host__ __device__ constexpr int tc_koff(int l) {
+    int o = 0;
+    for (int m = 0; m < l; m++) o += tc_krows(m);
+    return o;
+}
+__host__ __device__ constexpr int tc_goff(int l) {
+    int o = 0;
+    for (int m = 1; m < l; m++) o += tc_qrows(m) * tc_krows(m);
+    return o;
+}
 static_assert(HKT_TC_LMAX <= 4, "coarse rows r >> l need blocks and tiles aligned to 2^(L-1)");
 
 /* compile-time bounds on D and Dv, so the fragment arrays stay in registers */
@@ -1013,7 +1027,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                 for (int c = threadIdx.x; c < TC_BN; c += TC_THREADS) {
                     const int64_t i = c0 + c, at = (b * p.H + h) * T + i;
                     sm.colstat[0][c] = i < T ? ((const float *)p.lse)[at] : 0.f;
-                    sm.colstat[1][c] = i < T ? delta[at] : 0.f;
+                    if (!DV) sm.colstat[1][c] = i < T ? delta[at] : 0.f; /* only dS needs delta */
                 }
             } else {
                 tc_load_tile(sm.sc, p, p.k, p.k_stride, b, hk, c0, ncols);
@@ -1064,7 +1078,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
                 for (int x = 0; x < 4; x++) {
                     const int cc = 8 * n + 2 * t + (x & 1);
                     const float lse = DKV ? sm.colstat[0][cc] : rl[x >> 1];
-                    const float del = DKV ? sm.colstat[1][cc] : rd[x >> 1];
+                    const float del = DV ? 0.f : DKV ? sm.colstat[1][cc] : rd[x >> 1];
                     const bool hidden = s[n][x] == -INFINITY;
                     const float pv = hidden ? 0.f : dev_exp(s[n][x] - lse);
                     const float ds = hidden || !GRAD ? 0.f : pv * (dp[n][x] - del);
@@ -1306,9 +1320,9 @@ static cudaError_t tc_backward(cuda_args a, const char **what) {
     cudaError_t e = tc_check(p, hkt_cuda_tc_backward_refusal(&p), what);
     if (e != cudaSuccess) return e;
     a.nqb = (p.T + TC_BM - 1) / TC_BM; /* dw partials per block of TC_BM queries (fewer than per G) */
-    if ((e = tc_backward_launch<tc_cfg<64, 64, 0>>(a, what)) != cudaSuccess) return e;
-    if ((e = tc_backward_launch<tc_cfg<64, 64, 1>>(a, what)) != cudaSuccess) return e;
-    if ((e = tc_backward_launch<tc_cfg<64, 64, 2>>(a, what)) != cudaSuccess) return e;
+    if ((e = tc_backward_launch<tc_cfg<HKT_TC_BWD_DMAX, HKT_TC_BWD_DMAX, 0>>(a, what)) != cudaSuccess) return e;
+    if ((e = tc_backward_launch<tc_cfg<HKT_TC_BWD_DMAX, HKT_TC_BWD_DMAX, 1>>(a, what)) != cudaSuccess) return e;
+    if ((e = tc_backward_launch<tc_cfg<HKT_TC_BWD_DMAX, HKT_TC_BWD_DMAX, 2>>(a, what)) != cudaSuccess) return e;
     cudaStream_t stream = (cudaStream_t)p.stream;
     *what = "backward dw kernel launch";
     if ((p.w_per_head ? p.H : 1) * p.L > 0) dw_kernel<float><<<1, 256, 0, stream>>>(a);
