@@ -8,6 +8,7 @@ Both run in the same two spawned processes to pay the start-up once.  The
 README's torchrun example is run under torchrun with 2 processes too.
 """
 import datetime
+import faulthandler
 import os
 import pathlib
 import re
@@ -61,11 +62,21 @@ def _step(model, x, pad):
 
 
 def _worker(rank, store, out_dir):
+    # each rank's stderr (and a Python stack on a fatal signal) goes to a file the
+    # parent shows when a worker dies: a crash in a spawned process leaves no trace otherwise
+    log = open(f"{out_dir}/rank{rank}.log", "w", buffering=1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log, all_threads=True)
+
+    def stage(what):
+        print(f"rank {rank}: {what}", file=log, flush=True)
+
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only
     torch.set_num_threads(1)
     # rendezvous through a file (no port to pick and race for); gloo then talks over loopback
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    stage("process group up")
     try:
         x, pad = _batch()
         xs, pads = x.chunk(WORLD)[rank], pad.chunk(WORLD)[rank]
@@ -74,6 +85,7 @@ def _worker(rank, store, out_dir):
         ddp = DDP(_model())
         _step(ddp, xs, pads)
         torch.save({n: p.detach() for n, p in ddp.module.named_parameters()}, f"{out_dir}/ddp{rank}.pt")
+        stage("ddp step saved")
 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -85,8 +97,17 @@ def _worker(rank, store, out_dir):
         _step(model, xs, pads)
         full = {n: p.full_tensor().detach() for n, p in model.named_parameters()}  # gathers the shards
         torch.save(full, f"{out_dir}/fsdp{rank}.pt")
+        stage("fsdp step saved")
+        # no rank tears its connections down while the other may still be reading from them
+        dist.barrier()
+        stage("barrier passed")
     finally:
         dist.destroy_process_group()
+        stage("process group destroyed")
+
+
+class WorkersFailed(RuntimeError):
+    pass
 
 
 def _run_workers(out):
@@ -96,11 +117,22 @@ def _run_workers(out):
     try:
         while not ctx.join(timeout=1):
             if time.monotonic() > deadline:
-                pytest.fail(f"distributed workers still running after {TIMEOUT_S} s")
+                pytest.fail(f"distributed workers still running after {TIMEOUT_S} s\n{_worker_logs(out)}")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise WorkersFailed(f"{e}\n{_worker_logs(out)}") from e
     finally:
         for p in ctx.processes:  # only ours, by object
             if p.is_alive():
                 p.kill()
+
+
+def _worker_logs(out):
+    parts = []
+    for rank in range(WORLD):
+        path = out / f"rank{rank}.log"
+        text = path.read_text(errors="replace") if path.exists() else "(no log)"
+        parts.append(f"--- rank {rank} stderr (last 3000 characters) ---\n{text[-3000:]}")
+    return "\n".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +140,7 @@ def distributed_results(tmp_path_factory):
     try:
         out = tmp_path_factory.mktemp("dist")
         _run_workers(out)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+    except WorkersFailed as e:
         # once more on a busy shared machine (a lost loopback connection, say); a
         # real fault fails the same way twice
         print(f"distributed workers failed, retrying once: {e}", file=sys.stderr)
