@@ -97,6 +97,11 @@ def test_results_json_structure(tmp_path):
     assert [r["step"] for r in res["runs"]] == [4, 4, 2, 0, 0, 0]
     assert set(res["summary"]) == {"hkt", "standard"} and res["summary"]["hkt"]["n"] == 1
     assert {"hkt", "standard", "standard_ff40", "hkt_over_standard"} == set(res["time_per_step"])
+    try:
+        import matplotlib  # noqa: F401  (optional: without it, no plot)
+        assert (tmp_path / "r.png").stat().st_size > 0
+    except ImportError:
+        pass
 
 
 def test_standard_arm_is_mha():

@@ -44,6 +44,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from . import resumable
 from .bytelm import bits_per_byte, build_bytelm, evaluate_bpb
 from .resumable import (advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info, read_checkpoint,
                         restore, save_atomic, time_per_step, train_in_turns, turn_groups)
@@ -206,39 +207,12 @@ def plot_curves(results: Dict, path: str) -> bool:
     """Validation bits per byte against steps and against training time, one
     colour per arm (thin: each seed; thick: mean over seeds at shared steps).
     False (and no file) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for i, arm in enumerate(results["arms"]):
-        runs = [r for r in results["runs"] if r["arm"] == arm and r["history"]]
-        color = f"C{i}"
-        label = f"{arm} ({'standard' if results['arms'][arm]['levels'] == 1 else 'HKT'})"
-        for r in runs:
-            axes[0].plot([h["step"] for h in r["history"]], [h["val_bpb"] for h in r["history"]], color=color,
-                         alpha=0.3, lw=0.8)
-            axes[1].plot([h["train_time"] / 60 for h in r["history"]], [h["val_bpb"] for h in r["history"]],
-                         color=color, alpha=0.3, lw=0.8)
-        steps = sorted(set.intersection(*(set(h["step"] for h in r["history"]) for r in runs))) if runs else []
-        mean = [statistics.mean(h["val_bpb"] for r in runs for h in r["history"] if h["step"] == s) for s in steps]
-        axes[0].plot(steps, mean, color=color, lw=2, label=f"{label}, mean of {len(runs)}")
-    axes[0].set_xlabel("training step")
-    axes[1].set_xlabel("training time (minutes, sum of step times)")
-    axes[0].set_ylabel("validation bits per byte")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-    axes[0].legend()
     c = results["config"]
-    fig.suptitle(f"byte-level LM on the Python {results['corpus']['python_version']} standard library, "
-                 f"T={c['seq_len']}, d={c['d_model']}, {c['layers']} layers")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return resumable.plot_curves(
+        results, path, metric="val_bpb", ylabel="validation bits per byte", time_key="train_time",
+        label=lambda arm: f"{arm} ({'standard' if results['arms'][arm]['levels'] == 1 else 'HKT'})",
+        title=f"byte-level LM on the Python {results['corpus']['python_version']} standard library, "
+              f"T={c['seq_len']}, d={c['d_model']}, {c['layers']} layers")
 
 
 def main(argv=None) -> Dict:

@@ -24,9 +24,11 @@ Order: for each seed in turn, the arms take turns in chunks of ``--chunk``
 steps (``--order all`` rotates over all seeds' runs instead), so partial
 results always cover every arm.  ``--out`` is rewritten after every
 evaluation (each ``--eval-every`` steps): config, arms, per-run eval curves,
-time per training step per arm, and a summary of finished runs.
+time per training step per arm, and a summary of finished runs; ``--plot``
+(default: ``--out`` with ``.png``) draws the test accuracy curves.
 """
 import argparse
+import os
 import statistics
 import sys
 from typing import Dict, List, Optional
@@ -34,11 +36,12 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from . import resumable
 from .resumable import (advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info, read_checkpoint,
                         restore, save_atomic, time_per_step, train_in_turns, turn_groups)
 from .train import TASKS, build_model, evaluate, load_task, training_step, write_json
 
-__all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all", "main"]
+__all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all", "plot_curves", "main"]
 
 ARM_DEFAULTS = dict(task="listops", seq_len=512, seeds=[0, 1, 2], steps=5000, warmup=250, batch_size=32, lr=1e-3,
                     weight_decay=0.01, d_model=64, heads=4, layers=2, ff=128, matched_ff=260, dropout=0.0,
@@ -190,6 +193,21 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
     return summarise_runs(cfg, ordered, params)
 
 
+def plot_curves(results: Dict, path: str) -> bool:
+    """Test accuracy (%) against training steps, one colour per arm (thin: each
+    seed; thick: mean over seeds at shared steps).  False (and no file) without matplotlib."""
+    c = results["config"]
+
+    def label(arm):
+        a = results["arms"][arm]
+        return f"{arm} (L={a['levels']}, ff={a['ff']}, {a['params'] / 1000:.1f}k par.)"
+
+    return resumable.plot_curves(
+        results, path, metric="accuracy", scale=100.0, ylabel="test accuracy (%)", label=label,
+        legend_loc="lower right",
+        title=f"{c['task']}, T={c['seq_len']}, d={c['d_model']}, {c['layers']} layers, batch {c['batch_size']}")
+
+
 def main(argv=None) -> Dict:
     ap = argparse.ArgumentParser(prog="python -m hkt.experiments.long_run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,6 +238,7 @@ def main(argv=None) -> Dict:
     ap.add_argument("--max-steps", type=int, default=None, help="stop (saving) after this many steps in this call")
     ap.add_argument("--ckpt-dir", default="results/listops512_ckpt")
     ap.add_argument("--out", default="results/listops512.json")
+    ap.add_argument("--plot", default=None, help="curves PNG (default: --out with .png)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -227,6 +246,9 @@ def main(argv=None) -> Dict:
         torch.set_num_threads(args.threads)
     cfg = {k: getattr(args, k) for k in ARM_DEFAULTS}
     res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps)
+    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
+    if plot_curves(res, plot):
+        print(f"wrote {args.out} and {plot}", file=sys.stderr)
     p = res["progress"]
     print(f"{p['steps_done']}/{p['steps_total']} steps, {p['runs_finished']}/{p['runs']} runs finished",
           file=sys.stderr)

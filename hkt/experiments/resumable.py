@@ -7,8 +7,8 @@ whatever it needs itself) and says how a run is built, loaded, saved, fed,
 evaluated and summarised; this module does the rest the same way for both:
 the learning-rate schedule, the optional progress bar, the stop flag set by
 SIGINT/SIGTERM, the training loop's bookkeeping, the turns in chunks under a
-step budget with a checkpoint after each chunk and a final save, and the time
-per step and progress figures of the results JSON.
+step budget with a checkpoint after each chunk and a final save, the time
+per step and progress figures of the results JSON, and the plot of its curves.
 """
 import contextlib
 import math
@@ -231,3 +231,46 @@ def progress_info(runs: List[Dict], steps_total: int) -> Dict:
     return {"steps_done": sum(r["step"] for r in runs), "steps_total": steps_total,
             "runs_finished": sum(r["final"] is not None for r in runs), "runs": len(runs),
             "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def plot_curves(results: Dict, path: str, *, metric: str, ylabel: str, title: str,
+                label: Callable[[str], str], scale: float = 1.0, time_key: Optional[str] = None,
+                legend_loc: str = "best") -> bool:
+    """Each run's curve of ``history[metric] * scale`` against the step (and,
+    with ``time_key``, a second panel against that history entry in minutes),
+    one colour per arm: thin lines each seed, a thick line the mean over seeds
+    at the steps they share.  False (and no file) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2 if time_key else 1, figsize=(11 if time_key else 6.5, 4), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
+    for i, arm in enumerate(results["arms"]):
+        runs = [r for r in results["runs"] if r["arm"] == arm and r["history"]]
+        color = f"C{i}"
+        for r in runs:
+            ys = [h[metric] * scale for h in r["history"]]
+            axes[0].plot([h["step"] for h in r["history"]], ys, color=color, alpha=0.3, lw=0.8)
+            if time_key:
+                axes[1].plot([h[time_key] / 60 for h in r["history"]], ys, color=color, alpha=0.3, lw=0.8)
+        steps = sorted(set.intersection(*(set(h["step"] for h in r["history"]) for r in runs))) if runs else []
+        mean = [statistics.mean(h[metric] * scale for r in runs for h in r["history"] if h["step"] == s)
+                for s in steps]
+        axes[0].plot(steps, mean, color=color, lw=2, label=f"{label(arm)}, mean of {len(runs)}")
+    axes[0].set_xlabel("training step")
+    if time_key:
+        axes[1].set_xlabel("training time (minutes, sum of step times)")
+    axes[0].set_ylabel(ylabel)
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(loc=legend_loc)
+    fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
