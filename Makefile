@@ -60,11 +60,12 @@ fuzz: install
 # untouched); the tests run there, so they import the sanitized extension, and
 # every child interpreter they start inherits the preloaded sanitizer runtimes.
 # Skipped there: the notebook (a Jupyter kernel under ASan), the torchrun test,
-# the training run and the emulated-CUDA grid: plain torch work, slow under ASan.
+# the training run and the emulated-CUDA grid: plain torch work, slow under ASan;
+# and the check of the committed results files (JSON only, no extension; not copied).
 SAN_DIR      = build/sanitize
 SAN_EXAMPLES ?= 1000
 SAN_SKIP     = --ignore=tests/test_notebook.py --ignore=tests/test_experiments.py \
-               --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py
+               --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py --ignore=tests/test_results.py
 SAN_ENV      = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
                ASAN_OPTIONS=detect_leaks=0,allocator_may_return_null=1,detect_odr_violation=0 \
                UBSAN_OPTIONS=halt_on_error=1,print_stacktrace=1
