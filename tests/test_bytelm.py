@@ -4,6 +4,7 @@ command line and a smoke run of the resumable comparison."""
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -245,10 +246,10 @@ def test_lm_run_resume_matches_uninterrupted(tmp_path, corpus):
 
 def test_lm_run_command_resumes_and_writes_results(tmp_path):
     from hkt.experiments import lm_run
-    argv = ["--seq-len", "32", "--seeds", "0", "1", "--levels", "1", "3", "--steps", "4", "--warmup", "1",
-            "--batch-size", "2", "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-every", "2",
-            "--eval-windows", "2", "--chunk", "2", "--ckpt-dir", str(tmp_path / "ck"), "--out",
-            str(tmp_path / "r.json"), "--no-progress", "--threads", "1"]
+    common = ["--seq-len", "32", "--seeds", "0", "1", "--levels", "1", "3", "--steps", "4", "--warmup", "1",
+              "--batch-size", "2", "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-every", "2",
+              "--eval-windows", "2", "--chunk", "2", "--no-progress", "--threads", "1"]
+    argv = common + ["--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "r.json")]
     lm_run.main(argv + ["--max-steps", "6"])
     mid = json.loads((tmp_path / "r.json").read_text())
     assert mid["progress"]["steps_done"] == 6 and mid["progress"]["runs_finished"] == 1
@@ -276,3 +277,19 @@ def test_lm_run_command_resumes_and_writes_results(tmp_path):
     assert set(steps) == {"L1", "L3"} and steps[slow] == 100
     fast = "L1" if slow == "L3" else "L3"
     assert steps[fast] == round(100 * tps[slow] / tps[fast]) >= 100
+    # or the fastest keeps --steps and the other gets fewer ...
+    steps = lm_run.equal_time_steps(str(tmp_path / "r.json"), 4, anchor="fastest")
+    assert steps[fast] == 4 and steps[slow] == round(4 * tps[fast] / tps[slow]) <= 4
+    with pytest.raises(ValueError, match="anchor"):
+        lm_run.equal_time_steps(str(tmp_path / "r.json"), 4, anchor="median")
+    # ... and the fastest arm's finished equal-steps runs, copied over, are resumed as finished, not retrained
+    (tmp_path / "ck_time").mkdir()
+    for s in (0, 1):
+        shutil.copy(tmp_path / "ck" / f"{fast}_seed{s}.pt", tmp_path / "ck_time" / f"{fast}_seed{s}.pt")
+    timed = lm_run.main(common + ["--ckpt-dir", str(tmp_path / "ck_time"), "--out", str(tmp_path / "t.json"),
+                                  "--equal-time-from", str(tmp_path / "r.json"), "--equal-time-anchor", "fastest"])
+    by_run = {(r["arm"], r["seed"]): r for r in timed["runs"]}
+    for s in (0, 1):
+        assert by_run[(fast, s)]["history"] == next(r for r in saved["runs"] if (r["arm"], r["seed"]) == (fast, s))[
+            "history"]  # the same run, read back
+        assert by_run[(slow, s)]["step"] == steps[slow] and by_run[(slow, s)]["finished"]

@@ -33,7 +33,13 @@ thread of a Zen 4 core a step takes about 0.5 s (L1) to 0.6 s (L3).
 Equal steps is the default.  ``--equal-time-from`` reads the time per step of
 each arm from an earlier results file and gives every arm as many steps as fit
 in the slowest arm's ``--steps`` (so the standard arm, faster per step, trains
-longer); each arm's LR schedule spans its own steps.
+longer); each arm's LR schedule spans its own steps.  With
+``--equal-time-anchor fastest`` the fastest arm keeps ``--steps`` and the
+others get fewer: the fastest arm's runs are then those of the equal-steps
+comparison, and its finished checkpoints, copied into ``--ckpt-dir``, are
+resumed as finished rather than trained again.  Take the time per step from a
+short run on an otherwise idle machine (``--steps 40 --seeds 0``): step times
+from runs that shared the machine are no guide.
 """
 import argparse
 import json
@@ -192,15 +198,20 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
     return summarise_runs(cfg, ordered, params, corpus.info)
 
 
-def equal_time_steps(results_path: str, steps: int) -> Dict[str, int]:
-    """Per-arm steps for equal wall-clock budgets: the slowest arm (per step, in
-    ``results_path``) gets ``steps``, each other arm as many as fit in that time."""
+def equal_time_steps(results_path: str, steps: int, anchor: str = "slowest") -> Dict[str, int]:
+    """Per-arm steps for equal wall-clock budgets: the ``anchor`` arm (the
+    slowest or the fastest per step, in ``results_path``) gets ``steps``, each
+    other arm as many as fit in that time.  ``"fastest"`` keeps the fastest
+    arm's run exactly as in an equal-steps run of ``steps``, so its finished
+    checkpoints can be reused and only the other arms train."""
+    if anchor not in ("slowest", "fastest"):
+        raise ValueError(f"anchor: 'slowest' or 'fastest', not {anchor!r}")
     with open(results_path) as f:
         tps = {a: t for a, t in json.load(f)["time_per_step"].items() if not a.endswith("_over_L1")}
     if not tps:
         raise ValueError(f"equal_time_from: {results_path} has no time per step yet")
-    slowest = max(tps.values())
-    return {a: int(round(steps * slowest / t)) for a, t in tps.items()}
+    budget = steps * (max(tps.values()) if anchor == "slowest" else min(tps.values()))
+    return {a: int(round(budget / t)) for a, t in tps.items()}
 
 
 def plot_curves(results: Dict, path: str) -> bool:
@@ -227,7 +238,9 @@ def main(argv=None) -> Dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=d["seeds"])
     ap.add_argument("--levels", type=int, nargs="+", default=d["levels"], help="one arm per value (1 = standard)")
     ap.add_argument("--equal-time-from", default=None,
-                    help="a results JSON: give each arm the steps that fit in the slowest arm's --steps")
+                    help="a results JSON: give each arm the steps that fit in the anchor arm's --steps")
+    ap.add_argument("--equal-time-anchor", choices=["slowest", "fastest"], default="slowest",
+                    help="which arm (per step) keeps --steps under --equal-time-from")
     ap.add_argument("--max-steps", type=int, default=None, help="stop (saving) after this many steps in this call")
     ap.add_argument("--data-root", default=None, help="read .py files here instead of the standard library")
     ap.add_argument("--ckpt-dir", default="results/lm1024_ckpt")
@@ -240,7 +253,7 @@ def main(argv=None) -> Dict:
         torch.set_num_threads(args.threads)
     cfg = {k: getattr(args, k) for k in LM_DEFAULTS if k != "arm_steps"}
     if args.equal_time_from:
-        cfg["arm_steps"] = equal_time_steps(args.equal_time_from, args.steps)
+        cfg["arm_steps"] = equal_time_steps(args.equal_time_from, args.steps, args.equal_time_anchor)
     res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps,
                   data_root=args.data_root)
     plot = args.plot or os.path.splitext(args.out)[0] + ".png"
