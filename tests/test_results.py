@@ -16,6 +16,7 @@ MIN_SEEDS = 3
 # file -> the final metric each finished run records
 RESULTS = {
     "listops512.json": "accuracy",
+    "lm1024.json": "val_bpb",
 }
 
 
