@@ -1,8 +1,11 @@
 """Resumable byte-level language modelling: HKT levels 1, 2, 3 on the standard library's sources.
 
     python -m hkt.experiments.lm_run --threads 1        # T=1024, 3 seeds x levels 1, 2, 3, equal steps (~4.5 h)
-    python -m hkt.experiments.lm_run --threads 1 --equal-time-from results/lm1024.json \\
-        --ckpt-dir results/lm1024_time_ckpt --out results/lm1024_time.json   # equal wall-clock budgets
+    python -m hkt.experiments.lm_run --threads 1 --steps 40 --warmup 10 --seeds 0 --eval-every 1000 \\
+        --eval-windows 2 --chunk 40 --ckpt-dir /tmp/lm_timing --out results/lm1024_step_time.json  # step times
+    python -m hkt.experiments.lm_run --threads 1 --equal-time-from results/lm1024_step_time.json \\
+        --equal-time-anchor fastest --ckpt-dir results/lm1024_time_ckpt \\
+        --out results/lm1024_time.json                  # equal wall-clock budgets (copy L1's checkpoints first)
 
 Our substitute for the paper's byte-level IMDB task (which needs a download):
 validation bits per byte of :class:`hkt.experiments.bytelm.ByteLM` on the
