@@ -46,7 +46,6 @@ from runs that shared the machine are no guide.
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 from typing import Dict, List, Optional
@@ -259,9 +258,7 @@ def main(argv=None) -> Dict:
         cfg["arm_steps"] = equal_time_steps(args.equal_time_from, args.steps, args.equal_time_anchor)
     res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps,
                   data_root=args.data_root)
-    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
-    if plot_curves(res, plot):
-        print(f"wrote {args.out} and {plot}", file=sys.stderr)
+    resumable.plot_beside(res, args.out, args.plot, plot_curves)
     p = res["progress"]
     print(f"{p['steps_done']}/{p['steps_total']} steps, {p['runs_finished']}/{p['runs']} runs finished", file=sys.stderr)
     for a, s in res["summary"].items():

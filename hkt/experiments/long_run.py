@@ -28,7 +28,6 @@ time per training step per arm, and a summary of finished runs; ``--plot``
 (default: ``--out`` with ``.png``) draws the test accuracy curves.
 """
 import argparse
-import os
 import statistics
 import sys
 from typing import Dict, List, Optional
@@ -41,7 +40,8 @@ from .resumable import (advance, lr_lambda, median_by_arm, open_runs, progress_b
                         restore, save_atomic, time_per_step, train_in_turns, turn_groups)
 from .train import TASKS, build_model, evaluate, load_task, training_step, write_json
 
-__all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all", "plot_curves", "main"]
+__all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all",
+           "plot_curves", "main"]
 
 ARM_DEFAULTS = dict(task="listops", seq_len=512, seeds=[0, 1, 2], steps=5000, warmup=250, batch_size=32, lr=1e-3,
                     weight_decay=0.01, d_model=64, heads=4, layers=2, ff=128, matched_ff=260, dropout=0.0,
@@ -246,9 +246,7 @@ def main(argv=None) -> Dict:
         torch.set_num_threads(args.threads)
     cfg = {k: getattr(args, k) for k in ARM_DEFAULTS}
     res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps)
-    plot = args.plot or os.path.splitext(args.out)[0] + ".png"
-    if plot_curves(res, plot):
-        print(f"wrote {args.out} and {plot}", file=sys.stderr)
+    resumable.plot_beside(res, args.out, args.plot, plot_curves)
     p = res["progress"]
     print(f"{p['steps_done']}/{p['steps_total']} steps, {p['runs_finished']}/{p['runs']} runs finished",
           file=sys.stderr)

@@ -274,3 +274,11 @@ def plot_curves(results: Dict, path: str, *, metric: str, ylabel: str, title: st
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_beside(results: Dict, out: str, plot: Optional[str], draw: Callable[[Dict, str], bool], log=sys.stderr) -> None:
+    """Draws ``results`` with ``draw`` to ``plot``, by default ``out`` with
+    ``.png``, and says so on ``log`` (nothing without matplotlib)."""
+    plot = plot or os.path.splitext(out)[0] + ".png"
+    if draw(results, plot):
+        print(f"wrote {out} and {plot}", file=log)
