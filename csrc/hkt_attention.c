@@ -59,6 +59,28 @@ int hkt_cpu_has_bf16(void) {
 #endif
 }
 
+/* The native bfloat16 kernels' products are vdpbf16ps: two products per lane
+ * where an FMA does one.  They pay where the core issues vdpbf16ps as fast as
+ * an FMA: on AMD's Zen 4 the native L=3 forward+backward ran 1.58x faster than
+ * float32.  Intel's cores with AVX512_BF16 (Sapphire and Emerald Rapids) issue
+ * it at half that rate, and there the native path ran 1.5x slower than
+ * upcasting to float32 (T=1024, L=3, forward+backward, one thread on an
+ * Emerald Rapids Xeon: 131 ms native, 88 ms upcast, 80 ms float32).  Chosen by
+ * vendor, not by a timing probe, so that a machine always takes the same path
+ * and its results are the same bits run to run. */
+int hkt_cpu_bf16_preferred(void) {
+    if (!hkt_cpu_has_bf16()) return 0;
+    const char *want = getenv("HKT_BF16");
+    if (want && strcmp(want, "native") == 0) return 1;
+    if (want && strcmp(want, "upcast") == 0) return 0;
+#if HKT_ISA_BUILDS
+    __builtin_cpu_init();
+    return !__builtin_cpu_is("intel");
+#else
+    return 1;
+#endif
+}
+
 int hkt_default_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();

@@ -1084,6 +1084,12 @@ static PyObject *py_cpu_has_bf16(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(hkt_cpu_has_bf16());
 }
 
+static PyObject *py_cpu_bf16_preferred(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(hkt_cpu_bf16_preferred());
+}
+
 static PyObject *py_cpu_kernels(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -1831,6 +1837,10 @@ static PyMethodDef methods[] = {
     {"cpu_has_bf16", py_cpu_has_bf16, METH_NOARGS,
      "True when forward takes bfloat16 q, k, v natively on this CPU (AVX512_BF16; w, a float mask, out and "
      "lse float32; even D)."},
+    {"cpu_bf16_preferred", py_cpu_bf16_preferred, METH_NOARGS,
+     "True when hkt runs bfloat16 on those native kernels rather than upcast to float32: cpu_has_bf16() and a "
+     "core that issues vdpbf16ps at the float32 FMA's rate (AMD's; Intel's run it at half that rate, where "
+     "float32 is faster).  The environment variable HKT_BF16=native or upcast overrides."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -116,7 +116,7 @@ def hkt_attention(
         backend: how to compute it.  ``"kernels"``: hkt's own kernels (CPU;
             CUDA in a build made with ``HKT_CUDA=1``): O(T) memory, exact 4/3
             score cost on the CPU, bitwise deterministic, bfloat16 native
-            on CPUs with AVX512_BF16 (else computed in float32).  ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``
+            on CPUs with AVX512_BF16 at full rate (else computed in float32).  ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention``
             on the concatenated level vectors (L times one attention's score
             work, in the inputs' dtype, on whatever kernel SDPA picks; its
             determinism is SDPA's); no dropout (``ValueError``).  ``None`` or
@@ -147,7 +147,9 @@ def hkt_attention(
         backend="sdpa".
 
     float32 and float64 run in their own precision.  bfloat16 on a CPU with
-    AVX512_BF16 (``hkt._C.cpu_has_bf16()``) and an even D runs natively:
+    AVX512_BF16 whose cores run its dot products at full rate
+    (``hkt._C.cpu_bf16_preferred()``: AMD's, not Intel's, where float32 is
+    faster; ``HKT_BF16=native`` or ``upcast`` overrides) and an even D runs natively:
     every matrix product takes bfloat16 operands and sums in float32, the
     softmax and its gradient are float32, and P and dS are rounded to bfloat16
     where they enter a product, as flash-attention kernels do (the backward

@@ -31,7 +31,9 @@ def machine_info() -> Dict[str, object]:
             for line in f:
                 key, _, val = line.partition(":")
                 key, val = key.strip(), val.strip()
-                if key == "model name" and info["cpu"] == "unknown":
+                if key == "vendor_id" and "vendor" not in info:
+                    info["vendor"] = val
+                elif key == "model name" and info["cpu"] == "unknown":
                     info["cpu"] = val
                 elif key == "cpu family" and info["family"] is None:
                     info["family"] = int(val)
@@ -45,6 +47,8 @@ def machine_info() -> Dict[str, object]:
     except OSError:
         pass
     info["hkt_cpu_kernels"] = _C.cpu_kernels()
+    # bfloat16: the native kernels or upcast to float32 (hkt._C.cpu_bf16_preferred)
+    info["hkt_bf16"] = "native" if _C.cpu_bf16_preferred() else "upcast"
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
     return info
@@ -52,7 +56,8 @@ def machine_info() -> Dict[str, object]:
 
 def describe_machine(info: Dict[str, object]) -> str:
     return (f"{info['cpu']} (family {info['family']} model {info['model']}; {' '.join(info['flags'])}); "
-            f"hkt kernels: {info['hkt_cpu_kernels']}; {info['threads']} threads; torch {info['torch']}")
+            f"hkt kernels: {info['hkt_cpu_kernels']}, bfloat16 {info['hkt_bf16']}; {info['threads']} threads; "
+            f"torch {info['torch']}")
 
 
 def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:

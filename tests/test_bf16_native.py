@@ -19,6 +19,16 @@ pytestmark = pytest.mark.skipif(not _C.cpu_has_bf16(), reason="this CPU has no A
 BF = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def native_path():
+    """These tests are of the native kernels, which run wherever the CPU has the
+    instructions, also where hkt would rather upcast (cpu_bf16_preferred false)."""
+    old = _kernels.native_bf16
+    _kernels.native_bf16 = True
+    yield
+    _kernels.native_bf16 = old
+
+
 def bf16_inputs(B, H, T, S, D, Dv, L, seed=0, kv_heads=None, requires_grad=False):
     """Inputs whose values are bfloat16 numbers, as float64 and as bfloat16."""
     q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, seed=seed, kv_heads=kv_heads)

@@ -73,3 +73,38 @@ def test_every_build_matches_the_reference(kernels):
 
 def test_unknown_choice_falls_back_to_the_widest():
     assert run_with("no-such-set")["kernels"] == hkt._C.cpu_kernels()
+
+
+def _vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
+def bf16_choice(setting):
+    env = {k: v for k, v in os.environ.items() if k != "HKT_BF16"}
+    if setting is not None:
+        env["HKT_BF16"] = setting
+    code = "import hkt; from hkt import _kernels; print(hkt._C.cpu_bf16_preferred(), _kernels.native_bf16)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split()
+
+
+def test_bf16_path_follows_the_core_and_the_environment():
+    """bfloat16 takes the native kernels on AMD cores, which issue vdpbf16ps at
+    the FMA's rate, and is upcast on Intel's, which issue it at half that rate;
+    HKT_BF16 overrides either way, but never turns on kernels the CPU lacks."""
+    has = hkt._C.cpu_has_bf16()
+    default = bf16_choice(None)
+    assert default[0] == default[1], "the Python layer must follow the C choice"
+    vendor = _vendor()
+    if vendor in ("GenuineIntel", "AuthenticAMD"):
+        assert default[0] == str(has and vendor == "AuthenticAMD")
+    assert bf16_choice("native") == [str(has)] * 2
+    assert bf16_choice("upcast") == ["False"] * 2
