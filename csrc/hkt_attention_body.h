@@ -294,9 +294,15 @@ static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, 
  * Then masking: invisible entries become -inf, a float mask is added. */
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1);
+static void tile_masks(const hkt_params *p, real *S, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
+                       int64_t j1);
 
+/* keep_grams: the backward, whose dw needs each level's Gram block; the forward
+ * does not, and with one level its product goes straight into the scores,
+ * scaled in the GEMM (alpha * sum, the same bits as the fold's w * G). */
 static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
-                        int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld) {
+                        int64_t i1, int64_t j0, int64_t j1, const real *const *kt, const int64_t *ktld,
+                        int keep_grams) {
 #if HKT_BF16_BACKWARD
     if (BF16_INPUTS(p)) {
         tile_grams_bf16(p, ws, base, b, h, i0, i1, j0, j1);
@@ -304,6 +310,13 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         return;
     }
 #endif
+    if (!keep_grams && p->L == 1) {
+        const real *qb = (const real *)p->q[0] + b * p->q_stride[0][0] + h * p->q_stride[0][1];
+        gemm(0, i1 - i0, j1 - j0, p->D, (real)p->scale * weight(p, h, 0), qb + i0 * p->q_stride[0][2],
+             p->q_stride[0][2], kt[0], ktld[0], base + ws->scores, BK, 0);
+        tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
+        return;
+    }
     for (int l = 0; l < p->L; l++) {
         span sp = level_span(l, i0, i1, j0, j1);
         const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
@@ -317,7 +330,6 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
  * computed): the fold described above, then the masks. */
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1) {
-    const int64_t nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
     real *S = base + ws->scores, *tmp = base + ws->row_tmp;
     const real scale = (real)p->scale;
@@ -342,6 +354,13 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
         up = E;
         up_cl = sp.cl;
     }
+    tile_masks(p, S, b, h, i0, i1, j0, j1);
+}
+
+/* Masking of the tile's scores S: invisible entries become -inf, a float mask is added. */
+static void tile_masks(const hkt_params *p, real *S, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
+                       int64_t j1) {
+    const int64_t nq = i1 - i0, nk = j1 - j0;
     /* the float mask is added first, so hiding (causal, bool) wins over whatever
      * it holds: a NaN in a hidden entry of a float mask stays hidden */
     const int64_t ms3 = p->mask_stride[3];
@@ -517,11 +536,11 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
                 ready[j0 / BK] = 1;
             }
             for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
-            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 0);
         } else {
             int64_t tld[HKT_MAX_LEVELS];
             load_key_tile(p, ws, base, b, h, j0, j1, kt, tld);
-            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld, 0);
         }
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
         gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
@@ -566,7 +585,7 @@ static const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *
     real *Sb = base + ws->scores, *dP = base + ws->dscores, *Vt = base + ws->values_t, *Pd = base + ws->pdrop;
     const real *delta = (const real *)p->dw_partial + (b * p->H + h) * T; /* shared (B, H, T) */
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
-    tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
+    tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 1);
     /* A row whose lse or delta is not finite (NaN from a visible NaN score, +inf
      * lse for a row with nothing visible) must still give hidden entries dS = 0,
      * not 0 * NaN: remember which entries are hidden before the exp. */
