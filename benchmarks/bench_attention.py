@@ -96,16 +96,28 @@ def small_calls(repeats):
 
 
 def thread_scaling(H, D, threads, repeats, T=2048):
-    """Time with 1 thread over time with ``threads``, HKT L=3 at T, forward and forward+backward."""
+    """Time with 1 thread over time with ``threads``: HKT L=3 at T, forward and
+    forward+backward, and for scale what the machine itself gives two threads:
+    SDPA's forward+backward and sgemm (torch.mm 2048^3).  A core's clock and
+    the memory it shares differ with one or two cores busy, so no kernel can
+    expect much more than sgemm's figure."""
     out = {}
     for backward in (False, True):
-        fn = attention_callables(1, H, T, D, (3,), backward=backward)["hkt L=3"]
+        fns = attention_callables(1, H, T, D, (3,), backward=backward)
+        if not backward:
+            del fns["sdpa"]
         times = {}
         for n in (1, threads):
             torch.set_num_threads(n)
-            times[n] = time_interleaved({"hkt": fn}, repeats=max(3, repeats // 2))["hkt"]
-        torch.set_num_threads(threads)
-        out["fwd+bwd" if backward else "fwd"] = times[1] / times[threads]
+            times[n] = time_interleaved(fns, repeats=max(3, repeats // 2))
+        tag = "fwd+bwd" if backward else "fwd"
+        out[tag] = times[1]["hkt L=3"] / times[threads]["hkt L=3"]
+        if backward:
+            out[f"sdpa {tag}"] = times[1]["sdpa"] / times[threads]["sdpa"]
+    torch.set_num_threads(1)
+    one = sgemm_gflops()
+    torch.set_num_threads(threads)
+    out["sgemm"] = sgemm_gflops() / one
     return out
 
 

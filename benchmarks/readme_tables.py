@@ -2,9 +2,11 @@
 
     python benchmarks/readme_tables.py          # after bench_attention.py and bench_module.py
 
-Reads benchmarks/results/attention.json and module.json and replaces what lies
-between the README's ``<!-- perf:begin -->`` and ``<!-- perf:end -->`` lines, so
-every figure there comes from a run and names the CPU it ran on.
+Reads benchmarks/results/attention.json and module.json, then those of every
+other CPU measured, each in a folder of its own under benchmarks/results/ (the
+benchmarks' --out), and replaces what lies between the README's
+``<!-- perf:begin -->`` and ``<!-- perf:end -->`` lines, so every figure there
+comes from a run and names the CPU it ran on.
 """
 import json
 import os
@@ -15,8 +17,10 @@ ROOT = os.path.dirname(HERE)
 
 
 def machine_line(m, threads):
+    bf16 = f", bfloat16 {m['hkt_bf16']}" if "hkt_bf16" in m else ""
+    commit = f", hkt at {m['hkt_commit']}" if m.get("hkt_commit") else ""
     return (f"{m['cpu']} (family {m['family']}, model {m['model']}; {', '.join(m['flags'])}), "
-            f"hkt kernels built for `{m['hkt_cpu_kernels']}`, {threads} threads, torch {m['torch']}")
+            f"hkt kernels built for `{m['hkt_cpu_kernels']}`{bf16}, {threads} threads, torch {m['torch']}{commit}")
 
 
 def attention_block(a):
@@ -44,10 +48,10 @@ def targets_block(targets):
     return out
 
 
-def main():
-    with open(os.path.join(HERE, "results", "attention.json")) as f:
+def machine_block(folder):
+    with open(os.path.join(folder, "attention.json")) as f:
         a = json.load(f)
-    with open(os.path.join(HERE, "results", "module.json")) as f:
+    with open(os.path.join(folder, "module.json")) as f:
         m = json.load(f)
     lines = attention_block(a)
     lines += ["", "Every target of the benchmarks, as they printed it (attention, then the module's training "
@@ -57,6 +61,23 @@ def main():
     lines += ["", f"One small call (T=16, B=1, H=4, D=32, L=3): forward under no_grad "
               f"{small['hkt fwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd'] * 1e6:.0f} µs), forward+backward "
               f"{small['hkt fwd+bwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd+bwd'] * 1e6:.0f} µs)."]
+    scaling = a.get("thread_speedup", {})
+    if "sgemm" in scaling:
+        lines += ["", f"2 threads / 1 thread at T=2048: HKT L=3 forward {scaling['fwd']:.2f}x, forward+backward "
+                  f"{scaling['fwd+bwd']:.2f}x; on the same machine SDPA forward+backward "
+                  f"{scaling['sdpa fwd+bwd']:.2f}x and sgemm {scaling['sgemm']:.2f}x."]
+    return lines
+
+
+def main():
+    results = os.path.join(HERE, "results")
+    lines = machine_block(results)
+    others = sorted(d for d in os.listdir(results) if os.path.isfile(os.path.join(results, d, "attention.json")))
+    for d in others:
+        with open(os.path.join(results, d, "attention.json")) as f:
+            cpu = json.load(f)["machine"]["cpu"]
+        lines += ["", f"**Another CPU: {cpu}** (`benchmarks/results/{d}/`)", ""] + machine_block(
+            os.path.join(results, d))
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
         text = f.read()

@@ -180,7 +180,27 @@ size_t hkt_dw_partial_bytes(const hkt_params *p) {
     return (size_t)(p->B * p->H * (p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;
 }
 
+/* A call this small (multiply-adds of standard attention's forward, or its
+ * backward's) runs on one thread: waking a second costs more than it saves.
+ * T=16, B=1, H=4, D=32 is 0.13 M; the ListOps size (T=128, H=8, D=64, one
+ * sequence) 34 M.  The results are the same bits on any thread count. */
+#define HKT_PARALLEL_MIN_FLOPS 4e6
+
+static const hkt_params *threads_for(const hkt_params *p, int backward, hkt_params *one) {
+    if (p->num_threads <= 1) return p;
+    const double flops = (backward ? 5.0 : 2.0) * (double)p->B * (double)p->H * (double)p->T * (double)p->S *
+                         (double)(p->D + p->Dv);
+    if (flops >= HKT_PARALLEL_MIN_FLOPS) return p;
+    *one = *p;
+    one->num_threads = 1;
+    /* the workspace was laid out for num_threads: one thread may cache keys
+     * that more would not, and its block must still fit in the first slot */
+    return hkt_workspace_bytes(one, backward) <= hkt_workspace_bytes(p, backward) ? one : p;
+}
+
 void hkt_forward_cpu(const hkt_params *p) {
+    hkt_params one;
+    p = threads_for(p, 0, &one);
     const hkt_isa_table *isa = hkt_isa();
     if (p->dtype == HKT_FLOAT64) isa->forward_f64(p);
     else if (p->dtype == HKT_BFLOAT16) isa->forward_bf16(p); /* the binding checked hkt_cpu_has_bf16 */
@@ -188,6 +208,8 @@ void hkt_forward_cpu(const hkt_params *p) {
 }
 
 void hkt_backward_cpu(const hkt_params *p) {
+    hkt_params one;
+    p = threads_for(p, 1, &one);
     /* the float32 body runs the bfloat16 backward too (hkt_bf16_body.h's hooks) */
     if (p->dtype == HKT_FLOAT64) hkt_isa()->backward_f64(p);
     else hkt_isa()->backward_f32(p);

@@ -5,6 +5,7 @@ times anything; timings are medians of interleaved runs, so the candidates see
 the same machine state.
 """
 import math
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -25,7 +26,7 @@ def machine_info() -> Dict[str, object]:
     kernels care about, which build of their hot loops runs, threads, torch."""
     from . import _C
     info: Dict[str, object] = {"cpu": "unknown", "family": None, "model": None, "flags": [],
-                               "logical_cpus": __import__("os").cpu_count()}
+                               "logical_cpus": os.cpu_count()}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -51,7 +52,25 @@ def machine_info() -> Dict[str, object]:
     info["hkt_bf16"] = "native" if _C.cpu_bf16_preferred() else "upcast"
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
+    info["hkt_commit"] = _commit()
     return info
+
+
+def _commit() -> Optional[str]:
+    """The checkout's commit (with "+" when it has uncommitted changes), so a
+    figure says which code it measured; None outside a git checkout."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "csrc", "hkt"],
+                               cwd=here + "/..", capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def describe_machine(info: Dict[str, object]) -> str:
