@@ -86,12 +86,21 @@ static inline real dot_exact(int64_t n, const real *restrict x, const real *rest
 #if REAL_IS_FLOAT
 static inline float exp_nonpos(float x) {
     /* Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial
-     * (relative error ~2e-7): vectorises, unlike a libm call. */
-    /* NaN takes the -87 branch here (no undefined float-to-int cast below) and
-     * comes out as NaN at the end */
-    const float xc = x >= -87.0f ? (x > 0.0f ? 0.0f : x) : -87.0f;
+     * (relative error ~2e-7): vectorises, unlike a libm call.  Written so that
+     * each clamp is one max or min instruction and one compare serves both ends:
+     * a NaN passes both clamps (a comparison with NaN is false) and poisons the
+     * polynomial, so it needs no test of its own, and n's integer is read from
+     * the rounding's bits (no float-to-int cast, undefined for NaN), in unsigned
+     * arithmetic.  The same bits as a version with four compares and selects,
+     * which the softmax spent a third of its exp on. */
+    const int below = x < -87.0f; /* exp underflows: exactly 0; -inf too */
+    const float lo = -87.0f > x ? -87.0f : x;
+    const float xc = 0.0f < lo ? 0.0f : lo;
     const float t = xc * 1.44269504088896341f;
-    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const float m = t + 12582912.0f; /* 1.5 * 2^23 + n: rounds t to the nearest integer n */
+    const float n = m - 12582912.0f;
+    uint32_t mbits;
+    memcpy(&mbits, &m, sizeof mbits);
     const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -100,10 +109,10 @@ static inline float exp_nonpos(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
+    const uint32_t bits = (mbits - 0x4B400000u + 127u) << 23; /* 2^n */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return x < -87.0f ? 0.0f : (x == x ? p * scale : x);
+    return below ? 0.0f : p * scale;
 }
 #else
 static inline double exp_nonpos(double x) { return exp(x); }
