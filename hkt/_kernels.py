@@ -164,10 +164,12 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
 def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype):
     """Uninitialised dq, dk (per level), dv, dw shaped like the inputs, in the
     compute dtype, on their device: the backward kernels overwrite them."""
-    q0 = q[0]
-    dq = [_empty(x.shape, dtype, q0) for x in q]
-    dk = [_empty(x.shape, dtype, q0) for x in k]
-    return dq, dk, _empty(v.shape, dtype, q0), _empty(w.shape, dtype, q0)
+    # empty_like: 1.2 us a tensor, against 2.2 for new_empty(shape): eight or more per backward
+    cf = torch.contiguous_format
+    dq = [torch.empty_like(x, dtype=dtype, memory_format=cf) for x in q]
+    dk = [torch.empty_like(x, dtype=dtype, memory_format=cf) for x in k]
+    return (dq, dk, torch.empty_like(v, dtype=dtype, memory_format=cf),
+            torch.empty_like(w, dtype=dtype, memory_format=cf))
 
 
 def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dtype: torch.dtype):
