@@ -222,6 +222,20 @@ static inline vec row_lanes(const real *restrict x, int64_t n) {
     return acc;
 }
 
+/* acc + x[c] * y[c] lane-wise over c < n (x[c] y[c] to lane c % VL), the tail
+ * zero-padded: a dot product kept in lanes, for lanes_total to reduce. */
+static inline vec dot_lanes(int64_t n, const real *restrict x, const real *restrict y, vec acc) {
+    int64_t c = 0;
+    for (; c + VL <= n; c += VL) acc += vload(x + c) * vload(y + c);
+    if (c < n) {
+        real tx[VL] = {0}, ty[VL] = {0};
+        memcpy(tx, x + c, sizeof(real) * (size_t)(n - c));
+        memcpy(ty, y + c, sizeof(real) * (size_t)(n - c));
+        acc += vload(tx) * vload(ty);
+    }
+    return acc;
+}
+
 static inline real lanes_total(vec acc) {
     real part[VL];
     vstore(part, acc);
@@ -710,9 +724,11 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
         }
         if (want & WANT_KV) {
             const real *G = base + ws->gram + ws->gram_off[l];
-            real dws = 0;
-            for (int64_t a = 0; a < sp.rl; a++) dws += dot(sp.cl, dsl + a * ldsl, G + a * sp.cl);
-            dwacc[l] += scale * dws;
+            /* summed lane-wise over the whole block, reduced once: a per-row dot
+             * ended each row in a chain of VL dependent scalar adds */
+            vec acc = {0};
+            for (int64_t a = 0; a < sp.rl; a++) acc = dot_lanes(sp.cl, dsl + a * ldsl, G + a * sp.cl, acc);
+            dwacc[l] += scale * lanes_total(acc);
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))
                 dk_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.c0, sp.cl, wl, b, h);

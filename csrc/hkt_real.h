@@ -63,13 +63,6 @@ static inline __attribute__((always_inline)) vec vload(const real *p) {
 
 static inline __attribute__((always_inline)) void vstore(real *p, vec v) { memcpy(p, &v, sizeof v); }
 
-static inline real dot(int64_t n, const real *restrict x, const real *restrict y) {
-    real acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t e = 0; e < n; e++) acc += x[e] * y[e];
-    return acc;
-}
-
 /* <x, y> summed in double: the backward's delta = rowsum(dO * out), which dS =
  * P (dP - delta) subtracts from a number of about its size, so its rounding
  * error is magnified there; a double sum leaves one rounding, whatever the
