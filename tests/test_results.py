@@ -17,6 +17,7 @@ MIN_SEEDS = 3
 RESULTS = {
     "listops512.json": "accuracy",
     "lm1024.json": "val_bpb",
+    "lm1024_time.json": "val_bpb",
 }
 
 
