@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import hkt
+from hkt.timing import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -75,17 +76,6 @@ def test_unknown_choice_falls_back_to_the_widest():
     assert run_with("no-such-set")["kernels"] == hkt._C.cpu_kernels()
 
 
-def _vendor():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return None
-
-
 def bf16_choice(setting):
     env = {k: v for k, v in os.environ.items() if k != "HKT_BF16"}
     if setting is not None:
@@ -103,7 +93,7 @@ def test_bf16_path_follows_the_core_and_the_environment():
     has = hkt._C.cpu_has_bf16()
     default = bf16_choice(None)
     assert default[0] == default[1], "the Python layer must follow the C choice"
-    vendor = _vendor()
+    vendor = machine_info().get("vendor")  # /proc/cpuinfo's vendor_id, where there is one
     if vendor in ("GenuineIntel", "AuthenticAMD"):
         assert default[0] == str(has and vendor == "AuthenticAMD")
     assert bf16_choice("native") == [str(has)] * 2
