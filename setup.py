@@ -152,7 +152,8 @@ setup(
             "hkt._C",
             sources=["csrc/hkt_attention.c", "csrc/hkt_decode.c", "csrc/hkt_cpu_f32.c", "csrc/hkt_cpu_f64.c",
                      "csrc/hkt_cpu_f32_avx2.c", "csrc/hkt_cpu_f64_avx2.c", "csrc/hkt_cpu_f32_avx512.c",
-                     "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_binding.c"],
+                     "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c",
+                     "csrc/hkt_binding.c"],
             include_dirs=["csrc"],
             depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h", "csrc/hkt_cpu.h", "csrc/hkt_real.h",
                      "csrc/hkt_attention_body.h", "csrc/hkt_decode_body.h", "csrc/hkt_bf16_body.h", "csrc/hkt_isa.h"]

@@ -298,6 +298,40 @@ typedef struct {
 size_t hkt_decode_workspace_bytes(const hkt_decode_params *p);
 void hkt_decode_cpu(const hkt_decode_params *p);
 
+/* ---- causal downsampling (hkt_downsample.c): CPU, float32 / float64 ----
+ *
+ * The trainable depthwise downsampling that makes each coarse level's inputs
+ * (hkt.modules.causal_downsample), stride 2, K taps per channel:
+ *
+ *   out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]   (x = 0 before row 0)
+ *
+ * x (B, n, C), out (B, m, C) with m = ceil(n / 2), taps (K, C).  The forward
+ * sums r = 0, 1, ... in order, each product rounded, then added, a zero x
+ * before row 0 multiplied like any other: the same bits as that torch
+ * expression.  The backward OVERWRITES grad_x (B, n, C) and grad_taps (K, C)
+ * from grad (B, m, C), summing grad_taps in a fixed order (per channel, over
+ * b then p, in double) so that it is bitwise the same for any num_threads.
+ * NaN and inf propagate as in the expression (a NaN tap makes every output of
+ * its channel NaN, the padding's zeros included). */
+typedef struct {
+    int64_t B, n, C, K;
+    int dtype;                 /* HKT_FLOAT32 or HKT_FLOAT64, every array */
+    const void *x;             /* x[b * x_stride[0] + i * x_stride[1] + c] */
+    int64_t x_stride[2];
+    const void *taps;          /* taps[r * taps_stride + c] */
+    int64_t taps_stride;
+    const void *grad;          /* backward: d out, grad[b * grad_stride[0] + p * grad_stride[1] + c] */
+    int64_t grad_stride[2];
+    void *out;                 /* forward: out (B, m, C); backward: grad_x (B, n, C); C-contiguous */
+    void *grad_taps;           /* backward: (K, C), C-contiguous */
+    void *workspace;           /* backward: hkt_downsample_workspace_bytes(p) bytes, 8-byte aligned */
+    int num_threads;
+} hkt_downsample_params;
+
+size_t hkt_downsample_workspace_bytes(const hkt_downsample_params *p);
+void hkt_downsample_forward_cpu(const hkt_downsample_params *p);
+void hkt_downsample_backward_cpu(const hkt_downsample_params *p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -13,7 +13,8 @@ from torch.utils.dlpack import to_dlpack
 
 from . import _C
 
-__all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "dropout_keep_mask", "has_cuda"]
+__all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
+           "_downsample_backward", "dropout_keep_mask", "has_cuda"]
 
 has_cuda = bool(_C.has_cuda)
 
@@ -242,3 +243,19 @@ def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
                        _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _dl(cu_seqlens_q), _dl(cu_seqlens_k),
                        max_seqlen_q, max_seqlen_k, is_causal, scale, torch.get_num_threads())
     return _in_dtype(dq, dk, dv, dw, in_dtype)
+
+
+def _downsample_forward(x: Tensor, taps: Tensor) -> Tensor:
+    """hkt.modules.causal_downsample of a CPU float32/float64 x (B, n, C) with
+    taps (K, C) of its dtype, in one pass: (B, ceil(n / 2), C), the expression's bits."""
+    out = x.new_empty((x.shape[0], (x.shape[1] + 1) // 2, x.shape[2]))
+    _C.downsample_forward(_feat(x), _feat(taps), _dl(out), torch.get_num_threads())
+    return out
+
+
+def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor) -> Tuple[Tensor, Tensor]:
+    """(grad_x, grad_taps) of _downsample_forward, in one pass."""
+    cf = torch.contiguous_format
+    gx, gt = torch.empty_like(x, memory_format=cf), torch.empty_like(taps, memory_format=cf)
+    _C.downsample_backward(_feat(grad), _feat(x), _feat(taps), _dl(gx), _dl(gt), torch.get_num_threads())
+    return gx, gt

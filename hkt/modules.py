@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from . import _kernels
 from . import kvcache as _kvcache
 from .functional import _heads, hkt_attention
 from .reference import masked_probs
@@ -25,6 +26,11 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
 
         out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]    (x = 0 before the start)
 
+    On the CPU in float32/float64 the extension computes it (and its
+    gradients) in one pass, to the bits of the torch expression
+    (:func:`_downsample_expr`), which runs everywhere else (other devices and
+    dtypes, torch.compile, TorchScript).
+
     Args:
         x: (B, n, C).
         taps: (K, C).
@@ -32,6 +38,14 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
     Returns:
         (B, ceil(n / 2), C); row p depends only on rows <= 2p of ``x``.
     """
+    if not torch.jit.is_scripting():
+        if _downsample_in_c(x, taps):
+            return _downsample_c(x, taps)
+    return _downsample_expr(x, taps)
+
+
+def _downsample_expr(x: Tensor, taps: Tensor) -> Tensor:
+    """causal_downsample in torch ops: a sum over r in order, each product rounded."""
     K = taps.shape[0]
     m = (x.shape[1] + 1) // 2
     # K - 1 zero rows in front turn index 2p - r into 2p + (K - 1 - r) >= 0; the
@@ -42,6 +56,47 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
         start = K - 1 - r
         out = out + xp[:, start:start + 2 * m - 1:2] * taps[r]
     return out
+
+
+@torch.jit.unused
+def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
+    """Whether the extension takes this call: CPU float32/float64 of one dtype,
+    the ranks it wants (a malformed call goes to the expression, whose error
+    torch raises), and not while torch.compile traces (it fuses the expression)."""
+    return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
+            and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
+            and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling())
+
+
+_DS_DTYPES = (torch.float32, torch.float64)
+
+
+@torch.jit.unused
+def _downsample_c(x: Tensor, taps: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or taps.requires_grad):
+        return _Downsample.apply(x, taps)
+    return _kernels._downsample_forward(x, taps)
+
+
+class _Downsample(torch.autograd.Function):
+    """causal_downsample's autograd on the extension's two passes.  A backward
+    run with create_graph=True differentiates the torch expression instead, so
+    double backward works too."""
+
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return _kernels._downsample_forward(x, taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+            need = [t for t, n in zip((x, taps), ctx.needs_input_grad[:2]) if n]
+            got = iter(torch.autograd.grad(_downsample_expr(x, taps), need, grad, create_graph=True))
+            return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
+        gx, gt = _kernels._downsample_backward(grad, x, taps)
+        return (gx if ctx.needs_input_grad[0] else None), (gt if ctx.needs_input_grad[1] else None)
 
 
 def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:

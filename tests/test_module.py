@@ -172,6 +172,106 @@ def test_causal_downsample_matches_definition(n, K):
     torch.testing.assert_close(y, downsample_loop(x, taps), rtol=0, atol=1e-14)
 
 
+# The extension computes causal_downsample on the CPU in float32/float64 (hkt._C.downsample_forward /
+# _backward); the torch expression (hkt.modules._downsample_expr) runs everywhere else.  The forward
+# must be the expression's bits, the gradients the expression's within rounding (the taps' sums are
+# taken in another order), and everything bitwise the same for any thread count.
+
+DS_SHAPES = [(2, 1, 3, 1), (2, 5, 3, 2), (3, 8, 17, 3), (1, 13, 40, 4), (32, 128, 64, 2), (4, 301, 100, 5),
+             (2, 0, 3, 2), (0, 4, 3, 2), (1, 6, 1, 7)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("B,n,C,K", DS_SHAPES)
+def test_downsample_extension_matches_expression(dtype, B, n, C, K):
+    from hkt.modules import _downsample_expr
+    g = torch.Generator().manual_seed(B * 1000 + n * 10 + K)
+    x = torch.randn(B, n, C, generator=g, dtype=dtype, requires_grad=True)
+    taps = torch.randn(K, C, generator=g, dtype=dtype, requires_grad=True)
+    y = causal_downsample(x, taps)
+    assert y.grad_fn is not None and "Downsample" in type(y.grad_fn).__name__  # the extension's node
+    x2, t2 = x.detach().clone().requires_grad_(), taps.detach().clone().requires_grad_()
+    y2 = _downsample_expr(x2, t2)
+    assert torch.equal(y, y2)
+    with torch.no_grad():
+        assert torch.equal(causal_downsample(x, taps), y2)
+    dy = torch.randn(y.shape, generator=g, dtype=dtype)
+    y.backward(dy)
+    y2.backward(dy)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, x2.grad, **tol)
+    torch.testing.assert_close(taps.grad, t2.grad, **tol)
+
+
+def test_downsample_extension_is_the_same_bits_for_any_thread_count():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(8, 1000, 48, generator=g, requires_grad=True)  # large enough to run threaded
+    taps = torch.randn(3, 48, generator=g, requires_grad=True)
+    dy = torch.randn(8, 500, 48, generator=g)
+    before, results = torch.get_num_threads(), []
+    try:
+        for nt in (1, 2, 3, 5):
+            torch.set_num_threads(nt)
+            x.grad = taps.grad = None
+            y = causal_downsample(x, taps)
+            y.backward(dy)
+            results.append((y, x.grad, taps.grad))
+    finally:
+        torch.set_num_threads(before)
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r, results[0]))
+
+
+def test_downsample_extension_gradcheck_and_inputs_it_takes():
+    from hkt.modules import _downsample_expr
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 3, generator=g, dtype=F64, requires_grad=True)
+    taps = torch.randn(3, 3, generator=g, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(causal_downsample, (x, taps))
+    assert torch.autograd.gradgradcheck(causal_downsample, (x, taps))  # create_graph: the expression's graph
+    # strided x (seq-first, transposed), a strided taps row: the same bits as the expression
+    xt = torch.randn(9, 2, 5, generator=g).transpose(0, 1)
+    tt = torch.randn(5, 2, generator=g).t()
+    assert torch.equal(causal_downsample(xt, tt), _downsample_expr(xt, tt))
+    # a NaN tap makes its channel NaN everywhere, the zero padding's rows included, as the expression does
+    tn = torch.randn(2, 5, generator=g)
+    tn[1, 2] = float("nan")
+    yn = causal_downsample(xt, tn)
+    assert yn[:, :, 2].isnan().all() and not yn[:, :, [0, 1, 3, 4]].isnan().any()
+    # bfloat16 and mixed dtypes go to the expression
+    xb = torch.randn(2, 6, 4, generator=g).bfloat16()
+    tb = torch.randn(2, 4, generator=g).bfloat16()
+    assert torch.equal(causal_downsample(xb, tb), _downsample_expr(xb, tb))
+    assert causal_downsample(xb.float(), tb.double()).dtype == F64
+
+
+def test_downsample_extension_names_bad_arguments():
+    x, taps = torch.randn(2, 6, 4), torch.randn(2, 4)
+    out = torch.empty(2, 3, 4)
+    _C = hkt._C
+    with pytest.raises(TypeError, match="^taps: dtype float64 does not match x's float32"):
+        _C.downsample_forward(x, taps.double(), out)
+    with pytest.raises(TypeError, match="^x: expected float32 or float64, got bfloat16"):
+        _C.downsample_forward(x.bfloat16(), taps, out)
+    with pytest.raises(ValueError, match="^taps: expected shape \\(K, 4\\)"):
+        _C.downsample_forward(x, torch.randn(2, 5), out)
+    with pytest.raises(ValueError, match="^x: expected 3 dimensions"):
+        _C.downsample_forward(x[0], taps, out)
+    with pytest.raises(ValueError, match="^out: expected shape \\(2, 3, 4\\)"):
+        _C.downsample_forward(x, taps, torch.empty(2, 4, 4))
+    with pytest.raises(ValueError, match="^out: output arrays must be C-contiguous"):
+        _C.downsample_forward(x, taps, torch.empty(3, 2, 4).transpose(0, 1))
+    buf = torch.randn(60)
+    with pytest.raises(ValueError, match="^out: shares memory with the input x"):
+        _C.downsample_forward(buf[:48].view(2, 6, 4), taps, buf[30:54].view(2, 3, 4))
+    with pytest.raises(ValueError, match="^grad_taps: expected shape \\(2, 4\\)"):
+        _C.downsample_backward(out, x, taps, torch.empty_like(x), torch.empty(3, 4))
+    with pytest.raises(ValueError, match="^grad: expected shape \\(2, 3, 4\\)"):
+        _C.downsample_backward(x, x, taps, torch.empty_like(x), torch.empty(2, 4))
+    with pytest.raises(ValueError, match="^x: cannot be exported through DLPack"):
+        _C.downsample_forward(x.requires_grad_(), taps, out)
+
+
 # --------------------------------------------------------------------------- levels = 1 is MHA
 
 @pytest.mark.parametrize("cfg_name", list(CONFIGS))
