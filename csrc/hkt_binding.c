@@ -298,12 +298,42 @@ static int check_contiguous(const DLTensor *t, const char *name) {
     return 0;
 }
 
-/* A (B, H, rows, cols) array: shape, dtype, device, strides; fills ptr and strides. */
+/* An output written by several threads, each its own elements: no two of its
+ * elements may share memory (any order of the dimensions in memory will do:
+ * gradients laid out like their inputs, say).  With its dimensions sorted by
+ * stride, each stride must reach past everything the smaller ones span.  why
+ * says why it matters, for the message. */
+static int check_disjoint(const DLTensor *t, const char *name, const char *why) {
+    if (is_empty(t)) return 0;
+    int idx[8], n = 0;
+    for (int d = 0; d < t->ndim && n < 8; d++)
+        if (t->shape[d] > 1) idx[n++] = d;
+    for (int a = 1; a < n; a++)
+        for (int b = a; b > 0 && stride_of(t, idx[b]) < stride_of(t, idx[b - 1]); b--) {
+            const int x = idx[b];
+            idx[b] = idx[b - 1];
+            idx[b - 1] = x;
+        }
+    __int128 span = 1; /* elements the smaller strides reach, plus one */
+    for (int a = 0; a < n; a++) {
+        if ((__int128)stride_of(t, idx[a]) < span) {
+            PyErr_Format(PyExc_ValueError, "%s: %s, so its elements must not overlap each other; dimension %d "
+                         "has stride %lld", name, why, idx[a], (long long)stride_of(t, idx[a]));
+            return -1;
+        }
+        span += (__int128)stride_of(t, idx[a]) * (t->shape[idx[a]] - 1);
+    }
+    return 0;
+}
+
+/* A (B, H, rows, cols) array: shape, dtype, device, strides; fills ptr and strides.
+ * An output may lie in memory in any order of its dimensions (the kernels
+ * follow its strides), the features contiguous, its elements disjoint. */
 static int take_4d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want,
                    const char *meaning, long long factor, int output, const void **ptr, int64_t *st3) {
     if (check_real(t, name, ref) || check_shape(t, name, want, 4, meaning, factor) || check_strides(t, name))
         return -1;
-    if (output && check_contiguous(t, name)) return -1;
+    if (output && check_disjoint(t, name, "is an output")) return -1;
     *ptr = data_of(t);
     for (int d = 0; d < 3; d++) st3[d] = stride_of(t, d);
     return 0;
@@ -1528,33 +1558,6 @@ static PyObject *py_varlen_backward(PyObject *self, PyObject *args, PyObject *kw
 
 /* ---- decoding with a KV cache (hkt_decode.c) ---- */
 
-/* A cache written in place (k and v given) is written by several threads: no
- * two of its elements may share memory.  With its dimensions sorted by stride,
- * each stride must reach past everything the smaller ones span. */
-static int check_disjoint(const DLTensor *t, const char *name) {
-    if (is_empty(t)) return 0;
-    int idx[8], n = 0;
-    for (int d = 0; d < t->ndim && n < 8; d++)
-        if (t->shape[d] > 1) idx[n++] = d;
-    for (int a = 1; a < n; a++)
-        for (int b = a; b > 0 && stride_of(t, idx[b]) < stride_of(t, idx[b - 1]); b--) {
-            const int x = idx[b];
-            idx[b] = idx[b - 1];
-            idx[b - 1] = x;
-        }
-    __int128 span = 1; /* elements the smaller strides reach, plus one */
-    for (int a = 0; a < n; a++) {
-        if ((__int128)stride_of(t, idx[a]) < span) {
-            PyErr_Format(PyExc_ValueError, "%s: is written in place (k and v given), so its elements must not "
-                         "overlap each other; dimension %d has stride %lld", name, idx[a],
-                         (long long)stride_of(t, idx[a]));
-            return -1;
-        }
-        span += (__int128)stride_of(t, idx[a]) * (t->shape[idx[a]] - 1);
-    }
-    return 0;
-}
-
 /* cache_seqlens: an int (every batch row) or a 1-D int32/int64 CPU array of B
  * entries, each >= 0 with room for Tn more positions in S_max.  Read into
  * *out (B entries; the caller frees it). */
@@ -1641,7 +1644,7 @@ static int take_cache0(hkt_decode_params *p, held *hd, PyObject *kt, PyObject *v
     if (check_count("v_cache", "B x H_kv x S_max x Dv", p->B, p->H_kv, *S_max, p->Dv) ||
         check_count("v_cache", "query-key pairs B x H x Tn x S_max", p->B, p->H, p->Tn, *S_max) ||
         take_4d(vt, "v_cache", q0, want, "= (B, H_kv, S_max, Dv) like k_cache[0]", 0, 0, &ptr, p->v_cache_stride) ||
-        (written && check_disjoint(vt, "v_cache")))
+        (written && check_disjoint(vt, "v_cache", "is written in place (k and v given)")))
         return -1;
     p->v_cache = (void *)ptr;
     note_span(hd, vt, "v_cache", written);
@@ -1667,7 +1670,7 @@ static int take_decode_levels(hkt_decode_params *p, held *hd, PyObject *qt, PyOb
         const void *ptr;
         if (take_4d(t, name, q0, wk, "= (B, H_kv, at least ceil(S_max/%lld), D)", 1LL << l, 0, &ptr,
                     p->k_cache_stride[l]) ||
-            (written && check_disjoint(t, name)))
+            (written && check_disjoint(t, name, "is written in place (k and v given)")))
             return -1;
         p->k_cache[l] = (void *)ptr;
         note_span(hd, t, name, written);

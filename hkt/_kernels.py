@@ -119,8 +119,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-             is_causal: bool, dropout_p: float, scale: float, seed: int) -> Tuple[Tensor, Tensor]:
-    """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype)."""
+             is_causal: bool, dropout_p: float, scale: float, seed: int, like_inputs: bool = False
+             ) -> Tuple[Tensor, Tensor]:
+    """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype).
+    like_inputs: out laid out in memory like q[0] (see _like), else contiguous
+    (what the custom op's fake kernel says)."""
     q0 = q[0]
     if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
         # the seed is read here, on the host: every replay would drop the same entries
@@ -128,7 +131,10 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
                            "repeat the captured dropout mask); capture with dropout_p=0")
     dtype = compute_dtype(q0.dtype)
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
-    out = _empty((*lead, v.shape[-1] if v.dim() else 0), dtype, q0)
+    if like_inputs and v.dim() == 4 and v.shape[-1] == q0.shape[-1] and _like(q0):
+        out = torch.empty_like(q0, dtype=dtype)
+    else:
+        out = _empty((*lead, v.shape[-1] if v.dim() else 0), dtype, q0)
     lse = _empty(lead, dtype, q0)
     # native: q, k, v as they are; w, mask, out, lse float32
     arg = _feat if _native_bf16(q0) or _cuda_tc(q, v, dropout_p) else _arg
@@ -140,13 +146,15 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
               lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
-              seed: int, mask_grad: bool = False
+              seed: int, mask_grad: bool = False, like_inputs: bool = False
               ) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor, Optional[Tensor]]:
     """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
-    dmask (shaped like the float attn_mask) only with mask_grad, else None."""
+    dmask (shaped like the float attn_mask) only with mask_grad, else None.
+    like_inputs: dq, dk, dv laid out in memory like q, k, v (see _like), else
+    contiguous (what the custom op's fake kernel says)."""
     in_dtype = q[0].dtype
     dtype, device = compute_dtype(in_dtype), q[0].device
-    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
+    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
     # native: q, k, v, dout and out as they are; w, mask, lse and the gradients float32
@@ -162,15 +170,29 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     return dq, dk, dv, dw, dmask
 
 
-def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype):
+def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype,
+                  like_inputs: bool = False):
     """Uninitialised dq, dk (per level), dv, dw shaped like the inputs, in the
-    compute dtype, on their device: the backward kernels overwrite them."""
+    compute dtype, on their device: the backward kernels overwrite them.  With
+    like_inputs, dq, dk and dv lie in memory like their inputs where _like
+    allows (dw is always contiguous)."""
     # empty_like: 1.2 us a tensor, against 2.2 for new_empty(shape): eight or more per backward
-    cf = torch.contiguous_format
-    dq = [torch.empty_like(x, dtype=dtype, memory_format=cf) for x in q]
-    dk = [torch.empty_like(x, dtype=dtype, memory_format=cf) for x in k]
-    return (dq, dk, torch.empty_like(v, dtype=dtype, memory_format=cf),
-            torch.empty_like(w, dtype=dtype, memory_format=cf))
+    cf, pf = torch.contiguous_format, torch.preserve_format
+
+    def buf(x):
+        return torch.empty_like(x, dtype=dtype, memory_format=pf if like_inputs and _like(x) else cf)
+    return [buf(x) for x in q], [buf(x) for x in k], buf(v), torch.empty_like(w, dtype=dtype, memory_format=cf)
+
+
+def _like(x: Tensor) -> bool:
+    """Whether an output may copy x's layout (torch.preserve_format, which
+    copies a dense layout and makes anything else contiguous): x's features
+    have unit stride, which the kernels need.  The heads a module splits off its
+    projections, (B, T, H, D) memory seen as (B, H, T, D), are the case that
+    matters: gradients and outputs in that layout turn the module's reshapes
+    back to (B, T, H * D) into views, where contiguous ones cost a transposing
+    copy each (about a tenth of a ListOps-size training step)."""
+    return x.dim() > 0 and (x.stride(-1) == 1 or x.size(-1) <= 1)
 
 
 def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dtype: torch.dtype):

@@ -124,8 +124,10 @@ def hkt_attention(
             ``dropout_p > 0`` (hkt's CUDA kernels are not fast yet).
 
     Returns:
-        (B, H, T, Dv).  A query row with no visible key gives zeros (and zero
-        gradients).  Gradients flow to every ``q[l]``, ``k[l]``, ``v``, ``w``
+        (B, H, T, Dv), laid out in memory like ``q[0]`` when Dv = D and
+        ``q[0]`` is dense with unit feature stride (the gradients of ``q``,
+        ``k`` and ``v`` likewise follow their inputs), else contiguous.  A
+        query row with no visible key gives zeros (and zero gradients).  Gradients flow to every ``q[l]``, ``k[l]``, ``v``, ``w``
         and a float ``attn_mask`` that requires grad (its gradient is the
         score's, summed over the dimensions it is broadcast along; computing it
         costs one more pass over the scores in the backward).
@@ -197,7 +199,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
                                     v.requires_grad or w.requires_grad or
                                     (attn_mask is not None and attn_mask.requires_grad)):
         return _Attention.apply(len(q), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)[0]
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)[0]
 
 
 def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
@@ -267,7 +269,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, L, is_causal, dropout_p, scale, seed, attn_mask, *qkvw):
         q, k, v, w = list(qkvw[:L]), list(qkvw[L:2 * L]), qkvw[2 * L], qkvw[2 * L + 1]
-        out, lse = _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
+        out, lse = _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)
         ctx.save_for_backward(*qkvw, out, lse, attn_mask)
         ctx.L, ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed = L, is_causal, dropout_p, scale, seed
         return out
@@ -288,5 +290,5 @@ class _Attention(torch.autograd.Function):
             dmask = grads[2 * L + 2] if mask_grad else None
         else:
             dq, dk, dv, dw, dmask = _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, *args, ctx.seed,
-                                                       mask_grad)
+                                                       mask_grad, like_inputs=True)
         return (None, None, None, None, None, dmask, *dq, *dk, dv, dw)

@@ -132,6 +132,32 @@ def test_non_contiguous_inputs():
     assert_matches(qt, kt, vt, wt, 1e-10, 1e-10, is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_outputs_and_grads_laid_out_like_the_inputs(dtype):
+    # Eager calls give out, dq, dk and dv the memory order of q[0], q, k, v (a module's heads,
+    # (B, T, H, D) storage seen as (B, H, T, D), then reshape back for free); the values are the
+    # same bits as with contiguous inputs, whatever the layout.
+    B, H, T, S, D, L = 2, 3, 29, 23, 6, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, D, L, dtype=dtype)
+    heads = [[x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in xs] for xs in (q, k, [v])]
+    flat = [[x.detach().contiguous().requires_grad_() for x in xs] for xs in (q, k, [v])]
+    dout = torch.randn(B, H, T, D, dtype=dtype)
+    results = []
+    for (qs, ks, (vs,)) in (heads, flat):
+        wt = w.detach().clone().requires_grad_()
+        out = hkt.hkt_attention(qs, ks, vs, wt, is_causal=True)
+        out.backward(dout)
+        results.append((out, [x.grad for x in qs + ks + [vs]], wt.grad))
+    (out_h, grads_h, dw_h), (out_c, grads_c, dw_c) = results
+    assert out_h.stride() == heads[0][0].stride() and out_c.is_contiguous()
+    for g, x in zip(grads_h, heads[0] + heads[1] + heads[2]):
+        assert g.stride() == x.stride()
+    assert torch.equal(out_h, out_c) and torch.equal(dw_h, dw_c)
+    assert all(torch.equal(a, b) for a, b in zip(grads_h, grads_c))
+    with torch.no_grad():  # the no-grad path lays out out the same way
+        assert hkt.hkt_attention(heads[0], heads[1], heads[2][0], w).stride() == heads[0][0].stride()
+
+
 def test_numpy_through_extension():
     B, H, T, S, D, Dv, L = 1, 2, 19, 21, 3, 4, 3
     q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L)

@@ -34,8 +34,15 @@ def test_extension_checks_outputs_and_arrays():
     good_out, good_lse = np.empty((B, H, T, Dv)), np.empty((B, H, T))
     with pytest.raises(ValueError, match="^out:"):
         _C.forward(q, k, v, w, np.empty((B, H, T, Dv + 1)), good_lse)
-    with pytest.raises(ValueError, match="^out: output arrays must be C-contiguous"):
-        _C.forward(q, k, v, w, np.empty((H, B, T, Dv)).transpose(1, 0, 2, 3), good_lse)
+    # an output may lie in memory in any order of its dimensions, but no two of its elements may share memory
+    with pytest.raises(ValueError, match="^out: is an output, so its elements must not overlap each other"):
+        _C.forward(q, k, v, w, torch.empty((B, 1, T, Dv), dtype=torch.float64).expand(B, H, T, Dv), good_lse)
+    with pytest.raises(ValueError, match="^out: is an output, so its elements must not overlap each other"):
+        _C.forward(q, k, v, w, torch.empty((B, H, 1, Dv), dtype=torch.float64).expand(B, H, T, Dv), good_lse)
+    _C.forward(q, k, v, w, good_out, good_lse)
+    permuted = np.empty((H, T, B, Dv)).transpose(2, 0, 1, 3)
+    _C.forward(q, k, v, w, permuted, good_lse)
+    assert np.array_equal(permuted, good_out)
     with pytest.raises(TypeError, match="^lse:"):
         _C.forward(q, k, v, w, good_out, np.empty((B, H, T), np.float32))
     with pytest.raises(TypeError, match="^v: expected a tensor or array that supports DLPack"):
