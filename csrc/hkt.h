@@ -308,8 +308,8 @@ void hkt_decode_cpu(const hkt_decode_params *p);
  * x (B, n, C), out (B, m, C) with m = ceil(n / 2), taps (K, C).  The forward
  * sums r = 0, 1, ... in order, each product rounded, then added, a zero x
  * before row 0 multiplied like any other: the same bits as that torch
- * expression.  The backward OVERWRITES grad_x (B, n, C) and grad_taps (K, C)
- * from grad (B, m, C), summing grad_taps in a fixed order (per channel, over
+ * expression.  The backward OVERWRITES grad_x (B, n, C) (unless it is NULL) and
+ * grad_taps (K, C) from grad (B, m, C), summing grad_taps in a fixed order (per channel, over
  * b then p, in double) so that it is bitwise the same for any num_threads.
  * NaN and inf propagate as in the expression (a NaN tap makes every output of
  * its channel NaN, the padding's zeros included). */
@@ -322,7 +322,8 @@ typedef struct {
     int64_t taps_stride;
     const void *grad;          /* backward: d out, grad[b * grad_stride[0] + p * grad_stride[1] + c] */
     int64_t grad_stride[2];
-    void *out;                 /* forward: out (B, m, C); backward: grad_x (B, n, C); C-contiguous */
+    void *out;                 /* forward: out (B, m, C); backward: grad_x (B, n, C) or NULL (not
+                                * wanted); C-contiguous */
     void *grad_taps;           /* backward: (K, C), C-contiguous */
     void *workspace;           /* backward: hkt_downsample_workspace_bytes(p) bytes, 8-byte aligned */
     int num_threads;

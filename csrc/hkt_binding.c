@@ -1922,8 +1922,8 @@ static PyObject *py_downsample_forward(PyObject *self, PyObject *args, PyObject 
 PyDoc_STRVAR(downsample_backward_doc,
 "downsample_backward(grad, x, taps, grad_x, grad_taps, num_threads=0)\n--\n\n"
 "The backward of downsample_forward: from grad (B, ceil(n / 2), C) (unit\n"
-"stride along C), overwrites grad_x (B, n, C) and grad_taps (K, C), both\n"
-"C-contiguous.  grad_taps is summed in double in a fixed order: bitwise the\n"
+"stride along C), overwrites grad_x (B, n, C; None: not computed) and\n"
+"grad_taps (K, C), both C-contiguous.  grad_taps is summed in double in a fixed order: bitwise the\n"
 "same for any num_threads.");
 
 static PyObject *py_downsample_backward(PyObject *self, PyObject *args, PyObject *kw) {
@@ -1945,8 +1945,10 @@ static PyObject *py_downsample_backward(PyObject *self, PyObject *args, PyObject
         p.grad = data_of(t);
         p.grad_stride[0] = stride_of(t, 0);
         p.grad_stride[1] = stride_of(t, 1);
-        if (!(t = take_ds_array(&hd, gx, "grad_x", xt, 3, wx, "= (B, n, C)", 1))) goto done;
-        p.out = data_of(t);
+        if (gx != Py_None) { /* None: x needs no gradient */
+            if (!(t = take_ds_array(&hd, gx, "grad_x", xt, 3, wx, "= (B, n, C)", 1))) goto done;
+            p.out = data_of(t);
+        }
         if (!(t = take_ds_array(&hd, gt, "grad_taps", xt, 2, wt, "= (K, C)", 1))) goto done;
         p.grad_taps = data_of(t);
         if (check_overlaps(&hd)) goto done;

@@ -112,7 +112,7 @@ static int64_t chunks_of(const hkt_downsample_params *p) {
                     const int64_t b = q / m, pp = q % m;                                               \
                     const real *xb = x + b * p->x_stride[0], *gb = g + b * p->grad_stride[0];          \
                     const real *restrict gp = gb + pp * p->grad_stride[1];                             \
-                    for (int64_t i = 2 * pp; i < 2 * pp + 2 && i < n; i++) {                           \
+                    for (int64_t i = 2 * pp; gx && i < 2 * pp + 2 && i < n; i++) {                     \
                         real *restrict o = gx + (b * n + i) * C;                                       \
                         int64_t r = i % 2;                                                             \
                         if (r >= K || (i + r) / 2 >= m) {                                              \

@@ -275,9 +275,12 @@ def _downsample_forward(x: Tensor, taps: Tensor) -> Tensor:
     return out
 
 
-def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor) -> Tuple[Tensor, Tensor]:
-    """(grad_x, grad_taps) of _downsample_forward, in one pass."""
+def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor, want_x: bool = True
+                         ) -> Tuple[Optional[Tensor], Tensor]:
+    """(grad_x, grad_taps) of _downsample_forward, in one pass; grad_x None
+    unless want_x (a module's level-1 input is its data, which needs none)."""
     cf = torch.contiguous_format
-    gx, gt = torch.empty_like(x, memory_format=cf), torch.empty_like(taps, memory_format=cf)
+    gx = torch.empty_like(x, memory_format=cf) if want_x else None
+    gt = torch.empty_like(taps, memory_format=cf)
     _C.downsample_backward(_feat(grad), _feat(x), _feat(taps), _dl(gx), _dl(gt), torch.get_num_threads())
     return gx, gt

@@ -95,8 +95,8 @@ class _Downsample(torch.autograd.Function):
             need = [t for t, n in zip((x, taps), ctx.needs_input_grad[:2]) if n]
             got = iter(torch.autograd.grad(_downsample_expr(x, taps), need, grad, create_graph=True))
             return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
-        gx, gt = _kernels._downsample_backward(grad, x, taps)
-        return (gx if ctx.needs_input_grad[0] else None), (gt if ctx.needs_input_grad[1] else None)
+        gx, gt = _kernels._downsample_backward(grad, x, taps, bool(ctx.needs_input_grad[0]))
+        return gx, (gt if ctx.needs_input_grad[1] else None)
 
 
 def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -238,6 +238,18 @@ def test_downsample_extension_gradcheck_and_inputs_it_takes():
     tn[1, 2] = float("nan")
     yn = causal_downsample(xt, tn)
     assert yn[:, :, 2].isnan().all() and not yn[:, :, [0, 1, 3, 4]].isnan().any()
+    # x without a gradient (a module's input data): the taps' alone, grad_x not computed
+    xd = torch.randn(3, 10, 4, generator=g, dtype=F64)
+    td, td2 = [torch.randn(2, 4, generator=torch.Generator().manual_seed(5), dtype=F64, requires_grad=True)
+               for _ in range(2)]
+    causal_downsample(xd, td).square().sum().backward()
+    _downsample_expr(xd, td2).square().sum().backward()
+    torch.testing.assert_close(td.grad, td2.grad, rtol=1e-12, atol=1e-12)
+    gt = torch.empty(2, 4, dtype=F64)
+    hkt._C.downsample_backward(torch.ones(3, 5, 4, dtype=F64), xd, td.detach(), None, gt)
+    # with grad = 1: grad_taps[r] sums x[2p - r] over b and p (rows 0, 2, ..., 8 and 1, 3, 5, 7)
+    want = torch.stack([xd[:, 0::2].sum((0, 1)), xd[:, 1:-1:2].sum((0, 1))])
+    torch.testing.assert_close(gt, want, rtol=1e-12, atol=1e-12)
     # bfloat16 and mixed dtypes go to the expression
     xb = torch.randn(2, 6, 4, generator=g).bfloat16()
     tb = torch.randn(2, 4, generator=g).bfloat16()
