@@ -309,8 +309,9 @@ void hkt_decode_cpu(const hkt_decode_params *p);
  * sums r = 0, 1, ... in order, each product rounded, then added, a zero x
  * before row 0 multiplied like any other: the same bits as that torch
  * expression.  The backward OVERWRITES grad_x (B, n, C) (unless it is NULL) and
- * grad_taps (K, C) from grad (B, m, C), summing grad_taps in a fixed order (per channel, over
- * b then p, in double) so that it is bitwise the same for any num_threads.
+ * grad_taps (K, C) from grad (B, m, C), summing grad_taps over row chunks fixed
+ * by the sizes (within 64 rows in the real type, across them in double, then
+ * the chunks in order), so that it is bitwise the same for any num_threads.
  * NaN and inf propagate as in the expression (a NaN tap makes every output of
  * its channel NaN, the padding's zeros included). */
 typedef struct {

@@ -1923,8 +1923,8 @@ PyDoc_STRVAR(downsample_backward_doc,
 "downsample_backward(grad, x, taps, grad_x, grad_taps, num_threads=0)\n--\n\n"
 "The backward of downsample_forward: from grad (B, ceil(n / 2), C) (unit\n"
 "stride along C), overwrites grad_x (B, n, C; None: not computed) and\n"
-"grad_taps (K, C), both C-contiguous.  grad_taps is summed in double in a fixed order: bitwise the\n"
-"same for any num_threads.");
+"grad_taps (K, C), both C-contiguous.  grad_taps is summed in an order fixed\n"
+"by the sizes: bitwise the same for any num_threads.");
 
 static PyObject *py_downsample_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"grad", "x", "taps", "grad_x", "grad_taps", "num_threads", NULL};

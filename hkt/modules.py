@@ -58,6 +58,9 @@ def _downsample_expr(x: Tensor, taps: Tensor) -> Tensor:
     return out
 
 
+_DS_DTYPES = (torch.float32, torch.float64)
+
+
 @torch.jit.unused
 def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     """Whether the extension takes this call: CPU float32/float64 of one dtype,
@@ -66,9 +69,6 @@ def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
             and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
             and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling())
-
-
-_DS_DTYPES = (torch.float32, torch.float64)
 
 
 @torch.jit.unused
