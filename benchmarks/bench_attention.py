@@ -203,7 +203,7 @@ def main(argv=None):
             for name, sec in med.items():
                 bf16.append({"name": name, "T": T, "pass": "fwd+bwd" if backward else "fwd", "ms": sec * 1e3,
                              "x_sdpa": sec / med["sdpa"]})
-    how = ("hkt native, AVX512_BF16" if _kernels.native_bf16
+    how = (("hkt native, AMX tiles" if _C.cpu_bf16_amx() else "hkt native, AVX512_BF16") if _kernels.native_bf16
            else "hkt upcasts to float32: " + ("this core runs vdpbf16ps at half rate" if _C.cpu_has_bf16()
                                                else "no AVX512_BF16"))
     print(f"\nbfloat16 inputs ({how}; SDPA in its bfloat16 kernel), not causal:")

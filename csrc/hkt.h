@@ -192,10 +192,16 @@ const char *hkt_cpu_kernels(void);
 /* 1 when this build and this CPU run the bfloat16 forward natively (dtype
  * HKT_BFLOAT16: AVX512_BF16 dot products, float32 accumulation). */
 int hkt_cpu_has_bf16(void);
+/* 1 when the native bfloat16 kernels can take their products on AMX tiles:
+ * the CPU has AMX-BF16 and the OS lets this process use it. */
+int hkt_cpu_has_amx(void);
+/* 1 when they do: hkt_cpu_has_amx() unless HKT_BF16=avx512bf16. */
+int hkt_cpu_bf16_amx(void);
 /* 1 when bfloat16 should take those native kernels rather than be upcast to
  * float32: hkt_cpu_has_bf16() and a core that runs vdpbf16ps at the float32
- * FMA's rate (not Intel's); the environment variable HKT_BF16=native or upcast
- * overrides (native only where hkt_cpu_has_bf16()). */
+ * FMA's rate (AMD's, not Intel's) or has AMX; the environment variable
+ * HKT_BF16=native, avx512bf16 or upcast overrides (native only where
+ * hkt_cpu_has_bf16()). */
 int hkt_cpu_bf16_preferred(void);
 
 void hkt_forward_cpu(const hkt_params *p);

@@ -9,6 +9,11 @@
 
 #include <stdlib.h>
 #include <string.h>
+#if HKT_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define HKT_ISA_TABLE(isa, label, bf16)                                                              \
     {label, hkt_forward_f32_##isa, hkt_backward_f32_##isa, hkt_decode_f32_##isa, hkt_forward_f64_##isa, \
@@ -59,23 +64,56 @@ int hkt_cpu_has_bf16(void) {
 #endif
 }
 
-/* The native bfloat16 kernels' products are vdpbf16ps: two products per lane
- * where an FMA does one.  They pay where the core issues vdpbf16ps as fast as
- * an FMA: on AMD's Zen 4 the native L=3 forward+backward ran 1.58x faster than
- * float32.  Intel's cores with AVX512_BF16 (Sapphire and Emerald Rapids) issue
- * it at half that rate, and there the native path ran 1.5x slower than
- * upcasting to float32 (T=1024, L=3, forward+backward, one thread on an
- * Emerald Rapids Xeon: 131 ms native, 88 ms upcast, 80 ms float32).  Chosen by
- * vendor, not by a timing probe, so that a machine always takes the same path
- * and its results are the same bits run to run. */
+/* AMX-TILE and AMX-BF16 (cpuid leaf 7: edx bits 24 and 22), and the kernel's
+ * leave to use the tile data: Linux hands it out per process on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, 5.16 on); a kernel
+ * that refuses it, or predates it, means no AMX.  Asked once; torch's oneDNN
+ * makes the same request for its own AMX kernels. */
+int hkt_cpu_has_amx(void) {
+#if HKT_AMX
+    static volatile int known = -1;
+    if (known < 0) {
+        unsigned a, b, c, d;
+        int has = hkt_cpu_has_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 22 & 1);
+        if (has) has = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        known = has;
+    }
+    return known;
+#else
+    return 0;
+#endif
+}
+
+uint64_t hkt_amx_epoch = 1;
+
+static int bf16_setting(const char *name) {
+    const char *want = getenv("HKT_BF16");
+    return want && strcmp(want, name) == 0;
+}
+
+/* The native kernels take their products on AMX tiles where the CPU has them,
+ * unless HKT_BF16=avx512bf16 asks for vdpbf16ps (for tests and comparisons). */
+int hkt_cpu_bf16_amx(void) { return hkt_cpu_has_amx() && !bf16_setting("avx512bf16"); }
+
+/* The native bfloat16 kernels' vector products are vdpbf16ps: two products per
+ * lane where an FMA does one.  They pay where the core issues vdpbf16ps as fast
+ * as an FMA: on AMD's Zen 4 the native L=3 forward+backward ran 1.58x faster
+ * than float32.  Intel's cores with AVX512_BF16 (Sapphire and Emerald Rapids)
+ * issue it at half that rate, and there the vdpbf16ps kernels ran 1.5x slower
+ * than upcasting to float32 (T=1024, L=3, forward+backward, one thread on an
+ * Emerald Rapids Xeon: 131 ms native, 88 ms upcast, 80 ms float32) -- but
+ * those cores have AMX, whose tiles take the products far faster, and with
+ * them the native kernels win again.  So: native on AMD, and on Intel where
+ * AMX is there to use.  Chosen by the CPU, not by a timing probe, so that a
+ * machine always takes the same path and its results are the same bits run
+ * to run. */
 int hkt_cpu_bf16_preferred(void) {
     if (!hkt_cpu_has_bf16()) return 0;
-    const char *want = getenv("HKT_BF16");
-    if (want && strcmp(want, "native") == 0) return 1;
-    if (want && strcmp(want, "upcast") == 0) return 0;
+    if (bf16_setting("native") || bf16_setting("avx512bf16")) return 1;
+    if (bf16_setting("upcast")) return 0;
 #if HKT_ISA_BUILDS
     __builtin_cpu_init();
-    return !__builtin_cpu_is("intel");
+    return !__builtin_cpu_is("intel") || hkt_cpu_has_amx();
 #else
     return 1;
 #endif
@@ -152,6 +190,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
             w.p_pairs = at;   at += BQ / 2 * BK;
             w.ds_bf16 = at;   at += BQ / 2 * BK;
             w.ds_pairs = at;  at += BQ / 2 * BK;
+            w.pairs_t = at;   at += BQ / 2 * BK;
         }
     } else {
         w.keys_all = at;   at += w.keys_cached ? round16(keys_all) : 0;
@@ -165,6 +204,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         }
     }
     w.total = at;
+    w.amx = bf16 && hkt_cpu_bf16_amx();
     return w;
 }
 
@@ -202,6 +242,7 @@ void hkt_forward_cpu(const hkt_params *p) {
     hkt_params one;
     p = threads_for(p, 0, &one);
     const hkt_isa_table *isa = hkt_isa();
+    if (p->dtype == HKT_BFLOAT16) __atomic_add_fetch(&hkt_amx_epoch, 1, __ATOMIC_RELAXED); /* hkt_cpu.h */
     if (p->dtype == HKT_FLOAT64) isa->forward_f64(p);
     else if (p->dtype == HKT_BFLOAT16) isa->forward_bf16(p); /* the binding checked hkt_cpu_has_bf16 */
     else isa->forward_f32(p);
@@ -211,6 +252,7 @@ void hkt_backward_cpu(const hkt_params *p) {
     hkt_params one;
     p = threads_for(p, 1, &one);
     /* the float32 body runs the bfloat16 backward too (hkt_bf16_body.h's hooks) */
+    if (p->dtype == HKT_BFLOAT16) __atomic_add_fetch(&hkt_amx_epoch, 1, __ATOMIC_RELAXED);
     if (p->dtype == HKT_FLOAT64) hkt_isa()->backward_f64(p);
     else hkt_isa()->backward_f32(p);
 }

@@ -76,8 +76,8 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
  * ars = 2 lda, aps = 4; A^T of pairs packed along its rows (row_pairs) has
  * ars = 4, aps = 4 ld.  B as pairs (K2, N) words, rows ldb apart; C float32.
  * 4 x 4 blocks (16 accumulators) over 64 columns, then 8 x 1 over 16. */
-static BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t K2, const void *Av, int64_t ars, int64_t aps,
-                                  const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+static BF16_TARGET void gemm_dp(int64_t M, int64_t N, int64_t K2, const void *Av, int64_t ars, int64_t aps,
+                                const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
     const char *A = (const char *)Av;
     int64_t j = 0;
     for (; j + 64 <= N; j += 64) {
@@ -95,6 +95,162 @@ static BF16_TARGET void gemm_bf16(int64_t M, int64_t N, int64_t K2, const void *
         for (; i < M; i++)
             bf16_tile(1, 1, m, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
     }
+}
+
+#if HKT_AMX
+/* ---- the same products on AMX tiles ----
+ * TDPBF16PS takes A as 16 rows of 16 pairs (64 bytes each, rows any stride
+ * apart: a bfloat16 row-major A as it is) and B as 16 rows of pairs (kk, n),
+ * 16 columns each: the pair layout above.  C is a 16 x 16 float32 tile.  The
+ * tiles are configured once per thread and call (amx_ready): all eight 16 rows
+ * of 64 bytes, C in tmm0-3 (a 2 x 2 block of them), A in tmm4-5, B in tmm6-7.
+ * gemm_amx takes the whole 16 x 16 blocks of C over reductions of whole
+ * 16-pair steps; gemm_bf16 gives the ragged edges to gemm_dp.  The sums are
+ * formed in a different order than gemm_dp's, so the AMX path has bits of its
+ * own -- fixed by the sizes, the same for any thread count. */
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) amx_config;
+
+static AMX_TARGET void amx_ready(void) {
+    static __thread uint64_t loaded = 0; /* hkt_amx_epoch when this thread last configured */
+    const uint64_t now = __atomic_load_n(&hkt_amx_epoch, __ATOMIC_RELAXED);
+    if (loaded == now) return;
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+    loaded = now;
+}
+
+/* C's 16 x 16 blocks at (i, j), (i, j + 16) if two_j, (i + 16, j) if two_i
+ * and (i + 16, j + 16) if both [+]= A @ B, A and C already offset to (i, j). */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_block(int two_i, int two_j, int64_t K2,
+                                                                      const char *A, int64_t ars, const uint32_t *B,
+                                                                      int64_t ldb, float *C, int64_t ldc, int acc) {
+    const int64_t cs = ldc * 4, bs = ldb * 4;
+    if (acc) {
+        _tile_loadd(0, C, cs);
+        if (two_j) _tile_loadd(1, C + 16, cs);
+        if (two_i) _tile_loadd(2, C + 16 * ldc, cs);
+        if (two_i && two_j) _tile_loadd(3, C + 16 * ldc + 16, cs);
+    } else {
+        _tile_zero(0);
+        if (two_j) _tile_zero(1);
+        if (two_i) _tile_zero(2);
+        if (two_i && two_j) _tile_zero(3);
+    }
+    for (int64_t kk = 0; kk < K2; kk += 16) {
+        _tile_loadd(4, A + kk * 4, ars);
+        _tile_loadd(6, B + kk * ldb, bs);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_j) {
+            _tile_loadd(7, B + kk * ldb + 16, bs);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_i) {
+            _tile_loadd(5, A + 16 * ars + kk * 4, ars);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_j) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, C, cs);
+    if (two_j) _tile_stored(1, C + 16, cs);
+    if (two_i) _tile_stored(2, C + 16 * ldc, cs);
+    if (two_i && two_j) _tile_stored(3, C + 16 * ldc + 16, cs);
+}
+
+/* gemm_dp's product over C's first M16 rows and N16 columns (multiples of 16),
+ * K2 a multiple of 16, A row-major (pairs 4 bytes apart). */
+static AMX_TARGET void gemm_amx(int64_t M16, int64_t N16, int64_t K2, const char *A, int64_t ars,
+                                const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    amx_ready();
+    for (int64_t j = 0; j < N16; j += 32) {
+        const int two_j = j + 32 <= N16;
+        int64_t i = 0;
+        if (two_j)
+            for (; i + 32 <= M16; i += 32) amx_block(1, 1, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        else
+            for (; i + 32 <= M16; i += 32) amx_block(1, 0, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        if (i < M16) {
+            if (two_j) amx_block(0, 1, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            else amx_block(0, 0, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        }
+    }
+}
+#endif
+
+/* gemm_dp's product, on AMX where ws->amx says so and the operands allow:
+ * A row-major (aps 4) and whole 16-pair steps; the rows and columns past the
+ * last whole 16 go to gemm_dp. */
+static void gemm_bf16(const ws_layout *ws, int64_t M, int64_t N, int64_t K2, const void *A, int64_t ars, int64_t aps,
+                      const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+#if HKT_AMX
+    const int64_t M16 = M & ~(int64_t)15, N16 = N & ~(int64_t)15;
+    if (ws->amx && aps == 4 && K2 % 16 == 0 && M16 > 0 && N16 > 0) {
+        gemm_amx(M16, N16, K2, (const char *)A, ars, B, ldb, C, ldc, accumulate);
+        if (N16 < N) gemm_dp(M16, N - N16, K2, A, ars, aps, B + N16, ldb, C + N16, ldc, accumulate);
+        if (M16 < M) gemm_dp(M - M16, N, K2, (const char *)A + M16 * ars, ars, aps, B, ldb, C + M16 * ldc, ldc, accumulate);
+        return;
+    }
+#else
+    (void)ws;
+#endif
+    gemm_dp(M, N, K2, A, ars, aps, B, ldb, C, ldc, accumulate);
+}
+
+/* The 16 x 16 block of 32-bit words in r[0..15] (row i in r[i]) transposed in
+ * place: pairs of words, then of 64-bit pairs, then of 128-bit quarters swapped
+ * across registers, then the quarters put in order. */
+static inline __attribute__((always_inline)) BF16_TARGET void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* r[4g + m] now holds, in quarter x, row 4x + (g's row group) ... column
+     * group m of rows 4x..4x+3 for quarter x of g: swap quarters between g's */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+/* Words (r, c) of src (n rows of w, lds apart) to (c, r) of dst (rows ldd
+ * apart): whole 16 x 16 blocks in registers, the ragged edge word by word. */
+static BF16_TARGET void words_t(const uint32_t *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
+    const int64_t n16 = n & ~(int64_t)15, w16 = w & ~(int64_t)15;
+    for (int64_t r0 = 0; r0 < n16; r0 += 16)
+        for (int64_t c0 = 0; c0 < w16; c0 += 16) {
+            __m512i x[16];
+            for (int i = 0; i < 16; i++) x[i] = _mm512_loadu_si512(src + (r0 + i) * lds + c0);
+            transpose16(x);
+            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (c0 + i) * ldd + r0, x[i]);
+        }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = r < n16 ? w16 : 0; c < w; c++) dst[c * ldd + r] = src[r * lds + c];
 }
 
 /* Rows of src (n bfloat16 rows of w, w even, lds apart) as pairs along each
@@ -142,7 +298,7 @@ static void grams_bf16(const hkt_params *p, const ws_layout *ws, float *base, in
     for (int l = 0; l < p->L; l++) {
         span sp = level_span(l, i0, i1, j0, j1);
         const bf16 *qb = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-        gemm_bf16(sp.rl, sp.cl, p->D / 2, qb + sp.r0 * p->q_stride[l][2], 2 * p->q_stride[l][2], 4, kp[l], ld[l],
+        gemm_bf16(ws, sp.rl, sp.cl, p->D / 2, qb + sp.r0 * p->q_stride[l][2], 2 * p->q_stride[l][2], 4, kp[l], ld[l],
                   base + ws->gram + ws->gram_off[l], sp.cl, 0);
     }
 }
@@ -238,7 +394,7 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
         rows_to_bf16(base + ws->scores, BK, nq, nk, 1.0f, pb, BK);
-        gemm_bf16(nq, Dv, (nk + 1) / 2, pb, 2 * BK, 4, vp, Dv, ob, p->out_stride[2], 1);
+        gemm_bf16(ws, nq, Dv, (nk + 1) / 2, pb, 2 * BK, 4, vp, Dv, ob, p->out_stride[2], 1);
     }
     finish_rows(p, ws, base, b, h, i0, nq, ob);
 }
@@ -287,8 +443,22 @@ static const bf16 *dout_rows(const hkt_params *p, int64_t b, int64_t h, int64_t 
 /* dP (nq, BK) = dO V^T, the dO rows read as they are. */
 static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
                     int64_t nq, int64_t nk, float *dP) {
-    gemm_bf16(nq, nk, p->Dv / 2, dout_rows(p, b, h, i0), 2 * p->dout_stride[2], 4,
+    gemm_bf16(ws, nq, nk, p->Dv / 2, dout_rows(p, b, h, i0), 2 * p->dout_stride[2], 4,
               (const uint32_t *)(base + ws->values_t), BK, dP, BK, 0);
+}
+
+/* C (M, N) += X^T B, X given as row pairs (K2 rows of M words, ldx apart:
+ * pairs along the reduction).  gemm_dp reads X^T in place; AMX needs it
+ * row-major, so the words are transposed first (into pairs_t). */
+static void gemm_pairs_t(const ws_layout *ws, float *base, int64_t M, int64_t N, int64_t K2, const uint32_t *X,
+                         int64_t ldx, const uint32_t *B, int64_t ldb, float *C, int64_t ldc) {
+    if (ws->amx && K2 % 16 == 0 && M >= 16 && N >= 16) {
+        uint32_t *xt = (uint32_t *)(base + ws->pairs_t);
+        words_t(X, ldx, K2, M, xt, BQ / 2);
+        gemm_bf16(ws, M, N, K2, xt, 4 * (BQ / 2), 4, B, ldb, C, ldc, 1);
+    } else {
+        gemm_bf16(ws, M, N, K2, X, 4, 4 * ldx, B, ldb, C, ldc, 1);
+    }
 }
 
 /* dv rows [j0, j0 + nk) += Pv^T dO: Pv and dO as row pairs (pairs along the
@@ -299,7 +469,7 @@ static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const
     row_pairs(Pv, BK, nq, nk, 1.0f, pp, BK);
     bf16_row_pairs(dout_rows(p, b, h, i0), p->dout_stride[2], nq, p->Dv, dop, p->Dv);
     float *dv = (float *)p->dv + b * p->dv_stride[0] + kv_head(p, h) * p->dv_stride[1] + j0 * p->dv_stride[2];
-    gemm_bf16(nk, p->Dv, (nq + 1) / 2, pp, 4, 4 * BK, dop, p->Dv, dv, p->dv_stride[2], 1);
+    gemm_pairs_t(ws, base, nk, p->Dv, (nq + 1) / 2, pp, BK, dop, p->Dv, dv, p->dv_stride[2]);
 }
 
 /* dq_l rows [r0, r0 + rl) += wl dS_l k_l: dS_l (rl, cl) scaled and rounded,
@@ -309,7 +479,7 @@ static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l
     bf16 *ds = (bf16 *)(base + ws->ds_bf16);
     rows_to_bf16(dsl, ldsl, rl, cl, wl, ds, BK);
     float *dq = (float *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1] + r0 * p->dq_stride[l][2];
-    gemm_bf16(rl, p->D, (cl + 1) / 2, ds, 2 * BK, 4, (const uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
+    gemm_bf16(ws, rl, p->D, (cl + 1) / 2, ds, 2 * BK, 4, (const uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
               p->D, dq, p->dq_stride[l][2], 1);
 }
 
@@ -323,7 +493,7 @@ static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l
     bf16_row_pairs(q, p->q_stride[l][2], rl, p->D, qp, p->D);
     float *dk = (float *)p->dk[l] + b * p->dk_stride[l][0] + kv_head(p, h) * p->dk_stride[l][1] +
                 c0 * p->dk_stride[l][2];
-    gemm_bf16(cl, p->D, (rl + 1) / 2, dsp, 4, 4 * BK, qp, p->D, dk, p->dk_stride[l][2], 1);
+    gemm_pairs_t(ws, base, cl, p->D, (rl + 1) / 2, dsp, BK, qp, p->D, dk, p->dk_stride[l][2]);
 }
 
 static inline float bf16_value(bf16 x) {

@@ -1124,6 +1124,12 @@ static PyObject *py_cpu_bf16_preferred(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(hkt_cpu_bf16_preferred());
 }
 
+static PyObject *py_cpu_bf16_amx(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(hkt_cpu_bf16_amx());
+}
+
 static PyObject *py_cpu_kernels(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -1997,8 +2003,12 @@ static PyMethodDef methods[] = {
      "lse float32; even D)."},
     {"cpu_bf16_preferred", py_cpu_bf16_preferred, METH_NOARGS,
      "True when hkt runs bfloat16 on those native kernels rather than upcast to float32: cpu_has_bf16() and a "
-     "core that issues vdpbf16ps at the float32 FMA's rate (AMD's; Intel's run it at half that rate, where "
-     "float32 is faster).  The environment variable HKT_BF16=native or upcast overrides."},
+     "core that issues vdpbf16ps at the float32 FMA's rate (AMD's; Intel's run it at half that rate) or has "
+     "AMX.  The environment variable HKT_BF16=native, avx512bf16 or upcast overrides."},
+    {"cpu_bf16_amx", py_cpu_bf16_amx, METH_NOARGS,
+     "True when the native bfloat16 kernels take their products on AMX tiles (AMX-BF16, and the OS lets this "
+     "process use it), unless the environment variable HKT_BF16=avx512bf16 asks for AVX512_BF16's vdpbf16ps. "
+     "Read at each call."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -67,6 +67,13 @@
 #else
 #define HKT_BF16_NATIVE 0
 #endif
+/* Their products on AMX tiles (TDPBF16PS) where the CPU has AMX-BF16: needs
+ * Linux's per-process permission for the tile data (arch_prctl, 5.16 on). */
+#if HKT_BF16_NATIVE && defined(__linux__)
+#define HKT_AMX 1
+#else
+#define HKT_AMX 0
+#endif
 /* this translation unit builds them: the AVX-512 set's float32 file */
 #if HKT_BF16_NATIVE && defined(HKT_ISA_AVX512)
 #define HKT_BF16_HERE 1
@@ -105,10 +112,12 @@ typedef struct {
     int64_t p_pairs;        /* (BQ / 2, BK) words: P as row pairs */
     int64_t ds_bf16;        /* (BQ, BK) bfloat16: one level's scaled dS rounded */
     int64_t ds_pairs;       /* (BQ / 2, BK) words: the same as row pairs */
+    int64_t pairs_t;        /* (BK, BQ / 2) words: P or dS as row pairs, transposed (AMX's A for dv, dk) */
     int64_t key_pairs_off[HKT_MAX_LEVELS], q_off[HKT_MAX_LEVELS]; /* per level, in words */
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
     int keys_cached;        /* forward: keys_all is used (it fits the key_cache_bytes budget) */
+    int amx;                /* bfloat16: products on AMX tiles (hkt_cpu_bf16_amx) */
 } ws_layout;
 
 ws_layout hkt_ws_layout(const hkt_params *p, int backward);
@@ -182,5 +191,12 @@ HKT_DECLARE_ISA(generic)
 HKT_DECLARE_ISA(avx2)
 HKT_DECLARE_ISA(avx512)
 void hkt_forward_bf16_avx512(const hkt_params *p);
+
+/* AMX's tile configuration is per OS thread, and other code (oneDNN in torch)
+ * may reconfigure or release it on the same thread between two of our calls.
+ * Each bfloat16 call that uses AMX bumps this counter before its threads
+ * start; a thread loads the configuration when the counter differs from the
+ * value it last loaded it at (hkt_bf16_body.h, amx_ready). */
+extern uint64_t hkt_amx_epoch;
 
 #endif

@@ -84,8 +84,9 @@ def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.d
 
 
 # bfloat16 runs natively (bfloat16 dot products, float32 accumulation) where the
-# CPU has AVX512_BF16, its cores issue them at full rate (_C.cpu_bf16_preferred:
-# AMD's yes, Intel's no; HKT_BF16=native|upcast overrides) and D is even (the
+# CPU has AVX512_BF16 and either issues vdpbf16ps at full rate or has AMX tiles
+# for the products (_C.cpu_bf16_preferred: AMD's yes, Intel's with AMX yes;
+# HKT_BF16=native|avx512bf16|upcast overrides) and D is even (the
 # backward: Dv too): the kernels take the bfloat16 arrays as they are, with w, a
 # float mask, lse and the gradients in float32.  Elsewhere bfloat16 is upcast and
 # computed in float32.  A module attribute so tests can switch it.

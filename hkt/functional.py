@@ -149,9 +149,10 @@ def hkt_attention(
         backend="sdpa".
 
     float32 and float64 run in their own precision.  bfloat16 on a CPU with
-    AVX512_BF16 whose cores run its dot products at full rate
-    (``hkt._C.cpu_bf16_preferred()``: AMD's, not Intel's, where float32 is
-    faster; ``HKT_BF16=native`` or ``upcast`` overrides) and an even D runs natively:
+    AVX512_BF16 whose cores run its dot products at full rate or that has AMX
+    (``hkt._C.cpu_bf16_preferred()``: AMD's, and Intel's with AMX, whose tiles
+    take the products, ``hkt._C.cpu_bf16_amx()``; ``HKT_BF16=native``,
+    ``avx512bf16`` (no AMX) or ``upcast`` overrides) and an even D runs natively:
     every matrix product takes bfloat16 operands and sums in float32, the
     softmax and its gradient are float32, and P and dS are rounded to bfloat16
     where they enter a product, as flash-attention kernels do (the backward

@@ -48,8 +48,10 @@ def machine_info() -> Dict[str, object]:
     except OSError:
         pass
     info["hkt_cpu_kernels"] = _C.cpu_kernels()
-    # bfloat16: the native kernels or upcast to float32 (hkt._C.cpu_bf16_preferred)
-    info["hkt_bf16"] = "native" if _C.cpu_bf16_preferred() else "upcast"
+    # bfloat16: the native kernels (their products on AMX tiles or vdpbf16ps) or
+    # upcast to float32 (hkt._C.cpu_bf16_preferred, cpu_bf16_amx)
+    info["hkt_bf16"] = (("native, AMX" if _C.cpu_bf16_amx() else "native, AVX512_BF16")
+                        if _C.cpu_bf16_preferred() else "upcast")
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
     info["hkt_commit"] = _commit()

@@ -1,4 +1,4 @@
-"""Native bfloat16 (AVX512_BF16 dot products, float32 accumulation), forward and
+"""Native bfloat16 (AMX tiles or AVX512_BF16 dot products, float32 accumulation), forward and
 backward on the bfloat16 arrays as they are: as accurate as SDPA's own bfloat16 kernels against float64, the same
 as the upcast path up to P's and dS's rounding, every option of the float32
 kernel, bitwise the same for any thread count, and bad calls refused by name.  Skipped where the CPU lacks the instructions (the
@@ -19,13 +19,21 @@ pytestmark = pytest.mark.skipif(not _C.cpu_has_bf16(), reason="this CPU has no A
 BF = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def native_path():
+# The native kernels take their products on AMX tiles where the CPU has them,
+# else with AVX512_BF16's vdpbf16ps; every test runs on each this CPU has.
+PRODUCTS = ["amx", "avx512bf16"] if _C.cpu_has_bf16() and _C.cpu_bf16_amx() else ["avx512bf16"]
+
+
+@pytest.fixture(autouse=True, params=PRODUCTS)
+def native_path(request, monkeypatch):
     """These tests are of the native kernels, which run wherever the CPU has the
-    instructions, also where hkt would rather upcast (cpu_bf16_preferred false)."""
+    instructions, also where hkt would rather upcast (cpu_bf16_preferred false);
+    HKT_BF16 (read at each call) picks the products."""
+    monkeypatch.setenv("HKT_BF16", "native" if request.param == "amx" else "avx512bf16")
+    assert _C.cpu_bf16_amx() == (request.param == "amx")
     old = _kernels.native_bf16
     _kernels.native_bf16 = True
-    yield
+    yield request.param
     _kernels.native_bf16 = old
 
 
@@ -288,3 +296,43 @@ def test_module_in_bfloat16():
     ref = m32(x.float(), x.float(), x.float(), need_weights=False, is_causal=True)[0]
     assert out.dtype == BF and x.grad is not None and x.grad.dtype == BF
     assert (out.float() - ref).abs().max().item() < 0.05
+
+
+@pytest.mark.skipif(not _C.cpu_has_bf16() or not _C.cpu_bf16_amx(), reason="this CPU has no AMX")
+def test_amx_and_vdpbf16ps_products_agree(native_path, monkeypatch):
+    """The two product engines sum in different orders, so their bits may differ,
+    but only by float32 rounding of the sums: forward and gradients agree to a
+    few float32 ulps of each output's scale, at sizes with ragged edges (rows
+    and columns past whole 16s, value dimension 24, odd lengths)."""
+    if native_path != "amx":
+        pytest.skip("run once, from the AMX side")
+    _, (q, k, v, w) = bf16_inputs(2, 3, 150, 173, 32, 24, 3, requires_grad=True)
+    dout = torch.randn(2, 3, 150, 24, generator=torch.Generator().manual_seed(5)).to(BF)
+
+    def run(setting):
+        monkeypatch.setenv("HKT_BF16", setting)
+        out = hkt.hkt_attention(q, k, v, w)
+        return [out.float()] + [g.float() for g in torch.autograd.grad(out, [*q, *k, v, w], dout)]
+
+    amx, dp = run("native"), run("avx512bf16")
+    assert not all(torch.equal(a, b) for a, b in zip(amx, dp)), "AMX did not run"
+    for i, (a, b) in enumerate(zip(amx, dp)):
+        # out and the gradients are rounded to bfloat16 on the way out: a sum
+        # that lands next to a rounding boundary may round either way
+        assert (a - b).abs().max() <= 2 ** -7 * b.abs().max(), i
+
+
+@pytest.mark.skipif(not _C.cpu_has_bf16() or not _C.cpu_bf16_amx(), reason="this CPU has no AMX")
+def test_amx_survives_other_amx_code_on_the_thread(native_path):
+    """AMX's tile configuration belongs to the OS thread, and torch's own bfloat16
+    kernels (oneDNN) configure and release it too.  Calls interleaved with
+    torch's bfloat16 matmuls on the same threads give the same bits."""
+    if native_path != "amx":
+        pytest.skip("of the AMX path")
+    _, (q, k, v, w) = bf16_inputs(1, 4, 256, 256, 64, 64, 3)
+    first = raw_forward(q, k, v, w, threads=2)
+    a = torch.randn(256, 512).to(BF)
+    for _ in range(3):
+        (a @ a.T).sum()  # oneDNN, which takes AMX on this CPU
+        again = raw_forward(q, k, v, w, threads=2)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])

@@ -80,7 +80,8 @@ def bf16_choice(setting):
     env = {k: v for k, v in os.environ.items() if k != "HKT_BF16"}
     if setting is not None:
         env["HKT_BF16"] = setting
-    code = "import hkt; from hkt import _kernels; print(hkt._C.cpu_bf16_preferred(), _kernels.native_bf16)"
+    code = ("import hkt; from hkt import _kernels; "
+            "print(hkt._C.cpu_bf16_preferred(), _kernels.native_bf16, hkt._C.cpu_bf16_amx())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.split()
@@ -88,13 +89,20 @@ def bf16_choice(setting):
 
 def test_bf16_path_follows_the_core_and_the_environment():
     """bfloat16 takes the native kernels on AMD cores, which issue vdpbf16ps at
-    the FMA's rate, and is upcast on Intel's, which issue it at half that rate;
-    HKT_BF16 overrides either way, but never turns on kernels the CPU lacks."""
+    the FMA's rate, and on Intel's where they have AMX, whose tiles take the
+    products; Intel's without AMX issue vdpbf16ps at half rate, and there it is
+    upcast.  HKT_BF16 overrides either way (avx512bf16: native, products without
+    AMX), but never turns on kernels the CPU lacks."""
     has = hkt._C.cpu_has_bf16()
-    default = bf16_choice(None)
-    assert default[0] == default[1], "the Python layer must follow the C choice"
+    preferred, python_side, amx = bf16_choice(None)
+    assert preferred == python_side, "the Python layer must follow the C choice"
+    assert amx == "False" or has, "AMX products are of the native kernels"
+    flags = set(machine_info().get("flags", []))  # /proc/cpuinfo's, where there is one
+    if flags:
+        assert amx == str(has and {"amx_bf16", "amx_tile"} <= flags), (amx, sorted(flags))
     vendor = machine_info().get("vendor")  # /proc/cpuinfo's vendor_id, where there is one
     if vendor in ("GenuineIntel", "AuthenticAMD"):
-        assert default[0] == str(has and vendor == "AuthenticAMD")
-    assert bf16_choice("native") == [str(has)] * 2
-    assert bf16_choice("upcast") == ["False"] * 2
+        assert preferred == str(has and (vendor == "AuthenticAMD" or amx == "True"))
+    assert bf16_choice("native") == [str(has)] * 2 + [amx]
+    assert bf16_choice("avx512bf16") == [str(has)] * 2 + ["False"]
+    assert bf16_choice("upcast") == ["False"] * 2 + [amx]
