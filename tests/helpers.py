@@ -67,6 +67,8 @@ def bad_cases():
     yield "w-heads", ValueError, "w", dict(w=torch.randn(2, 3, dtype=torch.float64))
     yield "mixed-dtype", TypeError, "k[1]", dict(k=swap(k, 1, f32[1][1]))
     yield "mixed-dtype-w", TypeError, "w", dict(w=f32[3])
+    # a bfloat16 array next to float32 ones is refused, not upcast in silence
+    yield "mixed-bfloat16", TypeError, "k[1]", dict(q=f32[0], k=swap(f32[1], 1, f32[1][1].bfloat16()), v=f32[2], w=f32[3])
     yield "half", TypeError, "q[0]", dict(q=[x.half() for x in q], k=[x.half() for x in k], v=v.half(), w=w.half())
     yield "int", TypeError, "q[0]", dict(q=[x.long() for x in q])
     yield "device", ValueError, "v", dict(v=torch.empty(2, 3, 7, 5, dtype=torch.float64, device="meta"))
