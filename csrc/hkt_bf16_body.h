@@ -99,13 +99,15 @@ static BF16_TARGET void gemm_dp(int64_t M, int64_t N, int64_t K2, const void *Av
 
 #if HKT_AMX
 /* ---- the same products on AMX tiles ----
- * TDPBF16PS takes A as 16 rows of 16 pairs (64 bytes each, rows any stride
- * apart: a bfloat16 row-major A as it is) and B as 16 rows of pairs (kk, n),
- * 16 columns each: the pair layout above.  C is a 16 x 16 float32 tile.  The
- * tiles are configured once per thread and call (amx_ready): all eight 16 rows
- * of 64 bytes, C in tmm0-3 (a 2 x 2 block of them), A in tmm4-5, B in tmm6-7.
- * gemm_amx takes the whole 16 x 16 blocks of C over reductions of whole
- * 16-pair steps; gemm_bf16 gives the ragged edges to gemm_dp.  The sums are
+ * TDPBF16PS takes A as 16 rows of kc <= 16 pairs (4 kc bytes each, rows any
+ * stride apart: a bfloat16 row-major A as it is) and B as kc rows of pairs
+ * (kk, n), 16 columns each: the pair layout above.  C is a 16 x 16 float32
+ * tile.  The tiles are configured per thread (amx_ready): C in tmm0-3 (a 2 x 2
+ * block of them), A in tmm4-5, B in tmm6-7, for steps of kc = 16 pairs, or of
+ * all K2 pairs where K2 < 16 (the coarse levels' dq and dk: 8 pairs at level
+ * 2), which costs a reconfiguration (~0.1 us) each way.  gemm_amx takes the
+ * whole 16 x 16 blocks of C over reductions of whole steps; gemm_bf16 gives
+ * the ragged edges to gemm_dp.  The sums are
  * formed in a different order than gemm_dp's, so the AMX path has bits of its
  * own -- fixed by the sizes, the same for any thread count. */
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
@@ -116,24 +118,27 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) amx_config;
 
-static AMX_TARGET void amx_ready(void) {
-    static __thread uint64_t loaded = 0; /* hkt_amx_epoch when this thread last configured */
+static AMX_TARGET void amx_ready(int kc) {
+    /* hkt_amx_epoch when this thread last configured, and for which kc */
+    static __thread uint64_t loaded = 0;
+    static __thread int loaded_kc = 0;
     const uint64_t now = __atomic_load_n(&hkt_amx_epoch, __ATOMIC_RELAXED);
-    if (loaded == now) return;
+    if (loaded == now && loaded_kc == kc) return;
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
+        c.rows[t] = t >= 6 ? kc : 16;                /* B: kc rows of pairs */
+        c.colsb[t] = t == 4 || t == 5 ? 4 * kc : 64; /* A: kc pairs a row */
     }
     _tile_loadconfig(&c);
     loaded = now;
+    loaded_kc = kc;
 }
 
 /* C's 16 x 16 blocks at (i, j), (i, j + 16) if two_j, (i + 16, j) if two_i
  * and (i + 16, j + 16) if both [+]= A @ B, A and C already offset to (i, j). */
-static inline __attribute__((always_inline)) AMX_TARGET void amx_block(int two_i, int two_j, int64_t K2,
+static inline __attribute__((always_inline)) AMX_TARGET void amx_block(int two_i, int two_j, int64_t K2, int kc,
                                                                       const char *A, int64_t ars, const uint32_t *B,
                                                                       int64_t ldb, float *C, int64_t ldc, int acc) {
     const int64_t cs = ldc * 4, bs = ldb * 4;
@@ -148,7 +153,7 @@ static inline __attribute__((always_inline)) AMX_TARGET void amx_block(int two_i
         if (two_i) _tile_zero(2);
         if (two_i && two_j) _tile_zero(3);
     }
-    for (int64_t kk = 0; kk < K2; kk += 16) {
+    for (int64_t kk = 0; kk < K2; kk += kc) {
         _tile_loadd(4, A + kk * 4, ars);
         _tile_loadd(6, B + kk * ldb, bs);
         _tile_dpbf16ps(0, 4, 6);
@@ -169,34 +174,38 @@ static inline __attribute__((always_inline)) AMX_TARGET void amx_block(int two_i
 }
 
 /* gemm_dp's product over C's first M16 rows and N16 columns (multiples of 16),
- * K2 a multiple of 16, A row-major (pairs 4 bytes apart). */
-static AMX_TARGET void gemm_amx(int64_t M16, int64_t N16, int64_t K2, const char *A, int64_t ars,
+ * K2 a multiple of kc (amx_kc), A row-major (pairs 4 bytes apart). */
+static AMX_TARGET void gemm_amx(int64_t M16, int64_t N16, int64_t K2, int kc, const char *A, int64_t ars,
                                 const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
-    amx_ready();
+    amx_ready(kc);
     for (int64_t j = 0; j < N16; j += 32) {
         const int two_j = j + 32 <= N16;
         int64_t i = 0;
         if (two_j)
-            for (; i + 32 <= M16; i += 32) amx_block(1, 1, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            for (; i + 32 <= M16; i += 32) amx_block(1, 1, K2, kc, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
         else
-            for (; i + 32 <= M16; i += 32) amx_block(1, 0, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            for (; i + 32 <= M16; i += 32) amx_block(1, 0, K2, kc, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
         if (i < M16) {
-            if (two_j) amx_block(0, 1, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-            else amx_block(0, 0, K2, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            if (two_j) amx_block(0, 1, K2, kc, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+            else amx_block(0, 0, K2, kc, A + i * ars, ars, B + j, ldb, C + i * ldc + j, ldc, accumulate);
         }
     }
 }
 #endif
 
+/* The step gemm_amx takes a reduction of K2 pairs in: 16, or all of a shorter
+ * one; 0 where neither fits (gemm_dp then). */
+static inline int amx_kc(int64_t K2) { return K2 % 16 == 0 ? 16 : K2 < 16 ? (int)K2 : 0; }
+
 /* gemm_dp's product, on AMX where ws->amx says so and the operands allow:
- * A row-major (aps 4) and whole 16-pair steps; the rows and columns past the
- * last whole 16 go to gemm_dp. */
+ * A row-major (aps 4) and a reduction amx_kc takes; the rows and columns past
+ * the last whole 16 go to gemm_dp. */
 static void gemm_bf16(const ws_layout *ws, int64_t M, int64_t N, int64_t K2, const void *A, int64_t ars, int64_t aps,
                       const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
 #if HKT_AMX
     const int64_t M16 = M & ~(int64_t)15, N16 = N & ~(int64_t)15;
-    if (ws->amx && aps == 4 && K2 % 16 == 0 && M16 > 0 && N16 > 0) {
-        gemm_amx(M16, N16, K2, (const char *)A, ars, B, ldb, C, ldc, accumulate);
+    if (ws->amx && aps == 4 && amx_kc(K2) && M16 > 0 && N16 > 0) {
+        gemm_amx(M16, N16, K2, amx_kc(K2), (const char *)A, ars, B, ldb, C, ldc, accumulate);
         if (N16 < N) gemm_dp(M16, N - N16, K2, A, ars, aps, B + N16, ldb, C + N16, ldc, accumulate);
         if (M16 < M) gemm_dp(M - M16, N, K2, (const char *)A + M16 * ars, ars, aps, B, ldb, C + M16 * ldc, ldc, accumulate);
         return;
@@ -452,7 +461,7 @@ static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64
  * row-major, so the words are transposed first (into pairs_t). */
 static void gemm_pairs_t(const ws_layout *ws, float *base, int64_t M, int64_t N, int64_t K2, const uint32_t *X,
                          int64_t ldx, const uint32_t *B, int64_t ldb, float *C, int64_t ldc) {
-    if (ws->amx && K2 % 16 == 0 && M >= 16 && N >= 16) {
+    if (ws->amx && amx_kc(K2) && M >= 16 && N >= 16) {
         uint32_t *xt = (uint32_t *)(base + ws->pairs_t);
         words_t(X, ldx, K2, M, xt, BQ / 2);
         gemm_bf16(ws, M, N, K2, xt, 4 * (BQ / 2), 4, B, ldb, C, ldc, 1);
