@@ -247,21 +247,6 @@ static inline __attribute__((always_inline)) BF16_TARGET void transpose16(__m512
     }
 }
 
-/* Words (r, c) of src (n rows of w, lds apart) to (c, r) of dst (rows ldd
- * apart): whole 16 x 16 blocks in registers, the ragged edge word by word. */
-static BF16_TARGET void words_t(const uint32_t *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
-    const int64_t n16 = n & ~(int64_t)15, w16 = w & ~(int64_t)15;
-    for (int64_t r0 = 0; r0 < n16; r0 += 16)
-        for (int64_t c0 = 0; c0 < w16; c0 += 16) {
-            __m512i x[16];
-            for (int i = 0; i < 16; i++) x[i] = _mm512_loadu_si512(src + (r0 + i) * lds + c0);
-            transpose16(x);
-            for (int i = 0; i < 16; i++) _mm512_storeu_si512(dst + (c0 + i) * ldd + r0, x[i]);
-        }
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t c = r < n16 ? w16 : 0; c < w; c++) dst[c * ldd + r] = src[r * lds + c];
-}
-
 /* Rows of src (n bfloat16 rows of w, w even, lds apart) as pairs along each
  * row, transposed: word (c2, r) of dst (rows ldd words apart) = (src[r][2 c2],
  * src[r][2 c2 + 1]).  A GEMM's B for the rows' matrix transposed (keys^T for
@@ -334,6 +319,17 @@ static BF16_TARGET void rows_to_bf16(const float *src, int64_t lds, int64_t n, i
     }
 }
 
+/* bfloat16 of x0 and x1 (16 floats each, nearest even) as the 16 pairs
+ * (x0[i], x1[i]), one 32-bit word each. */
+static inline __attribute__((always_inline)) BF16_TARGET __m512i pair_words(__m512 x0, __m512 x1) {
+    /* 16-bit word k of the interleave: x0's element k / 2 (k even, words 0..15 of
+     * both) or x1's (k odd, words 16..31) */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* bfloat16 of x0 in words 0..15, of x1 in 16..31, then interleaved */
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+}
+
 /* Rows of src (n rows of w floats, lds apart) times alpha, rounded, as pairs
  * along the rows: word (r2, c) of dst (rows ldd words apart) = (src[2 r2][c],
  * src[2 r2 + 1][c]), the partner past an odd n zero.  As a GEMM's B it is the
@@ -341,10 +337,6 @@ static BF16_TARGET void rows_to_bf16(const float *src, int64_t lds, int64_t n, i
 static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint32_t *dst,
                                   int64_t ldd) {
     const __m512 a = _mm512_set1_ps(alpha);
-    /* 16-bit word k of the interleave: x0's element k / 2 (k even, words 0..15 of
-     * both) or x1's (k odd, words 16..31) */
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t r = 0; r < n; r += 2) {
         const float *s0 = src + r * lds, *s1 = r + 1 < n ? s0 + lds : NULL;
         uint32_t *d = dst + r / 2 * ldd;
@@ -352,9 +344,39 @@ static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int6
             const __mmask16 m = w - c >= 16 ? 0xFFFF : (__mmask16)((1u << (w - c)) - 1);
             const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s0 + c));
             const __m512 x1 = s1 ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s1 + c)) : _mm512_setzero_ps();
-            /* bfloat16 of x0 in words 0..15, of x1 in 16..31, then interleaved */
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
-            _mm512_mask_storeu_epi32(d + c, m, _mm512_permutexvar_epi16(interleave, both));
+            _mm512_mask_storeu_epi32(d + c, m, pair_words(x0, x1));
+        }
+    }
+}
+
+/* row_pairs' words transposed, in one pass: word (c, r2) of dst (rows ldd
+ * words apart) = (src[2 r2][c], src[2 r2 + 1][c]) times alpha, rounded -- the
+ * matrix's transpose as a row-major A with pairs along its rows, which AMX
+ * needs.  16 x 16 blocks of words, transposed in registers. */
+static BF16_TARGET void row_pairs_t(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint32_t *dst,
+                                    int64_t ldd) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    const int64_t n2 = (n + 1) / 2;
+    for (int64_t c0 = 0; c0 < w; c0 += 16) {
+        const int64_t wc = w - c0 < 16 ? w - c0 : 16;
+        const __mmask16 m = wc == 16 ? 0xFFFF : (__mmask16)((1u << wc) - 1);
+        for (int64_t r0 = 0; r0 < n2; r0 += 16) {
+            const int64_t nr = n2 - r0 < 16 ? n2 - r0 : 16;
+            __m512i x[16];
+            for (int i = 0; i < 16; i++) {
+                const int64_t r = 2 * (r0 + i);
+                if (i >= nr) {
+                    x[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, src + r * lds + c0));
+                const __m512 x1 = r + 1 < n ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, src + (r + 1) * lds + c0))
+                                            : _mm512_setzero_ps();
+                x[i] = pair_words(x0, x1);
+            }
+            transpose16(x);
+            const __mmask16 mr = nr == 16 ? 0xFFFF : (__mmask16)((1u << nr) - 1);
+            for (int64_t j = 0; j < wc; j++) _mm512_mask_storeu_epi32(dst + (c0 + j) * ldd + r0, mr, x[j]);
         }
     }
 }
@@ -456,17 +478,21 @@ static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64
               (const uint32_t *)(base + ws->values_t), BK, dP, BK, 0);
 }
 
-/* C (M, N) += X^T B, X given as row pairs (K2 rows of M words, ldx apart:
- * pairs along the reduction).  gemm_dp reads X^T in place; AMX needs it
- * row-major, so the words are transposed first (into pairs_t). */
-static void gemm_pairs_t(const ws_layout *ws, float *base, int64_t M, int64_t N, int64_t K2, const uint32_t *X,
-                         int64_t ldx, const uint32_t *B, int64_t ldb, float *C, int64_t ldc) {
+/* C (M, N) += (alpha X)^T B: X float32 (n rows of M, ldx apart), rounded and
+ * paired along its rows (the reduction).  gemm_dp reads row_pairs' words
+ * transposed in place (pairs, BK words a row); AMX needs the transpose
+ * row-major, which row_pairs_t writes (into pairs_t) in the same pass. */
+static void gemm_rows_t(const ws_layout *ws, float *base, int64_t M, int64_t N, int64_t n, const float *X,
+                        int64_t ldx, float alpha, uint32_t *pairs, const uint32_t *B, int64_t ldb, float *C,
+                        int64_t ldc) {
+    const int64_t K2 = (n + 1) / 2;
     if (ws->amx && amx_kc(K2) && M >= 16 && N >= 16) {
         uint32_t *xt = (uint32_t *)(base + ws->pairs_t);
-        words_t(X, ldx, K2, M, xt, BQ / 2);
+        row_pairs_t(X, ldx, n, M, alpha, xt, BQ / 2);
         gemm_bf16(ws, M, N, K2, xt, 4 * (BQ / 2), 4, B, ldb, C, ldc, 1);
     } else {
-        gemm_bf16(ws, M, N, K2, X, 4, 4 * ldx, B, ldb, C, ldc, 1);
+        row_pairs(X, ldx, n, M, alpha, pairs, BK);
+        gemm_bf16(ws, M, N, K2, pairs, 4, 4 * BK, B, ldb, C, ldc, 1);
     }
 }
 
@@ -475,10 +501,9 @@ static void gemm_pairs_t(const ws_layout *ws, float *base, int64_t M, int64_t N,
 static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, int64_t b, int64_t h,
                     int64_t i0, int64_t nq, int64_t j0, int64_t nk) {
     uint32_t *pp = (uint32_t *)(base + ws->p_pairs), *dop = (uint32_t *)(base + ws->do_pairs);
-    row_pairs(Pv, BK, nq, nk, 1.0f, pp, BK);
     bf16_row_pairs(dout_rows(p, b, h, i0), p->dout_stride[2], nq, p->Dv, dop, p->Dv);
     float *dv = (float *)p->dv + b * p->dv_stride[0] + kv_head(p, h) * p->dv_stride[1] + j0 * p->dv_stride[2];
-    gemm_pairs_t(ws, base, nk, p->Dv, (nq + 1) / 2, pp, BK, dop, p->Dv, dv, p->dv_stride[2]);
+    gemm_rows_t(ws, base, nk, p->Dv, nq, Pv, BK, 1.0f, pp, dop, p->Dv, dv, p->dv_stride[2]);
 }
 
 /* dq_l rows [r0, r0 + rl) += wl dS_l k_l: dS_l (rl, cl) scaled and rounded,
@@ -497,12 +522,11 @@ static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
                     int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h) {
     uint32_t *dsp = (uint32_t *)(base + ws->ds_pairs), *qp = (uint32_t *)(base + ws->q_pairs + ws->q_off[l]);
-    row_pairs(dsl, ldsl, rl, cl, wl, dsp, BK);
     const bf16 *q = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] + r0 * p->q_stride[l][2];
     bf16_row_pairs(q, p->q_stride[l][2], rl, p->D, qp, p->D);
     float *dk = (float *)p->dk[l] + b * p->dk_stride[l][0] + kv_head(p, h) * p->dk_stride[l][1] +
                 c0 * p->dk_stride[l][2];
-    gemm_pairs_t(ws, base, cl, p->D, (rl + 1) / 2, dsp, BK, qp, p->D, dk, p->dk_stride[l][2]);
+    gemm_rows_t(ws, base, cl, p->D, rl, dsl, ldsl, wl, dsp, qp, p->D, dk, p->dk_stride[l][2]);
 }
 
 static inline float bf16_value(bf16 x) {
