@@ -216,6 +216,7 @@ static void decode(const hkt_decode_params *p) {
     for (int64_t x = 0; x < nbh; x++) done[x] = 0;
     /* a short cache is less work than waking the threads */
     const double work = (double)(nbh * p->Tn) * (double)pl.longest * (double)(p->D + p->Dv);
+    (void)nt, (void)work; /* read only by OpenMP's pragma */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && work > 65536.0)
     for (int64_t t = 0; t < ntask; t++) {
         const int64_t bh = t / nch, b = bh / p->H, h = bh % p->H;
