@@ -336,3 +336,54 @@ def test_amx_survives_other_amx_code_on_the_thread(native_path):
         (a @ a.T).sum()  # oneDNN, which takes AMX on this CPU
         again = raw_forward(q, k, v, w, threads=2)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+def test_concurrent_calls_give_the_serial_bits(native_path):
+    """Python threads calling the native kernels at once (each call on two
+    threads of its own, the tiles configured per OS thread), next to a thread
+    running torch's bfloat16 matmuls (oneDNN, which takes AMX where the CPU has
+    it): every call gives the bits it gives alone, forward and backward."""
+    import threading
+    jobs = []
+    for i in range(6):
+        T = 64 + 37 * i  # whole and ragged tiles, 8-pair and 16-pair reductions
+        _, (q, k, v, w) = bf16_inputs(1, 2, T, T, 32, 32, 1 + i % 3, seed=i, requires_grad=True)
+        dout = torch.randn(1, 2, T, 32, generator=torch.Generator().manual_seed(50 + i)).to(BF)
+        jobs.append((q, k, v, w, dout, i % 2 == 1))
+
+    def run(job):
+        q, k, v, w, dout, causal = job
+        out = hkt.hkt_attention(q, k, v, w, is_causal=causal)
+        return [out, *torch.autograd.grad(out, [*q, *k, v, w], dout)]
+
+    serial = [run(j) for j in jobs]
+    results, errors, stop = {}, [], threading.Event()
+
+    def worker(t):
+        try:
+            torch.set_num_threads(2)
+            for r in range(3):
+                for i in range(len(jobs)):
+                    j = (i + t + r) % len(jobs)
+                    results[(t, r, j)] = run(jobs[j])
+        except BaseException as exc:  # noqa: B902
+            errors.append(exc)
+
+    def matmuls():
+        a = torch.randn(128, 256).to(BF)
+        while not stop.is_set():
+            (a @ a.T).sum()
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    other = threading.Thread(target=matmuls)
+    other.start()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    stop.set()
+    other.join(60)
+    assert not errors, errors[0]
+    assert len(results) == 4 * 3 * len(jobs)
+    for (t, r, j), got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, serial[j])), (t, r, j)
