@@ -194,6 +194,36 @@ static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_
 }
 
 
+#if REAL_IS_FLOAT && HKT_VEC_BYTES == 64 && HKT_ISA_BUILDS
+#include <immintrin.h>
+/* exp_nonpos on the 16 lanes of an AVX-512 vector, the same bits (checked on
+ * 2^24 inputs: every float32 class, NaN and +-inf included): the same clamps,
+ * reduction and polynomial as FMAs, but 2^n applied by vscalefps, which takes
+ * n as the float it already is, and, zero-masked, gives the underflow's exact
+ * 0 -- one instruction for the integer add, shift, multiply and select the
+ * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
+#define HKT_EXP16 1
+static inline __attribute__((always_inline)) vec exp_nonpos16(vec xv) {
+    const __m512 x = (__m512)xv, lo = _mm512_set1_ps(-87.0f), shift = _mm512_set1_ps(12582912.0f);
+    const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    /* max and min return their second operand when one is NaN: a NaN passes */
+    const __m512 xc = _mm512_min_ps(_mm512_setzero_ps(), _mm512_max_ps(lo, x));
+    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shift), shift);
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+    __m512 q = _mm512_set1_ps(1.0f / 720.0f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
+    return (vec)_mm512_maskz_scalef_ps((__mmask16)~below, q, n);
+}
+#else
+#define HKT_EXP16 0
+#endif
+
 /* x[c] = exp(x[c] - m).  With m NaN (a row holding a visible NaN or +inf score)
  * every entry is NaN except hidden ones (-inf), which stay exactly 0: a hidden
  * key contributes nothing, even to a NaN row. */
@@ -202,7 +232,11 @@ static inline void exp_shift(real *restrict x, int64_t n, real m) {
         for (int64_t c = 0; c < n; c++) x[c] = x[c] == -INFINITY ? 0 : NAN;
         return;
     }
-    for (int64_t c = 0; c < n; c++) x[c] = exp_nonpos(x[c] - m);
+    int64_t c = 0;
+#if HKT_EXP16
+    for (; c + VL <= n; c += VL) vstore(x + c, exp_nonpos16(vload(x + c) - m));
+#endif
+    for (; c < n; c++) x[c] = exp_nonpos(x[c] - m);
 }
 
 
@@ -446,9 +480,15 @@ static inline vec exp_shift_lanes(real *restrict x, int64_t n, real m) {
     int64_t c = 0;
     for (; c + VL <= n; c += VL) {
         real *restrict xc = x + c;
+#if HKT_EXP16
+        const vec y = exp_nonpos16(vload(xc) - m);
+        vstore(xc, y);
+        acc += y;
+#else
 #pragma GCC ivdep
         for (int64_t e = 0; e < VL; e++) xc[e] = exp_nonpos(xc[e] - m);
         acc += vload(xc);
+#endif
     }
     if (c < n) {
         real tail[VL] = {0};
