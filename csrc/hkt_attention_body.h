@@ -194,36 +194,6 @@ static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_
 }
 
 
-#if REAL_IS_FLOAT && HKT_VEC_BYTES == 64 && HKT_ISA_BUILDS
-#include <immintrin.h>
-/* exp_nonpos on the 16 lanes of an AVX-512 vector, the same bits (checked on
- * 2^24 inputs: every float32 class, NaN and +-inf included): the same clamps,
- * reduction and polynomial as FMAs, but 2^n applied by vscalefps, which takes
- * n as the float it already is, and, zero-masked, gives the underflow's exact
- * 0 -- one instruction for the integer add, shift, multiply and select the
- * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
-#define HKT_EXP16 1
-static inline __attribute__((always_inline)) vec exp_nonpos16(vec xv) {
-    const __m512 x = (__m512)xv, lo = _mm512_set1_ps(-87.0f), shift = _mm512_set1_ps(12582912.0f);
-    const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    /* max and min return their second operand when one is NaN: a NaN passes */
-    const __m512 xc = _mm512_min_ps(_mm512_setzero_ps(), _mm512_max_ps(lo, x));
-    const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shift), shift);
-    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
-                                     _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
-    __m512 q = _mm512_set1_ps(1.0f / 720.0f);
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 120.0f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 24.0f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f / 6.0f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.5f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-    return (vec)_mm512_maskz_scalef_ps((__mmask16)~below, q, n);
-}
-#else
-#define HKT_EXP16 0
-#endif
-
 /* x[c] = exp(x[c] - m).  With m NaN (a row holding a visible NaN or +inf score)
  * every entry is NaN except hidden ones (-inf), which stay exactly 0: a hidden
  * key contributes nothing, even to a NaN row. */

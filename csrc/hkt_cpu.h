@@ -194,8 +194,8 @@ void hkt_forward_bf16_avx512(const hkt_params *p);
 
 /* AMX's tile configuration is per OS thread, and other code (oneDNN in torch)
  * may reconfigure or release it on the same thread between two of our calls.
- * Each bfloat16 call that uses AMX bumps this counter before its threads
- * start; a thread loads the configuration when the counter differs from the
+ * Each bfloat16 call bumps this counter before its threads start
+ * (hkt_forward_cpu, hkt_backward_cpu); a thread loads the configuration when the counter differs from the
  * value it last loaded it at (hkt_bf16_body.h, amx_ready). */
 extern uint64_t hkt_amx_epoch;
 
