@@ -167,7 +167,6 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
     w.scores = at;    at += BQ * BK;
     w.gram = at;      at += levels;
     w.folded = at;    at += levels;
-    w.row_tmp = at;   at += BK > BQ ? BK : BQ;
     w.key_tile = at;  at += round16(key_tile);
     if (backward) {
         w.dscores = at;        at += BQ * BK;

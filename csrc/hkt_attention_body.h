@@ -166,25 +166,40 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
     }
 }
 
-/* dst[c] = src[c >> 1] for c < n: a grid row upsampled by 2 */
-static inline void expand2(const real *restrict src, int64_t n, real *restrict dst) {
+/* e[c] = wl g[c] + up[c >> 1] for c < n: a row of the fold, the coarser level's
+ * row upsampled in registers (see pairsum on why not through a stored row) */
+static inline void fold_row(const real *restrict g, const real *restrict up, real wl, int64_t n, real *restrict e) {
     int64_t c = 0;
     for (; c + 2 * VL <= n; c += 2 * VL) {
-        const vec s = vload(src + c / 2);
-        vstore(dst + c, __builtin_shuffle(s, dup_lo));
-        vstore(dst + c + VL, __builtin_shuffle(s, dup_hi));
+        const vec s = vload(up + c / 2);
+        vstore(e + c, wl * vload(g + c) + __builtin_shuffle(s, dup_lo));
+        vstore(e + c + VL, wl * vload(g + c + VL) + __builtin_shuffle(s, dup_hi));
     }
-    for (; c < n; c++) dst[c] = src[c >> 1];
+    for (; c < n; c++) e[c] = wl * g[c] + up[c >> 1];
 }
 
-/* dst[c] = src[2c] + src[2c + 1] (the last alone if n is odd): a row summed over pairs */
-static inline void pairsum(const real *restrict src, int64_t n, real *restrict dst) {
+/* dst[c] = src[2c] + src[2c + 1] (the last alone if n is odd): a row summed over
+ * pairs; with src2, of the row src + src2 (added first, element by element), in
+ * one pass: on Zen 4 the loads of a summed row stored just before were the
+ * hottest instructions of the L=3 backward outside its products. */
+static inline void pairsum(const real *restrict src, const real *restrict src2, int64_t n, real *restrict dst) {
     int64_t c = 0;
-    for (; 2 * c + 2 * VL <= n; c += VL) {
-        const vec a = vload(src + 2 * c), b = vload(src + 2 * c + VL);
-        vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+    if (src2)
+        for (; 2 * c + 2 * VL <= n; c += VL) {
+            const vec a = vload(src + 2 * c) + vload(src2 + 2 * c);
+            const vec b = vload(src + 2 * c + VL) + vload(src2 + 2 * c + VL);
+            vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+        }
+    else
+        for (; 2 * c + 2 * VL <= n; c += VL) {
+            const vec a = vload(src + 2 * c), b = vload(src + 2 * c + VL);
+            vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+        }
+    for (; 2 * c < n; c++) {
+        const real x0 = src2 ? src[2 * c] + src2[2 * c] : src[2 * c];
+        const real x1 = 2 * c + 1 < n ? (src2 ? src[2 * c + 1] + src2[2 * c + 1] : src[2 * c + 1]) : 0;
+        dst[c] = x0 + x1;
     }
-    for (; 2 * c < n; c++) dst[c] = src[2 * c] + (2 * c + 1 < n ? src[2 * c + 1] : 0);
 }
 
 /* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions */
@@ -349,7 +364,7 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1) {
     const int L = p->L;
-    real *S = base + ws->scores, *tmp = base + ws->row_tmp;
+    real *S = base + ws->scores;
     const real scale = (real)p->scale;
     const real *up = NULL; /* E_{l+1}, row length up_cl */
     int64_t up_cl = 0;
@@ -366,8 +381,7 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
                 for (int64_t c = 0; c < sp.cl; c++) e[c] = wl * g[c];
                 continue;
             }
-            if (a % 2 == 0) expand2(up + (a >> 1) * up_cl, sp.cl, tmp);
-            for (int64_t c = 0; c < sp.cl; c++) e[c] = wl * g[c] + tmp[c];
+            fold_row(g, up + (a >> 1) * up_cl, wl, sp.cl, e);
         }
         up = E;
         up_cl = sp.cl;
@@ -675,7 +689,7 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
     const int64_t D = p->D, Dv = p->Dv, nq = i1 - i0, nk = j1 - j0;
     const int L = p->L;
     const real scale = (real)p->scale;
-    real *dP = base + ws->dscores, *tmp = base + ws->row_tmp;
+    real *dP = base + ws->dscores;
     const int64_t hk = kv_head(p, h);
 
     const real *Pv = tile_dscores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
@@ -703,13 +717,7 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
             real *out = base + ws->dscores_coarse + ws->gram_off[l];
             for (int64_t a = 0; a < sp.rl; a++) {
                 const real *r0 = dsl_prev + 2 * a * ld_prev;
-                if (2 * a + 1 < rl_prev) {
-                    const real *r1 = r0 + ld_prev;
-                    for (int64_t c = 0; c < cl_prev; c++) tmp[c] = r0[c] + r1[c];
-                    pairsum(tmp, cl_prev, out + a * sp.cl);
-                } else {
-                    pairsum(r0, cl_prev, out + a * sp.cl);
-                }
+                pairsum(r0, 2 * a + 1 < rl_prev ? r0 + ld_prev : NULL, cl_prev, out + a * sp.cl);
             }
             dsl = out;
             ldsl = sp.cl;

@@ -88,7 +88,6 @@ typedef struct {
     int64_t scores;         /* BQ x BK: the tile's scores, then P */
     int64_t gram;           /* levels: q[l] k[l]^T of the tile's blocks (the backward's dw needs them) */
     int64_t folded;         /* levels: scale w_l G_l + up2(folded of level l + 1) */
-    int64_t row_tmp;        /* one row: an upsampled or pair-summed row */
     int64_t key_tile;       /* levels: the tile's keys transposed, (D, cols) per level */
     /* backward only */
     int64_t dscores;        /* BQ x BK: dP, then dS */
