@@ -1,6 +1,6 @@
-"""The kernels against the plain-PyTorch reference on awkward input, float64.
+"""The kernels against the plain-PyTorch reference on awkward input.
 
-Three parts:
+Three parts, in float64 (the fuzz also in float32 and bfloat16):
 
 * float attn_mask gradients, in every broadcast shape SDPA accepts, through
   hkt.hkt_attention and hkt.MultiheadHKT;
@@ -24,6 +24,7 @@ from torch import nn
 
 import hkt
 from hkt import _C
+from hkt.reference import attention_probs, upsample_level
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import level_len, sample_inputs, with_threads
@@ -491,9 +492,10 @@ def laid_out(shape, layout, rng, make, inject=None):
     return values.clone()
 
 
-def build(c):
+def build(c, dtype=torch.float64):
     """q, k, v, w, mask (leaves where they take gradients), dout, and whether q/k/w
-    hold NaN/inf."""
+    hold NaN/inf; in ``dtype`` (a float mask too), drawn in float64 and rounded,
+    so every dtype sees the same case."""
     rng = np.random.default_rng(c["seed"])
     g = torch.Generator().manual_seed(c["seed"])
     B, H, T, S, D, Dv, L = (c[x] for x in "B H T S D Dv L".split())
@@ -501,7 +503,7 @@ def build(c):
     inject = list(c["inject"])
 
     def randn(shape):
-        return torch.randn(shape, generator=g, dtype=torch.float64)
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
     def poke(target, value):
         def edit(x):
@@ -558,14 +560,20 @@ def build(c):
     return q, k, v, w, mask, dout, loose
 
 
+def kernels_on_one_thread(q, k, v, w, mask, dout, **kw):
+    """The kernels' results on one thread, checked bitwise against two threads'."""
+    two = with_threads(2, lambda: run(hkt.hkt_attention, q, k, v, w, mask, dout, **kw))
+    one = with_threads(1, lambda: run(hkt.hkt_attention, q, k, v, w, mask, dout, **kw))
+    for name, a, b in zip(["out"] + grad_names(len(q), mask), [two[0], *two[1]], [one[0], *one[1]]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{name}: 1 thread vs 2 threads: {m}")
+    return one
+
+
 def check_case(c):
     q, k, v, w, mask, dout, loose = build(c)
     kw = dict(is_causal=c["causal"], scale=c["scale"])
-    two = with_threads(2, lambda: run(hkt.hkt_attention, q, k, v, w, mask, dout, **kw))
-    one = with_threads(1, lambda: run(hkt.hkt_attention, q, k, v, w, mask, dout, **kw))
-    for name, a, b in zip(["out"] + grad_names(c["L"], mask), [two[0], *two[1]], [one[0], *one[1]]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
-                                   msg=lambda m: f"{name}: 1 thread vs 2 threads: {m}")
+    one = kernels_on_one_thread(q, k, v, w, mask, dout, **kw)
     # the reference is plain torch: one thread is the quickest at these sizes
     with_threads(1, lambda: assert_matches_reference(q, k, v, w, mask, dout, loose=loose, got=one, **kw))
 
@@ -581,6 +589,143 @@ def test_fuzz_against_reference():
 
     prop()
     print(f"\nfuzz: {count[0]} examples against the reference (HKT_FUZZ_EXAMPLES={EXAMPLES}, "
+          f"{'derandomized' if SEED is None else 'seed ' + SEED})")
+
+
+# ------------------- the same fuzz in float32 and bfloat16 -------------------
+#
+# What users run: the float32 kernels of the CPU's instruction set (AVX-512's
+# vscalefps exp, its fold and pair sums) and bfloat16 (natively where the CPU
+# prefers it: vdpbf16ps or AMX tiles, P and dS rounded to bfloat16; elsewhere
+# upcast).  The same cases, drawn in float64 and rounded to the dtype, against
+# the float64 reference on those rounded values.  The bar is a first-order
+# rounding-error bound computed from each case's data (rounding_scale): every
+# entry within LOWP_ULPS units of the dtype's rounding of the sum of the
+# absolute values of the terms that make it.  That is the only bar that holds
+# for results that cancel (dq of a row with one visible key is exactly 0 in
+# float64 and rounding noise in float32; dw sums dS, whose rows sum to 0) and
+# that still sees an error of a few hundred ulps anywhere.  Non-finite entries
+# where the float64 fuzz pins them; 1 thread against 2, bitwise.
+
+# in units of the dtype's eps (bfloat16's is 2^-7): on 2 x 2,000 cases (Zen 4, AVX-512 and
+# AVX512_BF16 kernels) the worst entry used 5.2 (float32) and 0.77 (bfloat16)
+LOWP_ULPS = {torch.float32: 16, torch.bfloat16: 4}
+
+
+def _pool(x, f):
+    """x (..., T, S) summed over f x f blocks (ragged ones at the end too)."""
+    if f == 1:
+        return x
+    T, S = x.shape[-2:]
+    x = torch.nn.functional.pad(x, (0, -S % f, 0, -T % f))
+    return x.unflatten(-1, (-1, f)).sum(-1).unflatten(-2, (-1, f)).sum(-2)
+
+
+def rounding_scale(q, k, v, w, mask, dout, causal, scale):
+    """Per result (out, dq..., dk..., dv, dw[, mask gradient]), in float64: the sum
+    of |terms| of the computation that makes each entry, with each probability
+    weighed by 1 + the sum of |terms| of its score (the exp turns the score's
+    absolute rounding error into P's relative one).  Non-finite inputs count as 0
+    (they reach an entry only as NaN or inf, which are compared as such)."""
+    def mag(x):
+        return torch.nan_to_num(x.detach().double().abs(), nan=0.0, posinf=0.0, neginf=0.0)
+    L, D = len(q), q[0].shape[-1]
+    H, T, S = q[0].shape[1], q[0].shape[2], k[0].shape[2]
+    sc = abs(1.0 / D ** 0.5 if scale is None else scale)
+    d64 = [x.detach().double() for x in (*q, *k, v, w)]
+    m64 = mask.detach().double() if mask is not None and mask.is_floating_point() else mask
+    P = mag(attention_probs(d64[:L], d64[L:2 * L], d64[-1], attn_mask=m64, is_causal=causal, scale=scale))
+    wa = mag(w).expand(H, L) if w.dim() == 2 else mag(w).unsqueeze(0).expand(H, L)
+    qa, ka = [mag(x) for x in q], [mag(x) for x in k]
+    G = [qa[l] @ ka[l].transpose(-1, -2) for l in range(L)]
+    score = sum(sc * wa[:, l].view(1, H, 1, 1) * upsample_level(G[l], l, T, S) for l in range(L))
+    if mask is not None and mask.is_floating_point():
+        score = score + mag(mask)
+    A = P * (1 + score)
+    va, da = mag(v), mag(dout)
+    out = A @ va
+    dS = A * (da @ va.transpose(-1, -2) + (da * out).sum(-1, keepdim=True))
+    pooled = [_pool(dS, 1 << l) for l in range(L)]
+    dq = [sc * wa[:, l].view(1, H, 1, 1) * pooled[l] @ ka[l] for l in range(L)]
+    dk = [sc * wa[:, l].view(1, H, 1, 1) * pooled[l].transpose(-1, -2) @ qa[l] for l in range(L)]
+    dw = torch.stack([sc * (pooled[l] * G[l]).sum((0, 2, 3)) for l in range(L)], -1)  # (H, L)
+    res = [out, *dq, *dk, A.transpose(-1, -2) @ da, dw if w.dim() == 2 else dw.sum(0)]
+    if mask is not None and mask.requires_grad:
+        lead = dS.dim() - mask.dim()
+        dims = [d for d in range(dS.dim()) if d < lead or mask.shape[d - lead] == 1]
+        res.append(dS.sum(dims, keepdim=True).reshape(mask.shape) if dims else dS)
+    return res
+
+
+def assert_lowp(got, want, bound, dtype, what, strict):
+    """got (kernels, dtype) against want (float64 reference), entry by entry
+    within LOWP_ULPS[dtype] units of dtype's rounding of bound.  strict as assert_same:
+    True, non-finite entries where want has them, exactly; "finite", only
+    entries finite on both sides; False, entries where want is finite (got
+    finite there too)."""
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
+    g, r = got.double(), want.double()
+    fin_r, fin_g = torch.isfinite(r), torch.isfinite(g)
+    if strict is True:
+        assert torch.equal(fin_g, fin_r), f"{what}: non-finite at {(fin_g != fin_r).nonzero()[:5].tolist()} " \
+            f"(kernels {g[fin_g != fin_r][:5].tolist()}, reference {r[fin_g != fin_r][:5].tolist()})"
+        both_nan = torch.isnan(g) & torch.isnan(r)
+        odd = ~fin_r & ~both_nan
+        assert torch.equal(g[odd], r[odd]), f"{what}: infinities differ"
+        cmp = fin_r
+    elif strict == "finite":
+        cmp = fin_r & fin_g
+    else:
+        assert bool(fin_g[fin_r].all()), f"{what}: non-finite where the reference is finite"
+        cmp = fin_r
+    err = (g - r).abs()
+    # and what float32's underflow loses (the kernels compute in float32, whose
+    # exp gives 0 below about 1e-38 where float64's goes on)
+    allowed = LOWP_ULPS[dtype] * torch.finfo(dtype).eps * bound.expand_as(r) + 1e6 * torch.finfo(torch.float32).tiny
+    bad = cmp & (err > allowed)
+    if bool(bad.any()):
+        at = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}: error {err[at].item():.3g} against float64 at {list(at)} (kernels "
+                             f"{g[at].item():.9g}, reference {r[at].item():.9g}) is more than {LOWP_ULPS[dtype]} "
+                             f"ulps of {dtype} at the sum of its terms, {bound.expand_as(r)[at].item():.3g}")
+
+
+def check_case_lowp(c, dtype):
+    q, k, v, w, mask, dout, loose = build(c, dtype)
+    # the scale as the kernels apply it, in float32 (1e-58 is 0 there, and 0 x inf NaN)
+    scale = c["scale"] if c["scale"] is None else float(torch.tensor(c["scale"], dtype=torch.float32))
+    kw = dict(is_causal=c["causal"], scale=scale)
+    one = kernels_on_one_thread(q, k, v, w, mask, dout, **kw)
+    names = ["out"] + grad_names(c["L"], mask)
+
+    def wide(x):  # the same values in float64, a leaf where x is one
+        if x is None or not x.is_floating_point():
+            return x
+        y = x.detach().double()
+        return leaf(y) if x.requires_grad else y
+    want = with_threads(1, lambda: run(reference, [wide(x) for x in q], [wide(x) for x in k], wide(v), wide(w),
+                                       wide(mask), dout.double(), **kw))
+    bounds = rounding_scale(q, k, v, w, mask, dout, c["causal"], scale)
+    for name, g, r, bound in zip(names, [one[0], *one[1]], [want[0], *want[1]], bounds):
+        strict = "finite" if loose == "all" else (True if name == "out" else not (loose and name[0] in "qkw"))
+        assert_lowp(g, r, bound, dtype, name, strict)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fuzz_low_precision_against_reference(dtype):
+    count = [0]
+
+    @fuzz_settings(EXAMPLES)
+    @given(fuzz_cases())
+    def prop(c):
+        count[0] += 1
+        check_case_lowp(c, dtype)
+
+    prop()
+    path = ("native, " + ("AMX" if _C.cpu_bf16_amx() else "AVX512_BF16") if hkt._kernels.native_bf16
+            else "upcast to float32") if dtype == torch.bfloat16 else _C.cpu_kernels()
+    print(f"\nfuzz: {count[0]} {dtype} examples ({path}) against the reference (HKT_FUZZ_EXAMPLES={EXAMPLES}, "
           f"{'derandomized' if SEED is None else 'seed ' + SEED})")
 
 
