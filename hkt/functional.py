@@ -21,7 +21,20 @@ _BACKENDS = (None, "auto", "kernels", "sdpa")
 
 
 def _pick_backend(backend, q, dropout_p) -> str:
-    """"kernels" or "sdpa" for this call (backend already validated)."""
+    """"kernels" or "sdpa" for this call (backend already validated).  Under
+    torch.func transforms (vmap, grad, jacrev, ...) the kernels, which take
+    plain arrays, cannot run: "sdpa", plain differentiable torch ops, does the
+    same maths there."""
+    if torch._C._are_functorch_transforms_active():
+        if backend == "kernels":
+            raise NotImplementedError(
+                "backend: hkt's kernels do not run under torch.func transforms (vmap, grad, jacrev, ...); "
+                "backend=None or 'sdpa' computes the same attention with differentiable torch ops there")
+        if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p > 0:
+            raise NotImplementedError(
+                "dropout_p: dropout runs only in hkt's kernels, which do not run under torch.func transforms "
+                "(vmap, grad, jacrev, ...); use dropout_p=0 there (for example the module in eval mode)")
+        return "sdpa"
     if backend == "kernels" or backend == "sdpa":
         return backend
     q0 = q[0] if isinstance(q, (list, tuple)) and len(q) else None
@@ -121,7 +134,11 @@ def hkt_attention(
             work, in the inputs' dtype, on whatever kernel SDPA picks; its
             determinism is SDPA's); no dropout (``ValueError``).  ``None`` or
             ``"auto"``: the kernels on the CPU, and on CUDA "sdpa" unless
-            ``dropout_p > 0`` (hkt's CUDA kernels are not fast yet).
+            ``dropout_p > 0`` (hkt's CUDA kernels are not fast yet); under
+            ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``,
+            per-sample gradients, ...) "sdpa", since the kernels cannot run
+            there (``"kernels"`` and ``dropout_p > 0`` raise
+            ``NotImplementedError`` under them).
 
     Returns:
         (B, H, T, Dv), laid out in memory like ``q[0]`` when Dv = D and
@@ -146,7 +163,8 @@ def hkt_attention(
         shapes (``q[l]`` must have ceil(T/2^l) rows), mixed dtypes or devices,
         dtypes other than float32/float64/bfloat16, a non-finite scale, a
         dropout_p outside [0, 1], an unknown backend, or dropout_p > 0 with
-        backend="sdpa".
+        backend="sdpa"; NotImplementedError for backend="kernels" or
+        dropout_p > 0 under torch.func transforms.
 
     float32 and float64 run in their own precision.  bfloat16 on a CPU with
     AVX512_BF16 whose cores run its dot products at full rate or that has AMX

@@ -65,10 +65,12 @@ _DS_DTYPES = (torch.float32, torch.float64)
 def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     """Whether the extension takes this call: CPU float32/float64 of one dtype,
     the ranks it wants (a malformed call goes to the expression, whose error
-    torch raises), and not while torch.compile traces (it fuses the expression)."""
+    torch raises), and not while torch.compile traces (it fuses the expression)
+    or under torch.func transforms (the extension takes plain arrays)."""
     return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
             and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
-            and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling())
+            and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
 
 
 @torch.jit.unused
@@ -747,7 +749,8 @@ class MultiheadHKT(nn.Module):
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
-              and q0.device.type == "cpu" and not torch.compiler.is_compiling()):
+              and q0.device.type == "cpu" and not torch.compiler.is_compiling()
+              and not torch._C._are_functorch_transforms_active()):
             out = self._packed_attention(qs, ks, vh, w, real, causal)
         else:
             out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
