@@ -5,8 +5,8 @@ Three parts, in float64 (the fuzz also in float32 and bfloat16):
 * float attn_mask gradients, in every broadcast shape SDPA accepts, through
   hkt.hkt_attention and hkt.MultiheadHKT;
 * non-finite values: which rows NaN reaches and which entries it must not;
-* a property-based differential fuzz (hypothesis): random sizes, levels, masks,
-  strides, broadcasts and NaN/inf, forward and every gradient against
+* a property-based differential fuzz (hypothesis): random sizes, levels, grouped
+  heads, masks, strides, broadcasts and NaN/inf, forward and every gradient against
   hkt.reference, and one thread against two, bitwise.  Plus NumPy arrays with
   negative strides at the extension level.
 
@@ -24,7 +24,7 @@ from torch import nn
 
 import hkt
 from hkt import _C
-from hkt.reference import attention_probs, upsample_level
+from hkt.reference import attention_probs, repeat_kv, upsample_level
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import level_len, sample_inputs, with_threads
@@ -427,7 +427,7 @@ LAYOUTS = ["contiguous", "permuted", "stepped", "offset", "broadcast", "feature-
 @st.composite
 def fuzz_cases(draw):
     c = dict(
-        B=draw(st.integers(0, 3)), H=draw(st.integers(1, 3)), T=draw(LENGTHS), S=draw(LENGTHS),
+        B=draw(st.integers(0, 3)), H=draw(st.integers(1, 4)), T=draw(LENGTHS), S=draw(LENGTHS),
         D=draw(st.integers(1, 17)), Dv=draw(st.integers(1, 17)), L=draw(st.integers(1, 6)),
         per_head=draw(st.booleans()), causal=draw(st.booleans()),
         scale=draw(st.one_of(st.none(), st.floats(-2.0, 2.0, allow_nan=False), st.sampled_from([0.0, 1e-3, 8.0]))),
@@ -446,6 +446,8 @@ def fuzz_cases(draw):
     if c["mask"] == "none" and not c["causal"]:
         targets += ["v nan"]  # NaN in v at a hidden key is unspecified: only without hiding
     c["inject"] = draw(st.lists(st.sampled_from(targets), max_size=3))
+    # grouped-query heads: k and v with H_kv heads, H_kv dividing H
+    c["Hk"] = draw(st.sampled_from([d for d in range(1, c["H"] + 1) if c["H"] % d == 0]))
     return c
 
 
@@ -524,8 +526,9 @@ def build(c, dtype=torch.float64):
         return run_all if edits else None
 
     q = [leaf(laid_out((B, H, level_len(T, l), D), next(layouts), rng, randn, injector("q", l))) for l in range(L)]
-    k = [leaf(laid_out((B, H, level_len(S, l), D), next(layouts), rng, randn, injector("k", l))) for l in range(L)]
-    v = leaf(laid_out((B, H, S, Dv), next(layouts), rng, randn, injector("v")))
+    Hk = c.get("Hk", H)
+    k = [leaf(laid_out((B, Hk, level_len(S, l), D), next(layouts), rng, randn, injector("k", l))) for l in range(L)]
+    v = leaf(laid_out((B, Hk, S, Dv), next(layouts), rng, randn, injector("v")))
     w = leaf(laid_out((H, L) if c["per_head"] else (L,), next(layouts), rng, randn, injector("w")))
     mask = None
     if c["mask"] != "none":
@@ -621,6 +624,11 @@ def _pool(x, f):
     return x.unflatten(-1, (-1, f)).sum(-1).unflatten(-2, (-1, f)).sum(-2)
 
 
+def group_sum(x, Hk):
+    """(B, H, ...) summed over each kv head's group of query heads: (B, Hk, ...)."""
+    return x.unflatten(1, (Hk, -1)).sum(2)
+
+
 def rounding_scale(q, k, v, w, mask, dout, causal, scale):
     """Per result (out, dq..., dk..., dv, dw[, mask gradient]), in float64: the sum
     of |terms| of the computation that makes each entry, with each probability
@@ -630,26 +638,26 @@ def rounding_scale(q, k, v, w, mask, dout, causal, scale):
     def mag(x):
         return torch.nan_to_num(x.detach().double().abs(), nan=0.0, posinf=0.0, neginf=0.0)
     L, D = len(q), q[0].shape[-1]
-    H, T, S = q[0].shape[1], q[0].shape[2], k[0].shape[2]
+    H, Hk, T, S = q[0].shape[1], k[0].shape[1], q[0].shape[2], k[0].shape[2]
     sc = abs(1.0 / D ** 0.5 if scale is None else scale)
     d64 = [x.detach().double() for x in (*q, *k, v, w)]
     m64 = mask.detach().double() if mask is not None and mask.is_floating_point() else mask
     P = mag(attention_probs(d64[:L], d64[L:2 * L], d64[-1], attn_mask=m64, is_causal=causal, scale=scale))
     wa = mag(w).expand(H, L) if w.dim() == 2 else mag(w).unsqueeze(0).expand(H, L)
-    qa, ka = [mag(x) for x in q], [mag(x) for x in k]
+    qa, ka = [mag(x) for x in q], [repeat_kv(mag(x), H) for x in k]
     G = [qa[l] @ ka[l].transpose(-1, -2) for l in range(L)]
     score = sum(sc * wa[:, l].view(1, H, 1, 1) * upsample_level(G[l], l, T, S) for l in range(L))
     if mask is not None and mask.is_floating_point():
         score = score + mag(mask)
     A = P * (1 + score)
-    va, da = mag(v), mag(dout)
+    va, da = repeat_kv(mag(v), H), mag(dout)
     out = A @ va
     dS = A * (da @ va.transpose(-1, -2) + (da * out).sum(-1, keepdim=True))
     pooled = [_pool(dS, 1 << l) for l in range(L)]
     dq = [sc * wa[:, l].view(1, H, 1, 1) * pooled[l] @ ka[l] for l in range(L)]
-    dk = [sc * wa[:, l].view(1, H, 1, 1) * pooled[l].transpose(-1, -2) @ qa[l] for l in range(L)]
+    dk = [group_sum(sc * wa[:, l].view(1, H, 1, 1) * pooled[l].transpose(-1, -2) @ qa[l], Hk) for l in range(L)]
     dw = torch.stack([sc * (pooled[l] * G[l]).sum((0, 2, 3)) for l in range(L)], -1)  # (H, L)
-    res = [out, *dq, *dk, A.transpose(-1, -2) @ da, dw if w.dim() == 2 else dw.sum(0)]
+    res = [out, *dq, *dk, group_sum(A.transpose(-1, -2) @ da, Hk), dw if w.dim() == 2 else dw.sum(0)]
     if mask is not None and mask.requires_grad:
         lead = dS.dim() - mask.dim()
         dims = [d for d in range(dS.dim()) if d < lead or mask.shape[d - lead] == 1]
