@@ -26,8 +26,10 @@ def machine_line(m, threads):
 def attention_block(a):
     rows = {(r["name"], r["T"], r["causal"], r["pass"]): r for r in a["rows"]}
     Ts = sorted({r["T"] for r in a["rows"]})
+    vs = a.get("forward_vs_sgemm")
+    inter = f" (best of 5, alone; {vs['sgemm_gflops']:.0f}, median, timed round-robin with the forward)" if vs else ""
     out = [f"Measured on {machine_line(a['machine'], a['config']['threads'])}; sgemm "
-           f"(torch.mm 2048³) {a['sgemm_gflops']:.0f} GFLOP/s. float32, B=1, H={a['config']['heads']}, "
+           f"(torch.mm 2048³) {a['sgemm_gflops']:.0f} GFLOP/s{inter}. float32, B=1, H={a['config']['heads']}, "
            f"D={a['config']['dim']}; medians of interleaved runs, ratios to SDPA in the same process.", "",
            "| T | causal | HKT L=1 fwd | HKT L=3 fwd | HKT L=1 fwd+bwd | HKT L=3 fwd+bwd | SDPA fwd+bwd |",
            "|---|---|---|---|---|---|---|"]
