@@ -216,37 +216,6 @@ static void gemm_bf16(const ws_layout *ws, int64_t M, int64_t N, int64_t K2, con
     gemm_dp(M, N, K2, A, ars, aps, B, ldb, C, ldc, accumulate);
 }
 
-/* The 16 x 16 block of 32-bit words in r[0..15] (row i in r[i]) transposed in
- * place: pairs of words, then of 64-bit pairs, then of 128-bit quarters swapped
- * across registers, then the quarters put in order. */
-static inline __attribute__((always_inline)) BF16_TARGET void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* r[4g + m] now holds, in quarter x, row 4x + (g's row group) ... column
-     * group m of rows 4x..4x+3 for quarter x of g: swap quarters between g's */
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-    }
-}
-
 /* Rows of src (n bfloat16 rows of w, w even, lds apart) as pairs along each
  * row, transposed: word (c2, r) of dst (rows ldd words apart) = (src[r][2 c2],
  * src[r][2 c2 + 1]).  A GEMM's B for the rows' matrix transposed (keys^T for
