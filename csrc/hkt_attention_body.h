@@ -184,17 +184,14 @@ static inline void fold_row(const real *restrict g, const real *restrict up, rea
  * hottest instructions of the L=3 backward outside its products. */
 static inline void pairsum(const real *restrict src, const real *restrict src2, int64_t n, real *restrict dst) {
     int64_t c = 0;
-    if (src2)
-        for (; 2 * c + 2 * VL <= n; c += VL) {
-            const vec a = vload(src + 2 * c) + vload(src2 + 2 * c);
-            const vec b = vload(src + 2 * c + VL) + vload(src2 + 2 * c + VL);
-            vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+    for (; 2 * c + 2 * VL <= n; c += VL) {
+        vec a = vload(src + 2 * c), b = vload(src + 2 * c + VL);
+        if (src2) {
+            a += vload(src2 + 2 * c);
+            b += vload(src2 + 2 * c + VL);
         }
-    else
-        for (; 2 * c + 2 * VL <= n; c += VL) {
-            const vec a = vload(src + 2 * c), b = vload(src + 2 * c + VL);
-            vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
-        }
+        vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+    }
     for (; 2 * c < n; c++) {
         const real x0 = src2 ? src[2 * c] + src2[2 * c] : src[2 * c];
         const real x1 = 2 * c + 1 < n ? (src2 ? src[2 * c + 1] + src2[2 * c + 1] : src[2 * c + 1]) : 0;

@@ -526,7 +526,7 @@ def build(c, dtype=torch.float64):
         return run_all if edits else None
 
     q = [leaf(laid_out((B, H, level_len(T, l), D), next(layouts), rng, randn, injector("q", l))) for l in range(L)]
-    Hk = c.get("Hk", H)
+    Hk = c["Hk"]
     k = [leaf(laid_out((B, Hk, level_len(S, l), D), next(layouts), rng, randn, injector("k", l))) for l in range(L)]
     v = leaf(laid_out((B, Hk, S, Dv), next(layouts), rng, randn, injector("v")))
     w = leaf(laid_out((H, L) if c["per_head"] else (L,), next(layouts), rng, randn, injector("w")))
