@@ -4,6 +4,7 @@ For refactors of the kernels (issue 12: "behaviour and speed are unchanged"):
 loads a second extension file (e.g. built from an older commit with
 `git worktree add /tmp/old REV && cd /tmp/old && python setup.py build_ext --inplace`),
 runs both on the same inputs through the raw binding (forward and backward),
+with contiguous arrays and with the strided rows a module's heads have,
 checks every output is bitwise identical, then times them interleaved (the two
 see the same machine state) and prints the new/old time ratios.
 
@@ -35,16 +36,29 @@ def load(path):
     return mod
 
 
-def run(mod, q, k, v, w, causal, dropout_p, threads, backward=True):
+def heads_layout(x):
+    """x (B, H, n, D) as a module's heads are: rows of a wider (B, n, 2, H, D)
+    array (row stride 2 * H * D), the same values."""
+    B, H, n, D = x.shape
+    wide = torch.zeros(B, n, 2, H, D, dtype=x.dtype)
+    wide[:, :, 0] = x.transpose(1, 2)
+    return wide[:, :, 0].transpose(1, 2)
+
+
+def run(mod, q, k, v, w, causal, dropout_p, threads, backward=True, strided=False):
+    """Forward (and backward) through the raw binding; strided: every array
+    with rows (inputs, out, dO and the gradients) in heads_layout."""
     B, H, T, _ = q[0].shape
-    out = torch.empty(B, H, T, v.shape[3], dtype=q[0].dtype)
+    lay = heads_layout if strided else (lambda x: x)
+    q, k, v = [lay(x) for x in q], [lay(x) for x in k], lay(v)
+    out = lay(torch.empty(B, H, T, v.shape[3], dtype=q[0].dtype))
     lse = torch.empty(B, H, T, dtype=q[0].dtype)
     mod.forward(q, k, v, w, out, lse, None, causal, None, dropout_p, 7, threads)
     if not backward:
         return [out, lse]
-    dq, dk = [torch.empty_like(x) for x in q], [torch.empty_like(x) for x in k]
-    dv, dw = torch.empty_like(v), torch.empty_like(w)
-    mod.backward(torch.ones_like(out), q, k, v, w, out, lse, dq, dk, dv, dw, None, causal, None, dropout_p, 7,
+    dq, dk = [lay(torch.empty_like(x)) for x in q], [lay(torch.empty_like(x)) for x in k]
+    dv, dw = lay(torch.empty_like(v)), torch.empty_like(w)
+    mod.backward(lay(torch.ones_like(out)), q, k, v, w, out, lse, dq, dk, dv, dw, None, causal, None, dropout_p, 7,
                  threads)
     return [out, lse, *dq, *dk, dv, dw]
 
@@ -62,10 +76,12 @@ def main():
         for B, H, T, S, D, L in [(1, 2, 300, 300, 64, 3), (2, 3, 130, 70, 13, 2), (1, 1, 1000, 1000, 32, 4)]:
             for causal in (False, True):
                 for dp in (0.0, 0.2):
-                    q, k, v, w = sample_inputs(B, H, T, S, D, D, L, dtype=dtype)
-                    a, b = run(old, q, k, v, w, causal, dp, 2), run(new, q, k, v, w, causal, dp, 2)
-                    same &= all(torch.equal(x, y) for x, y in zip(a, b))
-    print(f"bitwise identical outputs and gradients on 24 calls: {same}")
+                    for strided in (False, True):
+                        q, k, v, w = sample_inputs(B, H, T, S, D, D, L, dtype=dtype)
+                        a = run(old, q, k, v, w, causal, dp, 2, strided=strided)
+                        b = run(new, q, k, v, w, causal, dp, 2, strided=strided)
+                        same &= all(torch.equal(x, y) for x, y in zip(a, b))
+    print(f"bitwise identical outputs and gradients on 48 calls (contiguous and strided rows): {same}")
     reps = 3 if args.quick else 9
     print(f"{'call':38s} {'old ms':>8s} {'new ms':>8s} {'new/old':>8s}   (medians of {reps}, interleaved)")
     Ts = [512] if args.quick else [512, 2048]
@@ -83,6 +99,19 @@ def main():
                     o, n = statistics.median(times["old"]), statistics.median(times["new"])
                     label = f"T={T} L={L} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}"
                     print(f"{label:38s} {o * 1e3:8.1f} {n * 1e3:8.1f} {n / o:8.3f}")
+    # a module's heads: B=8, 4 heads, T=1024, rows of a wider array (MultiheadHKT's layout)
+    for L in (1, 3):
+        for backward in (False, True):
+            q, k, v, w = sample_inputs(8, 4, 1024, 1024, 64, 64, L, dtype=torch.float32)
+            times = {"old": [], "new": []}
+            for _ in range(reps):
+                for name, mod in (("old", old), ("new", new)):
+                    t0 = time.perf_counter()
+                    run(mod, q, k, v, w, False, 0.0, args.threads, backward, strided=True)
+                    times[name].append(time.perf_counter() - t0)
+            o, n = statistics.median(times["old"]), statistics.median(times["new"])
+            label = f"heads layout B=8 H=4 T=1024 L={L} {'fwd+bwd' if backward else 'fwd'}"
+            print(f"{label:38s} {o * 1e3:8.1f} {n * 1e3:8.1f} {n / o:8.3f}")
     if not same:
         raise SystemExit("the builds differ")
 

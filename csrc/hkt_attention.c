@@ -139,6 +139,61 @@ int64_t hkt_keys_all_ld(const hkt_params *p, int l) {
     return round16(level_len(p->S, l)) + 16;
 }
 
+/* The backward's one-pass schedule (one task per (b, kv head), taken when
+ * there are at least as many as threads) walks every query row of a head once
+ * per key tile: with rows strided (the (B, T, H, D) heads a module splits off
+ * its projections, 1 to 3 KiB apart) that streaming cost 9% of the backward
+ * (B=8 H=4 T=1024 D=64 L=3, Zen 4), spread over q, dO and dq.  Copied into the
+ * thread's workspace once per head, they stream as the contiguous layout does:
+ * the same products on the same values, so the same bits.  Within
+ * HKT_PACK_BYTES over all threads; float32 and float64 (bfloat16 reads its rows
+ * as pairs, hkt_bf16_body.h). */
+static void pack_rows(const hkt_params *p, ws_layout *w, int64_t *at) {
+    const int nt = num_threads(p);
+    if (p->dtype == HKT_BFLOAT16 || p->B * p->H_kv < nt) return;
+    int64_t rows = 0;
+    int strided_q = 0, strided_dq = 0;
+    for (int l = 0; l < p->L; l++) {
+        const int64_t n = level_len(p->T, l);
+        w->pack_off[l] = rows;
+        rows += round16(n * p->D);
+        strided_q |= n > 1 && p->q_stride[l][2] != p->D;
+        strided_dq |= n > 1 && p->dq_stride[l][2] != p->D;
+    }
+    const int strided_do = p->T > 1 && p->dout_stride[2] != p->Dv;
+    const int64_t n_do = round16(p->T * p->Dv);
+    const int64_t reals = (strided_q ? rows : 0) + (strided_dq ? rows : 0) + (strided_do ? n_do : 0);
+    const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
+    if (reals == 0 || (size_t)reals > HKT_PACK_BYTES / elem / (size_t)nt) return;
+    w->pack_q = strided_q;
+    w->pack_dq = strided_dq;
+    w->pack_do = strided_do;
+    if (strided_q) { w->q_packed = *at;  *at += rows; }
+    if (strided_dq) { w->dq_packed = *at; *at += rows; }
+    if (strided_do) { w->do_packed = *at; *at += n_do; }
+}
+
+/* The forward reads a task's query rows once per key tile and a value row
+ * once per query tile: strided (a module's heads), they are packed too -- the
+ * query rows per task, the value rows into the key cache's companion (when the
+ * keys are cached and both fit its budget).  Same products, same bits. */
+static void pack_forward_rows(const hkt_params *p, ws_layout *w, int64_t *at, size_t keys_all) {
+    if (p->dtype == HKT_BFLOAT16) return;
+    int64_t rows = 0;
+    for (int l = 0; l < p->L; l++) {
+        w->pack_off[l] = rows;
+        rows += round16(rows_max(l) * p->D);
+        w->pack_q_tile |= level_len(p->T, l) > 1 && p->q_stride[l][2] != p->D;
+    }
+    if (w->pack_q_tile) { w->q_tile = *at; *at += rows; }
+    const int64_t values = round16(p->S * p->Dv);
+    const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
+    const size_t budget = p->key_cache_bytes < 0 ? HKT_KEY_CACHE_BYTES : (size_t)p->key_cache_bytes;
+    w->pack_v = w->keys_cached && p->S > 1 && p->v_stride[2] != p->Dv &&
+                keys_all + (size_t)values <= budget / elem / (size_t)num_threads(p);
+    if (w->pack_v) { w->values_packed = *at; *at += values; }
+}
+
 ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
     ws_layout w;
     int64_t levels = 0, key_tile = 0, keys_all = 0, at = 0;
@@ -174,6 +229,9 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.dscores_coarse = at; at += levels;
         w.values_t = at;       at += round16(p->Dv * BK);
         w.dw_acc = at;         at += round16(p->L);
+        pack_rows(p, &w, &at);
+        for (int l = 0; l < p->L && !bf16; l++) w.pack_k |= level_len(p->S, l) > 1 && p->k_stride[l][2] != p->D;
+        if (w.pack_k) { w.key_rows = at; at += round16(key_tile); }
         if (bf16) {
             /* words and bfloat16 pairs take the room of one float32 each */
             int64_t kp = 0, qs = 0;
@@ -196,6 +254,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.keys_ready = at; at += round16((p->S + BK - 1) / BK);
         w.row_max = at;    at += BQ;
         w.row_sums = at;   at += BQ * 16; /* one 64-byte vector of partial sums per row */
+        pack_forward_rows(p, &w, &at, (size_t)keys_all);
         if (bf16) {
             w.values_all = w.keys_all + keys_all - value_pairs;
             w.value_tile = at; at += round16(BK / 2 * p->Dv);

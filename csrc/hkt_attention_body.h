@@ -335,6 +335,11 @@ static inline span level_span(int l, int64_t i0, int64_t i1, int64_t j0, int64_t
     return s;
 }
 
+/* rows [0, n) of width d: dst (row stride ldd) = src (row stride lds) */
+static void copy_rows(int64_t n, int64_t d, const real *src, int64_t lds, real *dst, int64_t ldd) {
+    for (int64_t r = 0; r < n; r++) memcpy(dst + r * ldd, src + r * lds, sizeof(real) * (size_t)d);
+}
+
 /* Transposes key rows [j0, j1) of every level into kt[l] (D, ld[l]) at column
  * offset (j0 >> l) - base_col[l]: the score GEMM's B operand, (D, keys). */
 static void load_keys(const hkt_params *p, int64_t b, int64_t h, int64_t j0, int64_t j1, real *const *kt,
@@ -384,6 +389,19 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
 static void tile_masks(const hkt_params *p, real *S, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
                        int64_t j1);
 
+/* Level l's query rows from row r0 (the tile's first) of head (b, h), and
+ * their row stride: the forward task's packed copy (ws->q_tile, filled at the
+ * task's start) where the forward packs them, else the array itself. */
+static inline const real *query_rows(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
+                                     int l, int64_t r0, int64_t *ld) {
+    if (ws->pack_q_tile) {
+        *ld = p->D;
+        return base + ws->q_tile + ws->pack_off[l];
+    }
+    *ld = p->q_stride[l][2];
+    return (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] + r0 * p->q_stride[l][2];
+}
+
 /* keep_grams: the backward, whose dw needs each level's Gram block; the forward
  * does not, and with one level its product goes straight into the scores,
  * scaled in the GEMM (alpha * sum, the same bits as the fold's w * G). */
@@ -398,17 +416,18 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
     }
 #endif
     if (!keep_grams && p->L == 1) {
-        const real *qb = (const real *)p->q[0] + b * p->q_stride[0][0] + h * p->q_stride[0][1];
-        gemm(0, i1 - i0, j1 - j0, p->D, (real)p->scale * weight(p, h, 0), qb + i0 * p->q_stride[0][2],
-             p->q_stride[0][2], kt[0], ktld[0], base + ws->scores, BK, 0);
+        int64_t ld;
+        const real *qr = query_rows(p, ws, base, b, h, 0, i0, &ld);
+        gemm(0, i1 - i0, j1 - j0, p->D, (real)p->scale * weight(p, h, 0), qr, ld, kt[0], ktld[0],
+             base + ws->scores, BK, 0);
         tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
         return;
     }
     for (int l = 0; l < p->L; l++) {
         span sp = level_span(l, i0, i1, j0, j1);
-        const real *qb = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1];
-        gemm(0, sp.rl, sp.cl, p->D, 1, qb + sp.r0 * p->q_stride[l][2], p->q_stride[l][2], kt[l], ktld[l],
-             base + ws->gram + ws->gram_off[l], sp.cl, 0);
+        int64_t ld;
+        const real *qr = query_rows(p, ws, base, b, h, l, sp.r0, &ld);
+        gemm(0, sp.rl, sp.cl, p->D, 1, qr, ld, kt[l], ktld[l], base + ws->gram + ws->gram_off[l], sp.cl, 0);
     }
     tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
 }
@@ -619,12 +638,20 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
     int64_t ktld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
     const real *kt[HKT_MAX_LEVELS];
     start_task(p, ws, block, b, h, nq, ob, ktall, ktld, zero);
+    if (ws->pack_q_tile)
+        for (int l = 0; l < p->L; l++) {
+            const span sp = level_span(l, i0, i1, 0, 1);
+            copy_rows(sp.rl, p->D, (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] +
+                      sp.r0 * p->q_stride[l][2], p->q_stride[l][2], base + ws->q_tile + ws->pack_off[l], p->D);
+        }
+    real *vpack = base + ws->values_packed;
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
     for (int64_t j0 = 0; j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         if (ws->keys_cached) {
             if (!ready[j0 / BK]) {
                 load_keys(p, b, h, j0, j1, ktall, ktld, zero);
+                if (ws->pack_v) copy_rows(nk, Dv, vb + j0 * p->v_stride[2], p->v_stride[2], vpack + j0 * Dv, Dv);
                 ready[j0 / BK] = 1;
             }
             for (int l = 0; l < p->L; l++) kt[l] = ktall[l] + (j0 >> l);
@@ -635,7 +662,10 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
             tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld, 0);
         }
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
-        gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
+        if (ws->pack_v)
+            gemm(0, nq, Dv, nk, 1, Sbuf, BK, vpack + j0 * Dv, Dv, ob, p->out_stride[2], 1);
+        else
+            gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
     }
     finish_rows(p, ws, base, b, h, i0, nq, ob);
 }
@@ -789,8 +819,9 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
 #endif
             {
                 const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
+                const real *krows = ws->pack_k ? base + ws->key_rows + ws->key_tile_off[l] : kb + sp.c0 * p->k_stride[l][2];
                 real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
-                gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, krows, ws->pack_k ? D : p->k_stride[l][2],
                      dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
             }
         }
@@ -828,22 +859,30 @@ static void backward_keys(const hkt_params *p, const ws_layout *ws, real *base, 
     const real *vb = (const real *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
     load_key_tile(p, ws, base, b, h, j0, j1, kt, ktld);
     transpose(j1 - j0, p->Dv, vb + j0 * p->v_stride[2], p->v_stride[2], base + ws->values_t, BK);
+    if (ws->pack_k) /* dq's products read the tile's key rows once per query tile: packed once here */
+        for (int l = 0; l < p->L; l++) {
+            const span sp = level_span(l, 0, 1, j0, j1);
+            const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + kv_head(p, h) * p->k_stride[l][1];
+            copy_rows(sp.cl, p->D, kb + sp.c0 * p->k_stride[l][2], p->k_stride[l][2],
+                      base + ws->key_rows + ws->key_tile_off[l], p->D);
+        }
 }
 
 /* Key tiles [kt0, kt1) of kv head hk against every query tile that sees them,
- * for each query head of hk's group, in (key tile, query head, query tile)
+ * for query heads [h0, h1) of one group, in (key tile, query head, query tile)
  * order, for the given sides; the key side's dw partials go to dw_partial.
- * The tile's keys and values are loaded once for the whole group. */
-static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t hk,
-                                int64_t kt0, int64_t kt1, int want) {
+ * The tile's keys and values are loaded once for those heads.  (Every
+ * gradient row receives its additions in the same order whether the group's
+ * heads come in one call or one call each.) */
+static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h0, int64_t h1, int64_t kt0, int64_t kt1, int want) {
     const real *kt[HKT_MAX_LEVELS];
     int64_t ktld[HKT_MAX_LEVELS];
     real *dwacc = base + ws->dw_acc;
-    const int64_t nkt = (p->S + BK - 1) / BK, group = p->H / p->H_kv;
+    const int64_t nkt = (p->S + BK - 1) / BK;
     for (int64_t t = kt0; t < kt1; t++) {
         const int64_t j0 = t * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
-        backward_keys(p, ws, base, b, hk * group, j0, j1, kt, ktld);
-        for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+        backward_keys(p, ws, base, b, h0, j0, j1, kt, ktld);
+        for (int64_t h = h0; h < h1; h++) {
             for (int l = 0; l < p->L; l++) dwacc[l] = 0;
             /* causal: query tiles that end before j0 see none of these keys */
             for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < p->T; i0 += BQ)
@@ -852,6 +891,54 @@ static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *
             if (want & WANT_KV)
                 for (int l = 0; l < p->L; l++) dwp[l] = dwacc[l];
         }
+    }
+}
+
+/* The one-pass schedule's task: every key tile of kv head (b, hk) against its
+ * group's query heads, both sides.  Where ws packs rows (pack_rows in
+ * hkt_attention.c), one query head at a time: its strided q, dO rows copied
+ * into the workspace, dq summed there from zero (backward_prepare left the
+ * array alone) and copied out at the end; the kernels see them through a copy
+ * of the parameters whose (batch, head) strides are 0. */
+static void backward_kv_head(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t hk) {
+    const int64_t nkt = (p->S + BK - 1) / BK, group = p->H / p->H_kv, D = p->D;
+    if (!(ws->pack_q || ws->pack_dq || ws->pack_do)) {
+        backward_keys_range(p, ws, base, b, hk * group, (hk + 1) * group, 0, nkt, WANT_KV | WANT_Q);
+        return;
+    }
+    for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+        hkt_params pp = *p;
+        for (int l = 0; l < p->L; l++) {
+            const int64_t n = level_len(p->T, l);
+            if (ws->pack_q) {
+                real *qp = base + ws->q_packed + ws->pack_off[l];
+                copy_rows(n, D, (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1],
+                          p->q_stride[l][2], qp, D);
+                pp.q[l] = qp;
+                pp.q_stride[l][0] = pp.q_stride[l][1] = 0;
+                pp.q_stride[l][2] = D;
+            }
+            if (ws->pack_dq) {
+                real *dqp = base + ws->dq_packed + ws->pack_off[l];
+                memset(dqp, 0, sizeof(real) * (size_t)(n * D));
+                pp.dq[l] = dqp;
+                pp.dq_stride[l][0] = pp.dq_stride[l][1] = 0;
+                pp.dq_stride[l][2] = D;
+            }
+        }
+        if (ws->pack_do) {
+            real *dop = base + ws->do_packed;
+            copy_rows(p->T, p->Dv, (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1],
+                      p->dout_stride[2], dop, p->Dv);
+            pp.dout = dop;
+            pp.dout_stride[0] = pp.dout_stride[1] = 0;
+            pp.dout_stride[2] = p->Dv;
+        }
+        backward_keys_range(&pp, ws, base, b, h, h + 1, 0, nkt, WANT_KV | WANT_Q);
+        if (ws->pack_dq)
+            for (int l = 0; l < p->L; l++)
+                copy_rows(level_len(p->T, l), D, base + ws->dq_packed + ws->pack_off[l], D,
+                          (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1], p->dq_stride[l][2]);
     }
 }
 
@@ -922,14 +1009,15 @@ static void backward_mask_task(const hkt_params *p, const ws_layout *ws, real *b
 /* Zeroes query head (b, h)'s dq rows and, once per group (its first query
  * head), its kv head's dk and dv rows (the backward overwrites); fills
  * delta = rowsum(dO * out), the softmax backward's per-row term. */
-static void backward_prepare(const hkt_params *p, int64_t b, int64_t h) {
+static void backward_prepare(const hkt_params *p, const ws_layout *ws, int64_t b, int64_t h) {
     const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv, hk = kv_head(p, h);
     const int first_of_group = h % (p->H / p->H_kv) == 0;
     for (int l = 0; l < p->L; l++) {
         const int64_t Tl = level_len(T, l), Sl = level_len(S, l);
         real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
         real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
-        for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
+        if (!ws->pack_dq) /* else summed in the workspace, then copied */
+            for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
         if (first_of_group)
             for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
     }
@@ -966,16 +1054,16 @@ static void backward(const hkt_params *p) {
     const int64_t nkc = (nkt + span - 1) / span, nqc = (nqt + span - 1) / span;
 #define BASE ((real *)((char *)p->workspace + (size_t)thread_id() * wsb + WS_HEADER))
 #pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t t = 0; t < nbh; t++) backward_prepare(p, t / p->H, t % p->H);
+    for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, t / p->H, t % p->H);
     if (nbk >= nt) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < nbk; t++)
-            backward_keys_range(p, &ws, BASE, t / p->H_kv, t % p->H_kv, 0, nkt, WANT_KV | WANT_Q);
+        for (int64_t t = 0; t < nbk; t++) backward_kv_head(p, &ws, BASE, t / p->H_kv, t % p->H_kv);
     } else {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t t = 0; t < nbk * nkc; t++) {
             const int64_t bk = t / nkc, c = t % nkc;
-            backward_keys_range(p, &ws, BASE, bk / p->H_kv, bk % p->H_kv, c * span,
+            const int64_t group = p->H / p->H_kv, hk = bk % p->H_kv;
+            backward_keys_range(p, &ws, BASE, bk / p->H_kv, hk * group, (hk + 1) * group, c * span,
                                 (c + 1) * span < nkt ? (c + 1) * span : nkt, WANT_KV);
         }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)

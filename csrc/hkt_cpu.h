@@ -25,6 +25,9 @@
 #define BK HKT_CPU_TILE
 /* Default cap on the forward's per-thread transposed-key caches, all threads together. */
 #define HKT_KEY_CACHE_BYTES ((size_t)64 << 20)
+/* Cap on the backward's per-thread packed copies of strided query-side rows
+ * (ws_layout.pack_q and the like), all threads together. */
+#define HKT_PACK_BYTES ((size_t)64 << 20)
 /* Bytes at the head of each thread's workspace block, before the reals: per-thread state. */
 #define WS_HEADER 64
 
@@ -95,11 +98,17 @@ typedef struct {
     int64_t dscores_coarse; /* levels: dS summed over 2^l x 2^l blocks */
     int64_t values_t;       /* (Dv, BK): the tile's values transposed */
     int64_t dw_acc;         /* L: dw of the current key tile */
+    int64_t key_rows;       /* levels: the tile's key rows, (cols, D) each at key_tile_off[l], if pack_k */
+    int64_t q_packed;       /* levels: one query head's q[l] rows, (ceil(T / 2^l), D) each, at pack_off[l] */
+    int64_t dq_packed;      /* levels: its dq[l] rows, the same shapes */
+    int64_t do_packed;      /* (T, Dv): its dO rows */
     /* forward only */
     int64_t keys_all;       /* levels: one (b, kv head)'s keys transposed, (D, hkt_keys_all_ld) each */
     int64_t keys_ready;     /* one flag per key tile: already in keys_all */
     int64_t row_max;        /* BQ: running max per query row */
     int64_t row_sums;       /* BQ x one 64-byte vector: running lane sums per row */
+    int64_t q_tile;         /* levels: the task's query rows, (rows, D) each at pack_off[l], if pack_q_tile */
+    int64_t values_packed;  /* (S, Dv): the cached (b, kv head)'s value rows, if pack_v */
     /* bfloat16 forward only (keys_all and key_tile then hold bfloat16 pairs) */
     int64_t values_all;     /* one (b, kv head)'s values as row pairs, (ceil(S / 2), Dv) 32-bit words */
     int64_t value_tile;     /* (BK / 2, Dv) words: one tile's values as row pairs */
@@ -113,9 +122,17 @@ typedef struct {
     int64_t ds_pairs;       /* (BQ / 2, BK) words: the same as row pairs */
     int64_t pairs_t;        /* (BK, BQ / 2) words: P or dS as row pairs, transposed (AMX's A for dv, dk) */
     int64_t key_pairs_off[HKT_MAX_LEVELS], q_off[HKT_MAX_LEVELS]; /* per level, in words */
+    int64_t pack_off[HKT_MAX_LEVELS];
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
     int keys_cached;        /* forward: keys_all is used (it fits the key_cache_bytes budget) */
+    /* backward, one task per (b, kv head): the query side's rows of each query
+     * head are copied into q_packed / do_packed (and dq accumulated in
+     * dq_packed, then copied out) where the arrays are strided */
+    int pack_q, pack_dq, pack_do;
+    int pack_k;             /* backward: the key tile's rows are strided (copied into key_rows) */
+    int pack_q_tile;        /* forward: a task's strided query rows are copied into q_tile */
+    int pack_v;             /* forward: strided value rows cached with the keys (values_packed) */
     int amx;                /* bfloat16: products on AMX tiles (hkt_cpu_bf16_amx) */
 } ws_layout;
 

@@ -11,7 +11,7 @@ from hkt import _C, ops
 from hkt._kernels import dropout_keep_mask
 from hkt.reference import hkt_attention_reference as reference
 
-from helpers import MASKS, assert_within_lowp_error, make_mask, sample_inputs
+from helpers import MASKS, assert_within_lowp_error, make_mask, sample_inputs, with_threads
 
 # (B, H, T, S, D, Dv, L): awkward lengths, S != T, D and Dv not multiples of 8
 SIZES = [
@@ -133,20 +133,30 @@ def test_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_outputs_and_grads_laid_out_like_the_inputs(dtype):
+@pytest.mark.parametrize("B, H, Hk, threads", [
+    (2, 3, 3, 2),  # backward: one task per (b, kv head), strided rows packed per query head
+    (2, 4, 2, 2),  # the same with two query heads per kv head
+    (1, 2, 1, 2),  # fewer kv heads than threads: the two-pass schedule
+    (1, 2, 2, 1),
+])
+def test_outputs_and_grads_laid_out_like_the_inputs(dtype, B, H, Hk, threads):
     # Eager calls give out, dq, dk and dv the memory order of q[0], q, k, v (a module's heads,
     # (B, T, H, D) storage seen as (B, H, T, D), then reshape back for free); the values are the
-    # same bits as with contiguous inputs, whatever the layout.
-    B, H, T, S, D, L = 2, 3, 29, 23, 6, 3
-    q, k, v, w = sample_inputs(B, H, T, S, D, D, L, dtype=dtype)
+    # same bits as with contiguous inputs, whatever the layout and the backward's schedule.
+    T, S, D, L = 29, 23, 6, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, D, L, dtype=dtype, kv_heads=Hk)
     heads = [[x.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in xs] for xs in (q, k, [v])]
     flat = [[x.detach().contiguous().requires_grad_() for x in xs] for xs in (q, k, [v])]
     dout = torch.randn(B, H, T, D, dtype=dtype)
     results = []
-    for (qs, ks, (vs,)) in (heads, flat):
+    for (qs, ks, (vs,)), d in ((heads, dout.transpose(1, 2).contiguous().transpose(1, 2)), (flat, dout)):
         wt = w.detach().clone().requires_grad_()
-        out = hkt.hkt_attention(qs, ks, vs, wt, is_causal=True)
-        out.backward(dout)
+
+        def run():
+            out = hkt.hkt_attention(qs, ks, vs, wt, is_causal=True)
+            out.backward(d)
+            return out
+        out = with_threads(threads, run)
         results.append((out, [x.grad for x in qs + ks + [vs]], wt.grad))
     (out_h, grads_h, dw_h), (out_c, grads_c, dw_c) = results
     assert out_h.stride() == heads[0][0].stride() and out_c.is_contiguous()
