@@ -62,6 +62,7 @@ static const char *type_name(PyObject *obj, char *buf, size_t n) {
 /* where an array lies in memory, for the overlap check */
 typedef struct {
     __int128 lo, hi;
+    const DLTensor *t; /* held for the call: its layout, when two spans meet */
     int output;
     char name[24];
 } span_t;
@@ -433,6 +434,7 @@ static void note_span(held *hd, const DLTensor *t, const char *name, int output)
     span_t *sp = &hd->spans[hd->nspans++];
     sp->lo = (__int128)(uintptr_t)data_of(t) + lo;
     sp->hi = (__int128)(uintptr_t)data_of(t) + hi;
+    sp->t = t;
     sp->output = output;
     /* a bounded copy, not snprintf: its format parsing was 2% of a small call */
     size_t n = strlen(name);
@@ -441,12 +443,52 @@ static void note_span(held *hd, const DLTensor *t, const char *name, int output)
     sp->name[n] = '\0';
 }
 
+/* Whether t's bytes are one block of *width bytes repeated every `period`
+ * bytes from its lowest address: every stride of at least the period a
+ * multiple of it, the smaller ones spanning at most the period. */
+static int periodic_block(const DLTensor *t, __int128 period, __int128 *width) {
+    const __int128 es = (t->dtype.bits * t->dtype.lanes + 7) / 8;
+    __int128 ext = es;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] <= 1) continue;
+        const __int128 st = (__int128)llabs(stride_of(t, d)) * es;
+        if (st >= period) {
+            if (st % period) return 0;
+        } else {
+            ext += (__int128)(t->shape[d] - 1) * st;
+        }
+    }
+    *width = ext;
+    return ext <= period;
+}
+
+/* Whether two arrays whose spans meet share a byte: not when, for a period
+ * (one of a's strides), both are blocks repeated with it (periodic_block) and
+ * the blocks do not meet.  A module's q, k and v heads, split off one
+ * projection, each take a block of H * D features in every row of 3 * H * D:
+ * their spans interleave, their blocks do not. */
+static int spans_share(const span_t *a, const span_t *b) {
+    const __int128 es = (a->t->dtype.bits * a->t->dtype.lanes + 7) / 8;
+    for (int d = 0; d < a->t->ndim; d++) {
+        const __int128 period = (__int128)llabs(stride_of(a->t, d)) * es;
+        __int128 wa, wb;
+        if (a->t->shape[d] <= 1 || period == 0 || !periodic_block(a->t, period, &wa) ||
+            !periodic_block(b->t, period, &wb))
+            continue;
+        __int128 off = (b->lo - a->lo) % period; /* where b's block starts in a's period */
+        if (off < 0) off += period;
+        if (off >= wa && period - off >= wb) return 0;
+    }
+    return 1;
+}
+
 static int check_overlaps(const held *hd) {
     for (int a = 0; a < hd->nspans; a++) {
         if (!hd->spans[a].output) continue;
         for (int b = 0; b < hd->nspans; b++) {
             if (a == b || (hd->spans[b].output && b < a)) continue;
-            if (hd->spans[a].lo < hd->spans[b].hi && hd->spans[b].lo < hd->spans[a].hi) {
+            if (hd->spans[a].lo < hd->spans[b].hi && hd->spans[b].lo < hd->spans[a].hi &&
+                spans_share(&hd->spans[a], &hd->spans[b])) {
                 PyErr_Format(PyExc_ValueError, "%s: shares memory with the %s %s; outputs must not overlap "
                              "any other array", hd->spans[a].name, hd->spans[b].output ? "output" : "input",
                              hd->spans[b].name);
@@ -859,14 +901,17 @@ PyDoc_STRVAR(forward_doc,
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
 "(B, H_kv, ceil(S/2^l), D); v (B, H_kv, S, Dv), H_kv dividing H (query head h\n"
 "reads kv head h / (H / H_kv)); w (L,) or (H, L).  Writes out\n"
-"(B, H, T, Dv) and lse (B, H, T), both C-contiguous and of q's dtype, sharing\n"
-"memory with no other argument.  bfloat16 q, k and v (CPU, where\n"
+"(B, H, T, Dv) (unit stride along features, any other strides) and lse\n"
+"(B, H, T) (C-contiguous), both of q's dtype, sharing no element with any\n"
+"other argument.  Inputs may have any strides with unit stride along\n"
+"features.  bfloat16 q, k and v (CPU, where\n"
 "cpu_has_bf16(), even D) run natively and take w, a float mask, out and lse in\n"
 "float32.  attn_mask: None or 4-D, each dimension 1 or\n"
 "that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
 "num_threads <= 0 uses OpenMP's default; at most 1024.  key_cache_bytes caps\n"
-"the CPU forward's per-thread transposed-key caches, all threads together\n"
-"(negative: 64 MiB); past it, keys are transposed tile by tile.\n\n"
+"the CPU forward's per-thread transposed-key caches (with the packed copies\n"
+"of strided value rows), all threads together (negative: 64 MiB); past it,\n"
+"keys are transposed tile by tile and strided values read where they lie.\n\n"
 "CUDA arrays: the kernels are queued on stream, a cudaStream_t as an int\n"
 "(torch.cuda.current_stream().cuda_stream; None or 0: the legacy default\n"
 "stream), and the call returns without waiting for them.  Arrays passed as\n"
@@ -993,8 +1038,9 @@ PyDoc_STRVAR(backward_doc,
 "         dmask=None, stream=None, scratch=None)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
-"(like v) and dw (like w), all C-contiguous and sharing memory with no other\n"
-"argument.  With a float attn_mask, dmask (shaped like it) receives the mask's\n"
+"(like v) and dw (like w, C-contiguous), with unit stride along features and\n"
+"sharing no element with any other argument (outputs whose rows interleave,\n"
+"as heads side by side in one buffer do, are fine).  With a float attn_mask, dmask (shaped like it) receives the mask's\n"
 "gradient, summed over its broadcast dimensions.  dropout_p and seed must be\n"
 "the forward's.\n\n"
 "bfloat16 q, k, v, dout and out (CPU, where cpu_has_bf16(), D and Dv even) run\n"

@@ -14,7 +14,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import _kernels
 from . import kvcache as _kvcache
-from .functional import _heads, hkt_attention
+from .functional import _heads, hkt_attention, qkv_attention
 from .reference import masked_probs
 from .varlen import hkt_attention_varlen, pack_levels
 
@@ -714,8 +714,10 @@ class MultiheadHKT(nn.Module):
         wq, wk, wv, bq, bk, bv = self.in_projections()
         packed = self.in_proj_weight
         Hk, Ekv = self.num_kv_heads, self.kv_dim
+        qkv: Optional[Tensor] = None
         if packed is not None and query is key and key is value:
-            q0, k0, v = F.linear(query, packed, self.in_proj_bias).split([E, Ekv, Ekv], dim=-1)
+            qkv = F.linear(query, packed, self.in_proj_bias)
+            q0, k0, v = qkv.split([E, Ekv, Ekv], dim=-1)
         else:
             q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
@@ -752,6 +754,8 @@ class MultiheadHKT(nn.Module):
               and q0.device.type == "cpu" and not torch.compiler.is_compiling()
               and not torch._C._are_functorch_transforms_active()):
             out = self._packed_attention(qs, ks, vh, w, real, causal)
+        elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
+            out = qkv_attention(qkv, H, Hk, qs[1:], ks[1:], w, mask, causal, dropout_p)
         else:
             out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))

@@ -575,6 +575,45 @@ def _():
     return bwd(a)
 
 
+def _heads_of_one_buffer(a, offsets, width):
+    """dq[0], dk[0] and dv as (B, H, n, D) views of one buffer of (B, n) rows
+    of `width` elements, starting offsets[0], offsets[1], offsets[2] elements
+    into each row (a module's self-attention gradient is one such buffer, q, k
+    and v side by side); a view may run past its row's end into the next."""
+    import numpy as np
+    from numpy.lib.stride_tricks import as_strided
+    B, H, T, D = a["dq"][0].shape
+    flat = np.empty(B * T * width + max(offsets) + H * D)
+    es = flat.itemsize
+    views = [as_strided(flat[o:], (B, H, T, D), (T * width * es, D * es, width * es, es)) for o in offsets]
+    a["dq"][0], a["dk"][0], a["dv"] = views
+    return a
+
+
+@case("dq0-dk0-dv-side-by-side-in-one-buffer", COMPUTE)
+def _():
+    a = np_backward_args(T=7, S=7, D=4, Dv=4)
+    H, D = a["dq"][0].shape[1], a["dq"][0].shape[3]
+    _heads_of_one_buffer(a, (0, H * D, 2 * H * D), 3 * H * D)  # rows interleave, no element is shared
+    return bwd(a)
+
+
+@case("dk0-half-a-head-into-dq0-in-one-buffer", RAISE("ValueError", r"d[qk]\[0\]:"))
+def _():
+    a = np_backward_args(T=7, S=7, D=4, Dv=4)
+    H, D = a["dq"][0].shape[1], a["dq"][0].shape[3]
+    _heads_of_one_buffer(a, (0, H * D - D // 2, 2 * H * D), 3 * H * D)  # dk[0]'s rows start inside dq[0]'s
+    return bwd(a)
+
+
+@case("dv-runs-into-the-next-row-of-dq0", RAISE("ValueError", r"(dq\[0\]|dv):"))
+def _():
+    a = np_backward_args(T=7, S=7, D=4, Dv=4)
+    H, D = a["dq"][0].shape[1], a["dq"][0].shape[3]
+    _heads_of_one_buffer(a, (0, H * D, 2 * H * D + D // 2), 3 * H * D)  # dv's rows end in the next row's dq[0]
+    return bwd(a)
+
+
 @case("inputs-share-memory", COMPUTE)
 def _():
     # q and k the same arrays, v = q[0]: inputs may alias each other freely

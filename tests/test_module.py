@@ -445,6 +445,64 @@ def test_gradcheck(case, fast):
     assert torch.autograd.gradcheck(f, (*params, *inputs), fast_mode=fast)
 
 
+def _split_route(qkv, H, Hk, q_coarse, k_coarse, w, mask, causal, dropout_p):
+    """The self-attention call as it was before qkv_attention: hkt_attention on
+    the heads split off qkv (autograd concatenates their gradients)."""
+    hd = qkv.shape[-1] // (H + 2 * Hk)
+    q0, k0, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
+    heads = hkt.functional._heads
+    return hkt.hkt_attention([heads(q0, H, hd), *q_coarse], [heads(k0, Hk, hd), *k_coarse], heads(v, Hk, hd), w,
+                             attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_self_attention_gradient_is_written_whole(dtype, kv_heads, monkeypatch):
+    # Self-attention projects q, k and v in one product; the kernels write their gradients
+    # straight into one tensor shaped like its output, where autograd would concatenate three
+    # (a copy of the whole projection).  Same bits as that route, dropout and masks included.
+    torch.manual_seed(0)
+    m = hkt.MultiheadHKT(16, 4, levels=3, dropout=0.2, batch_first=True, num_kv_heads=kv_heads, dtype=dtype)
+    randomize(m, seed=1)
+    x = torch.randn(2, 13, 16, dtype=dtype, requires_grad=True)
+    am = torch.randn(13, 13, dtype=dtype, requires_grad=True)
+    kpm = torch.zeros(2, 13, dtype=torch.bool)
+    kpm[1, 9:] = True
+
+    def step():
+        for t in (x, am, *m.parameters()):
+            t.grad = None
+        torch.manual_seed(7)  # the dropout seed
+        out = m(x, x, x, attn_mask=am, key_padding_mask=kpm, is_causal=True, need_weights=False)[0]
+        with torch.profiler.profile() as prof:
+            out.backward(torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape))
+        cats = [e for e in prof.events() if e.name == "aten::cat"]
+        return [out.detach(), x.grad, am.grad, *[p.grad for p in m.parameters()]], cats
+
+    got, cats = step()
+    assert not cats, "the q, k, v gradients were concatenated"
+    monkeypatch.setattr(hkt.modules, "qkv_attention", _split_route)
+    want, cats = step()
+    assert cats  # the split route does concatenate: the check above can fail
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_self_attention_double_backward():
+    torch.manual_seed(2)
+    m = hkt.MultiheadHKT(4, 2, levels=2, batch_first=True, dtype=F64)
+    randomize(m, seed=3)
+    x = torch.randn(2, 5, 4, dtype=F64, requires_grad=True)
+    f = lambda x: m(x, x, x, is_causal=True, need_weights=False)[0]  # noqa: E731
+    g = torch.randn(2, 5, 4, dtype=F64)
+    # the differentiable backward gives the first derivatives the kernels' backward gives
+    plain = torch.autograd.grad(f(x), [x, *m.parameters()], g)
+    graph = torch.autograd.grad(f(x), [x, *m.parameters()], g, create_graph=True)
+    for a, b in zip(plain, graph):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradgradcheck(f, (x,))
+
+
 def _loss(m, x, mem=None, **kw):
     mem = x if mem is None else mem
     out, w = m(x, mem, mem, **kw)
@@ -653,11 +711,13 @@ def test_hkt_runs_inside_encoder_layer_in_eval_no_grad(monkeypatch):
     with an unswapped layer as the control that it would have run."""
     fused, nested, calls = [], [], []
     real_fused, real_nested = torch._transformer_encoder_layer_fwd, torch._nested_tensor_from_mask
-    real_hkt = hkt.modules.hkt_attention
+    real_hkt, real_qkv = hkt.modules.hkt_attention, hkt.modules.qkv_attention
     monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a: fused.append(1) or real_fused(*a))
     monkeypatch.setattr(torch, "_nested_tensor_from_mask",
                         lambda *a, **k: nested.append(1) or real_nested(*a, **k))
+    # the module's two ways into the attention (self-attention takes qkv_attention)
     monkeypatch.setattr(hkt.modules, "hkt_attention", lambda *a, **k: calls.append(1) or real_hkt(*a, **k))
+    monkeypatch.setattr(hkt.modules, "qkv_attention", lambda *a, **k: calls.append(1) or real_qkv(*a, **k))
     x = torch.randn(3, 10, 32)
     kpm = torch.zeros(3, 10, dtype=torch.bool)
     kpm[1, 6:] = True
