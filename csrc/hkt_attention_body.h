@@ -672,6 +672,13 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
 
 typedef void (*forward_task_fn)(const hkt_params *, const ws_layout *, char *, int64_t, int64_t, int64_t);
 
+/* Task t of the forward, (b, h)-major, on the calling thread's workspace block. */
+static inline void run_forward_task(const hkt_params *p, const ws_layout *ws, size_t wsb, forward_task_fn task,
+                                    int64_t t) {
+    const int64_t nqt = (p->T + BQ - 1) / BQ, bh = t / nqt, qt = nqt - 1 - t % nqt;
+    task(p, ws, (char *)p->workspace + (size_t)thread_id() * wsb, bh / p->H, bh % p->H, qt);
+}
+
 /* Runs task over every (b, h, query tile) (the bfloat16 forward brings its own). */
 static void run_forward(const hkt_params *p, forward_task_fn task) {
     const ws_layout ws = hkt_ws_layout(p, 0);
@@ -679,13 +686,21 @@ static void run_forward(const hkt_params *p, forward_task_fn task) {
     const int64_t nqt = (p->T + BQ - 1) / BQ, nbh = p->B * p->H, ntask = nbh * nqt;
     const int nt = num_threads(p);
     for (int x = 0; x < nt; x++) ((thread_state *)((char *)p->workspace + (size_t)x * wsb))->cached_bh = -1;
-    /* (b, h)-major so a thread's cached keys stay useful; within a (b, h) the
-     * costlier causal tiles further down go first. */
+    /* Tasks in (b, h)-major order.  With two (b, h) or more per thread, handed
+     * out guided: a thread's first chunk is whole (b, h) in a row, so it
+     * transposes their keys and packs their values alone, and the chunks
+     * shrink to single tiles, which even out the threads' finish.  Tile by
+     * tile, every thread came to every (b, h): the forward took 1.01-1.02x
+     * the time at B=8 H=4 T=1024 L=3 and 1.07x at B=1 H=8 T=4096 causal
+     * (Zen 4, 2 threads).  With fewer (b, h), tile by tile: a guided first chunk
+     * of one causal (b, h) would be its costliest half.  Within a (b, h) the
+     * costlier causal tiles go first.  Who runs a tile changes no bits. */
+    if (nbh >= 2 * (int64_t)nt) {
+#pragma omp parallel for schedule(guided, 1) num_threads(nt)
+        for (int64_t t = 0; t < ntask; t++) run_forward_task(p, &ws, wsb, task, t);
+    } else {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t t = 0; t < ntask; t++) {
-        const int64_t bh = t / nqt, qt = nqt - 1 - t % nqt;
-        char *block = (char *)p->workspace + (size_t)thread_id() * wsb;
-        task(p, &ws, block, bh / p->H, bh % p->H, qt);
+        for (int64_t t = 0; t < ntask; t++) run_forward_task(p, &ws, wsb, task, t);
     }
 }
 
