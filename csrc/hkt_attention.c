@@ -291,9 +291,12 @@ static const hkt_params *threads_for(const hkt_params *p, int backward, hkt_para
     if (flops >= HKT_PARALLEL_MIN_FLOPS) return p;
     *one = *p;
     one->num_threads = 1;
-    /* the workspace was laid out for num_threads: one thread may cache keys
-     * that more would not, and its block must still fit in the first slot */
-    return hkt_workspace_bytes(one, backward) <= hkt_workspace_bytes(p, backward) ? one : p;
+    /* the workspace was laid out for num_threads blocks, back to back (and
+     * dw_partial after them): one thread may cache keys, or pack rows (its
+     * backward takes the one-pass schedule), that more would not, and its one
+     * block must fit in the room of all of them */
+    return hkt_workspace_bytes(one, backward) <= hkt_workspace_bytes(p, backward) * (size_t)p->num_threads ? one
+                                                                                                            : p;
 }
 
 void hkt_forward_cpu(const hkt_params *p) {

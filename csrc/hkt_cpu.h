@@ -122,7 +122,7 @@ typedef struct {
     int64_t ds_pairs;       /* (BQ / 2, BK) words: the same as row pairs */
     int64_t pairs_t;        /* (BK, BQ / 2) words: P or dS as row pairs, transposed (AMX's A for dv, dk) */
     int64_t key_pairs_off[HKT_MAX_LEVELS], q_off[HKT_MAX_LEVELS]; /* per level, in words */
-    int64_t pack_off[HKT_MAX_LEVELS];
+    int64_t pack_off[HKT_MAX_LEVELS]; /* per level: offsets in q_packed and dq_packed (backward), q_tile (forward) */
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
     int keys_cached;        /* forward: keys_all is used (it fits the key_cache_bytes budget) */
