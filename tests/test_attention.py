@@ -330,6 +330,25 @@ def test_forward_without_key_cache():
     torch.testing.assert_close(hkt.hkt_attention(q, k, v, w), reference(q, k, v, w), rtol=1e-10, atol=1e-10)
 
 
+def test_forward_packing_of_strided_rows_within_its_budget():
+    # Strided rows (a module's heads) are packed: each task's query rows, and the values
+    # with the key cache when keys and values fit its budget.  Every combination gives
+    # the contiguous call's bits.
+    q, k, v, w = sample_inputs(2, 2, 150, 200, 7, 5, 3, dtype=torch.float32)
+    want = torch.empty(2, 2, 150, 5), torch.empty(2, 2, 150)
+    hkt._C.forward(q, k, v, w, *want, None, True, num_threads=2)
+    heads = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in (*q, *k, v)]
+    # per thread, level l's transposed keys take D * (ceil16(S_l) + 16) reals: 3024 here
+    # for S = 200, 100, 50; the values 1008 more (S * Dv, rounded up to 16)
+    keys, values = 7 * ((208 + 16) + (112 + 16) + (64 + 16)), 1008
+    for budget in (-1, 0, 2 * 4 * keys, 2 * 4 * (keys + values)):  # 2 threads, 4-byte reals
+        out = torch.empty(2, 2, 150, 5).transpose(1, 2).contiguous().transpose(1, 2)
+        lse = torch.empty(2, 2, 150)
+        hkt._C.forward(heads[:3], heads[3:6], heads[6], w, out, lse, None, True, num_threads=2,
+                       key_cache_bytes=budget)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), budget
+
+
 @pytest.mark.parametrize("L,causal,dropout", [(3, False, 0.0), (3, True, 0.2), (8, True, 0.0), (8, False, 0.3)])
 def test_backward_schedules_agree_bitwise(L, causal, dropout):
     # one (b, h) and two threads: the two-pass schedule; one thread: the per-(b, h)
