@@ -148,7 +148,7 @@ int64_t hkt_keys_all_ld(const hkt_params *p, int l) {
  * the same products on the same values, so the same bits.  Within
  * HKT_PACK_BYTES over all threads; float32 and float64 (bfloat16 reads its rows
  * as pairs, hkt_bf16_body.h). */
-static void pack_rows(const hkt_params *p, ws_layout *w, int64_t *at) {
+static void pack_rows(const hkt_params *p, ws_layout *w, int64_t *at, size_t elem) {
     const int nt = num_threads(p);
     if (p->dtype == HKT_BFLOAT16 || p->B * p->H_kv < nt) return;
     int64_t rows = 0;
@@ -163,7 +163,6 @@ static void pack_rows(const hkt_params *p, ws_layout *w, int64_t *at) {
     const int strided_do = p->T > 1 && p->dout_stride[2] != p->Dv;
     const int64_t n_do = round16(p->T * p->Dv);
     const int64_t reals = (strided_q ? rows : 0) + (strided_dq ? rows : 0) + (strided_do ? n_do : 0);
-    const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     if (reals == 0 || (size_t)reals > HKT_PACK_BYTES / elem / (size_t)nt) return;
     w->pack_q = strided_q;
     w->pack_dq = strided_dq;
@@ -177,7 +176,7 @@ static void pack_rows(const hkt_params *p, ws_layout *w, int64_t *at) {
  * once per query tile: strided (a module's heads), they are packed too -- the
  * query rows per task, the value rows into the key cache's companion (when the
  * keys are cached and both fit its budget).  Same products, same bits. */
-static void pack_forward_rows(const hkt_params *p, ws_layout *w, int64_t *at, size_t keys_all) {
+static void pack_forward_rows(const hkt_params *p, ws_layout *w, int64_t *at, size_t keys_all, size_t cache_reals) {
     if (p->dtype == HKT_BFLOAT16) return;
     int64_t rows = 0;
     for (int l = 0; l < p->L; l++) {
@@ -187,10 +186,7 @@ static void pack_forward_rows(const hkt_params *p, ws_layout *w, int64_t *at, si
     }
     if (w->pack_q_tile) { w->q_tile = *at; *at += rows; }
     const int64_t values = round16(p->S * p->Dv);
-    const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
-    const size_t budget = p->key_cache_bytes < 0 ? HKT_KEY_CACHE_BYTES : (size_t)p->key_cache_bytes;
-    w->pack_v = w->keys_cached && p->S > 1 && p->v_stride[2] != p->Dv &&
-                keys_all + (size_t)values <= budget / elem / (size_t)num_threads(p);
+    w->pack_v = w->keys_cached && p->S > 1 && p->v_stride[2] != p->Dv && keys_all + (size_t)values <= cache_reals;
     if (w->pack_v) { w->values_packed = *at; *at += values; }
 }
 
@@ -218,7 +214,8 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
     const size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     const size_t budget = p->key_cache_bytes < 0 ? HKT_KEY_CACHE_BYTES : (size_t)p->key_cache_bytes;
     /* divided, not multiplied: keys_all * elem may not fit in a size_t for huge S */
-    w.keys_cached = (size_t)keys_all <= budget / elem / (size_t)num_threads(p);
+    const size_t cache_reals = budget / elem / (size_t)num_threads(p); /* per thread */
+    w.keys_cached = (size_t)keys_all <= cache_reals;
     w.scores = at;    at += BQ * BK;
     w.gram = at;      at += levels;
     w.folded = at;    at += levels;
@@ -229,7 +226,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.dscores_coarse = at; at += levels;
         w.values_t = at;       at += round16(p->Dv * BK);
         w.dw_acc = at;         at += round16(p->L);
-        pack_rows(p, &w, &at);
+        pack_rows(p, &w, &at, elem);
         for (int l = 0; l < p->L && !bf16; l++) w.pack_k |= level_len(p->S, l) > 1 && p->k_stride[l][2] != p->D;
         if (w.pack_k) { w.key_rows = at; at += round16(key_tile); }
         if (bf16) {
@@ -254,7 +251,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.keys_ready = at; at += round16((p->S + BK - 1) / BK);
         w.row_max = at;    at += BQ;
         w.row_sums = at;   at += BQ * 16; /* one 64-byte vector of partial sums per row */
-        pack_forward_rows(p, &w, &at, (size_t)keys_all);
+        pack_forward_rows(p, &w, &at, (size_t)keys_all, cache_reals);
         if (bf16) {
             w.values_all = w.keys_all + keys_all - value_pairs;
             w.value_tile = at; at += round16(BK / 2 * p->Dv);

@@ -662,10 +662,8 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
             tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld, 0);
         }
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
-        if (ws->pack_v)
-            gemm(0, nq, Dv, nk, 1, Sbuf, BK, vpack + j0 * Dv, Dv, ob, p->out_stride[2], 1);
-        else
-            gemm(0, nq, Dv, nk, 1, Sbuf, BK, vb + j0 * p->v_stride[2], p->v_stride[2], ob, p->out_stride[2], 1);
+        const int64_t ldv = ws->pack_v ? Dv : p->v_stride[2];
+        gemm(0, nq, Dv, nk, 1, Sbuf, BK, (ws->pack_v ? vpack : vb) + j0 * ldv, ldv, ob, p->out_stride[2], 1);
     }
     finish_rows(p, ws, base, b, h, i0, nq, ob);
 }
@@ -834,10 +832,11 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
 #endif
             {
                 const real *kb = (const real *)p->k[l] + b * p->k_stride[l][0] + hk * p->k_stride[l][1];
-                const real *krows = ws->pack_k ? base + ws->key_rows + ws->key_tile_off[l] : kb + sp.c0 * p->k_stride[l][2];
+                const int64_t ldk = ws->pack_k ? D : p->k_stride[l][2];
+                const real *krows = ws->pack_k ? base + ws->key_rows + ws->key_tile_off[l] : kb + sp.c0 * ldk;
                 real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
-                gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, krows, ws->pack_k ? D : p->k_stride[l][2],
-                     dq + sp.r0 * p->dq_stride[l][2], p->dq_stride[l][2], 1);
+                gemm(0, sp.rl, D, sp.cl, wl, dsl, ldsl, krows, ldk, dq + sp.r0 * p->dq_stride[l][2],
+                     p->dq_stride[l][2], 1);
             }
         }
         if (want & WANT_KV) {
@@ -847,7 +846,8 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
              * in turn by four accumulators, whose chains overlap (one chain
              * waited on the FMA's latency: about 1% of the L=3 backward) */
             vec acc[4] = {{0}, {0}, {0}, {0}};
-            for (int64_t a = 0; a < sp.rl; a++) acc[a & 3] = dot_lanes(sp.cl, dsl + a * ldsl, G + a * sp.cl, acc[a & 3]);
+            for (int64_t a = 0; a < sp.rl; a++)
+                acc[a & 3] = dot_lanes(sp.cl, dsl + a * ldsl, G + a * sp.cl, acc[a & 3]);
             dwacc[l] += scale * lanes_total((acc[0] + acc[1]) + (acc[2] + acc[3]));
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))
@@ -891,7 +891,8 @@ static void backward_keys(const hkt_params *p, const ws_layout *ws, real *base, 
  * The tile's keys and values are loaded once for those heads.  (Every
  * gradient row receives its additions in the same order whether the group's
  * heads come in one call or one call each.) */
-static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h0, int64_t h1, int64_t kt0, int64_t kt1, int want) {
+static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h0,
+                                int64_t h1, int64_t kt0, int64_t kt1, int want) {
     const real *kt[HKT_MAX_LEVELS];
     int64_t ktld[HKT_MAX_LEVELS];
     real *dwacc = base + ws->dw_acc;
