@@ -390,22 +390,19 @@ class _QKVAttention(torch.autograd.Function):
         return (None, None, None, None, None, None, dmask, dqkv, dw, *dq[1:], *dk[1:])
 
 
-def qkv_attention(qkv: Tensor, H: int, H_kv: int, q_coarse: Sequence[Tensor], k_coarse: Sequence[Tensor], w: Tensor,
+def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor,
                   attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float) -> Tensor:
-    """hkt_attention of a module's packed self-attention projection ``qkv``
-    (B, T, (H + 2 H_kv) hd): level 0's q, k and v are its heads, the coarser
-    levels' q and k come separately.  In eager float32/float64 calls on the
-    kernels that need gradients, their gradient is written as one tensor
-    (_QKVAttention); anywhere else hkt_attention on the heads, the same values."""
-    hd = qkv.shape[-1] // (H + 2 * H_kv)
-    q0, k0, v = _qkv_heads(qkv, H, H_kv, hd)
-    q, k = [q0, *q_coarse], [k0, *k_coarse]
+    """hkt_attention(q, k, v, w, ...) for a module's packed self-attention
+    projection ``qkv`` (B, T, (H + 2 H_kv) hd), whose heads are q[0], k[0] and v.
+    In eager float32/float64 calls on the kernels that need gradients, their
+    gradient is written as one tensor, qkv's (_QKVAttention); anywhere else
+    hkt_attention itself, the same values."""
     if (qkv.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled() and qkv.requires_grad
             and not torch.compiler.is_compiling() and _pick_backend(None, q, dropout_p) == "kernels"):
         try:
             mask, dropout_p = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)
-            return _QKVAttention.apply(H, H_kv, is_causal, dropout_p, None, _eager_seed(dropout_p), mask, qkv, w,
-                                       *q_coarse, *k_coarse)
+            return _QKVAttention.apply(q[0].shape[1], k[0].shape[1], is_causal, dropout_p, None,
+                                       _eager_seed(dropout_p), mask, qkv, w, *q[1:], *k[1:])
         except _CALL_FAILED:
             _name_the_argument(q, k, v, w, attn_mask)
             raise

@@ -755,7 +755,7 @@ class MultiheadHKT(nn.Module):
               and not torch._C._are_functorch_transforms_active()):
             out = self._packed_attention(qs, ks, vh, w, real, causal)
         elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
-            out = qkv_attention(qkv, H, Hk, qs[1:], ks[1:], w, mask, causal, dropout_p)
+            out = qkv_attention(qkv, qs, ks, vh, w, mask, causal, dropout_p)
         else:
             out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))

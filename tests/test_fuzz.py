@@ -24,7 +24,6 @@ from torch import nn
 
 import hkt
 from hkt import _C
-from hkt.functional import _heads
 from hkt.reference import attention_probs, repeat_kv, upsample_level
 from hkt.reference import hkt_attention_reference as reference
 
@@ -209,10 +208,8 @@ def test_multihead_levels3_float_mask_gradient_matches_reference_path(causal, mo
         out, _ = mod(x, x, x, attn_mask=a, key_padding_mask=p, need_weights=False, is_causal=causal)
         return [out.detach(), *torch.autograd.grad(out, [a, p, *mod.parameters()], torch.ones_like(out))]
 
-    def reference_qkv(qkv, H, Hk, q_coarse, k_coarse, w, mask, causal, dropout_p):
-        q0, k0, v = qkv.split([H * (E // H), Hk * (E // H), Hk * (E // H)], dim=-1)
-        q, k = [_heads(q0, H, E // H), *q_coarse], [_heads(k0, Hk, E // H), *k_coarse]
-        return reference(q, k, _heads(v, Hk, E // H), w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+    def reference_qkv(qkv, q, k, v, w, mask, causal, dropout_p):
+        return reference(q, k, v, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
     got = grads()
     with monkeypatch.context() as mp:  # both of the module's ways into the attention

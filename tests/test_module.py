@@ -445,14 +445,10 @@ def test_gradcheck(case, fast):
     assert torch.autograd.gradcheck(f, (*params, *inputs), fast_mode=fast)
 
 
-def _split_route(qkv, H, Hk, q_coarse, k_coarse, w, mask, causal, dropout_p):
+def _split_route(qkv, q, k, v, w, mask, causal, dropout_p):
     """The self-attention call as it was before qkv_attention: hkt_attention on
     the heads split off qkv (autograd concatenates their gradients)."""
-    hd = qkv.shape[-1] // (H + 2 * Hk)
-    q0, k0, v = qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1)
-    heads = hkt.functional._heads
-    return hkt.hkt_attention([heads(q0, H, hd), *q_coarse], [heads(k0, Hk, hd), *k_coarse], heads(v, Hk, hd), w,
-                             attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+    return hkt.hkt_attention(q, k, v, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
