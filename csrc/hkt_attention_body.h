@@ -85,16 +85,20 @@ static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
  * vectors, so only what is left below a quarter vector runs scalar. */
 typedef real vech __attribute__((vector_size(HKT_VEC_BYTES / 2)));
 DEFINE_TILE_OF(tile_8xh, 8, 1, r * lda + kk, vech, VL / 2)
+DEFINE_TILE_OF(tile_4xh, 4, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_1xh, 1, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_t8xh, 8, 1, kk * lda + r, vech, VL / 2)
+DEFINE_TILE_OF(tile_t4xh, 4, 1, kk * lda + r, vech, VL / 2)
 DEFINE_TILE_OF(tile_t1xh, 1, 1, kk * lda + r, vech, VL / 2)
 /* (a quarter of a 16-byte vector is narrower than a double: none there) */
 #define HKT_QUARTER_TILES (HKT_VEC_BYTES >= 32 || REAL_IS_FLOAT)
 #if HKT_QUARTER_TILES
 typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
 DEFINE_TILE_OF(tile_8xq, 8, 1, r * lda + kk, vecq, VL / 4)
+DEFINE_TILE_OF(tile_4xq, 4, 1, r * lda + kk, vecq, VL / 4)
 DEFINE_TILE_OF(tile_1xq, 1, 1, r * lda + kk, vecq, VL / 4)
 DEFINE_TILE_OF(tile_t8xq, 8, 1, kk * lda + r, vecq, VL / 4)
+DEFINE_TILE_OF(tile_t4xq, 4, 1, kk * lda + r, vecq, VL / 4)
 DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
 #endif
 
@@ -112,16 +116,22 @@ DEFINE_TILE_OF(tile_t1xq, 1, 1, kk * lda + r, vecq, VL / 4)
 #define MID_R 6
 #endif
 DEFINE_TILE(tile_wide, WIDE_R, WIDE_NV, r * lda + kk)
+DEFINE_TILE(tile_4xwide, 4, WIDE_NV, r * lda + kk)
 DEFINE_TILE(tile_1xwide, 1, WIDE_NV, r * lda + kk)
 DEFINE_TILE(tile_mid, MID_R, 2, r * lda + kk)
+DEFINE_TILE(tile_4x2, 4, 2, r * lda + kk)
 DEFINE_TILE(tile_1x2, 1, 2, r * lda + kk)
 DEFINE_TILE(tile_8x1, 8, 1, r * lda + kk)
+DEFINE_TILE(tile_4x1, 4, 1, r * lda + kk)
 DEFINE_TILE(tile_1x1, 1, 1, r * lda + kk)
 DEFINE_TILE(tile_twide, WIDE_R, WIDE_NV, kk * lda + r)
+DEFINE_TILE(tile_t4xwide, 4, WIDE_NV, kk * lda + r)
 DEFINE_TILE(tile_t1xwide, 1, WIDE_NV, kk * lda + r)
 DEFINE_TILE(tile_tmid, MID_R, 2, kk * lda + r)
+DEFINE_TILE(tile_t4x2, 4, 2, kk * lda + r)
 DEFINE_TILE(tile_t1x2, 1, 2, kk * lda + r)
 DEFINE_TILE(tile_t8x1, 8, 1, kk * lda + r)
+DEFINE_TILE(tile_t4x1, 4, 1, kk * lda + r)
 DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
 
 static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const real *A,
@@ -129,27 +139,39 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
     /* row i of op(A) starts at A + i * as, and op(A)[i][kk] = A[i * as + kk * ks] */
     const int64_t as = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
     int64_t j = 0;
-#define HKT_TILES(R, NV, TR, T1, TTR, TT1)                                                               \
+    /* Rows left over by the R-row blocks go in 4-row blocks before single rows:
+     * a single row's few accumulators wait on the FMA's latency (2 chains of a
+     * 1 x 2 tile: a quarter of the core's rate).  With AVX2's 6-row blocks a
+     * 64-row tile left 4 such rows, 6% of the work at a quarter of the rate
+     * (its products ran 23% slower per FLOP than the AVX-512 build's on the same
+     * Zen 4 core); 2 or 3 left over are taken with the block before them as 8
+     * or 9 rows.  Each entry is still one sum over kk in order: the same bits. */
+    const int64_t tail = M % WIDE_R;
+    const int64_t rows_r = tail >= 2 && tail <= 3 && WIDE_R > 4 && M >= WIDE_R + tail ? M - WIDE_R - tail : M - tail;
+#define HKT_TILES(R, NV, TR, T4, T1, TTR, TT4, TT1)                                                      \
     for (; j + NV * VL <= N; j += NV * VL) {                                                             \
         int64_t i = 0;                                                                                   \
+        const int64_t rows_main = (R) == WIDE_R ? rows_r : M / (R) * (R);                                \
         if (trans_a) {                                                                                   \
-            for (; i + R <= M; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i < rows_main; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i + 4 <= M; i += 4) TT4(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
             for (; i < M; i++) TT1(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
         } else {                                                                                         \
-            for (; i + R <= M; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i < rows_main; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
+            for (; i + 4 <= M; i += 4) T4(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
             for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
         }                                                                                                \
     }
-    HKT_TILES(WIDE_R, WIDE_NV, tile_wide, tile_1xwide, tile_twide, tile_t1xwide)
-    HKT_TILES(MID_R, 2, tile_mid, tile_1x2, tile_tmid, tile_t1x2)
-    HKT_TILES(8, 1, tile_8x1, tile_1x1, tile_t8x1, tile_t1x1)
+    HKT_TILES(WIDE_R, WIDE_NV, tile_wide, tile_4xwide, tile_1xwide, tile_twide, tile_t4xwide, tile_t1xwide)
+    HKT_TILES(MID_R, 2, tile_mid, tile_4x2, tile_1x2, tile_tmid, tile_t4x2, tile_t1x2)
+    HKT_TILES(8, 1, tile_8x1, tile_4x1, tile_1x1, tile_t8x1, tile_t4x1, tile_t1x1)
 #undef VL
 #define VL (VL_FULL / 2)
-    HKT_TILES(8, 1, tile_8xh, tile_1xh, tile_t8xh, tile_t1xh)
+    HKT_TILES(8, 1, tile_8xh, tile_4xh, tile_1xh, tile_t8xh, tile_t4xh, tile_t1xh)
 #if HKT_QUARTER_TILES
 #undef VL
 #define VL (VL_FULL / 4)
-    HKT_TILES(8, 1, tile_8xq, tile_1xq, tile_t8xq, tile_t1xq)
+    HKT_TILES(8, 1, tile_8xq, tile_4xq, tile_1xq, tile_t8xq, tile_t4xq, tile_t1xq)
 #endif
 #undef VL
 #define VL VL_FULL
