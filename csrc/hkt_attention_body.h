@@ -221,7 +221,7 @@ static inline void pairsum(const real *restrict src, const real *restrict src2, 
     }
 }
 
-#if HKT_EXP16 /* the AVX-512 float32 build, whose intrinsics hkt_real.h includes */
+#if HKT_AVX512_F32 /* the AVX-512 float32 build, whose intrinsics hkt_real.h includes */
 /* The 16 x 16 block of 32-bit words in r[0..15] (row i in r[i]) transposed in
  * place: pairs of words, then of 64-bit pairs, then of 128-bit quarters swapped
  * across registers, then the quarters put in order.  (The bfloat16 kernels
@@ -294,8 +294,8 @@ static inline void exp_shift(real *restrict x, int64_t n, real m) {
         return;
     }
     int64_t c = 0;
-#if HKT_EXP16
-    for (; c + VL <= n; c += VL) vstore(x + c, exp_nonpos16(vload(x + c) - m));
+#if HKT_EXPV
+    for (; c + VL <= n; c += VL) vstore(x + c, exp_nonpos_vec(vload(x + c) - m));
 #endif
     for (; c < n; c++) x[c] = exp_nonpos(x[c] - m);
 }
@@ -559,8 +559,8 @@ static inline vec exp_shift_lanes(real *restrict x, int64_t n, real m) {
     int64_t c = 0;
     for (; c + VL <= n; c += VL) {
         real *restrict xc = x + c;
-#if HKT_EXP16
-        const vec y = exp_nonpos16(vload(xc) - m);
+#if HKT_EXPV
+        const vec y = exp_nonpos_vec(vload(xc) - m);
         vstore(xc, y);
         acc += y;
 #else

@@ -77,7 +77,7 @@ static inline real dot_exact(int64_t n, const real *restrict x, const real *rest
 /* exp(x) for x <= 0 (the softmax's exp(score - max), or exp(score - lse) in the
  * backward); -inf gives exactly 0, NaN stays NaN. */
 #if REAL_IS_FLOAT
-/* Its constants, which its 16-lane form below shares: the same numbers, the
+/* Its constants, which its vector forms below share: the same numbers, the
  * same bits. */
 #define EXP_MIN (-87.0f)             /* below: exp underflows, exactly 0 */
 #define EXP_LOG2E 1.44269504088896341f
@@ -122,8 +122,9 @@ static inline float exp_nonpos(float x) {
  * n as the float it already is, and, zero-masked, gives the underflow's exact
  * 0 -- one instruction for the integer add, shift, multiply and select the
  * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
-#define HKT_EXP16 1
-static inline __attribute__((always_inline)) vec exp_nonpos16(vec xv) {
+#define HKT_AVX512_F32 1
+#define HKT_EXPV 1
+static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
     const __m512 x = (__m512)xv, lo = _mm512_set1_ps(EXP_MIN), round = _mm512_set1_ps(EXP_ROUND);
     const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     /* max and min return their second operand when one is NaN: a NaN passes */
@@ -136,12 +137,40 @@ static inline __attribute__((always_inline)) vec exp_nonpos16(vec xv) {
     for (int i = 1; i < 7; i++) q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(exp_coef[i]));
     return (vec)_mm512_maskz_scalef_ps((__mmask16)~below, q, n);
 }
+#elif HKT_VEC_BYTES == 32 && HKT_ISA_BUILDS
+#include <immintrin.h>
+/* exp_nonpos on the 8 lanes of an AVX2 vector, the same bits (the same
+ * clamps, reduction and polynomial as FMAs, 2^n built from the rounding's bits
+ * as the scalar form does).  GCC vectorises the scalar form too, but with two
+ * byte blends for the selects and its constants spilled to the stack; this is
+ * one and-not for the underflow's exact 0 and the constants in registers. */
+#define HKT_AVX512_F32 0
+#define HKT_EXPV 1
+static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
+    const __m256 x = (__m256)xv, lo = _mm256_set1_ps(EXP_MIN), round = _mm256_set1_ps(EXP_ROUND);
+    const __m256 below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ); /* all ones where x < EXP_MIN (-inf too) */
+    /* max and min return their second operand when one is NaN: a NaN passes */
+    const __m256 xc = _mm256_min_ps(_mm256_setzero_ps(), _mm256_max_ps(lo, x));
+    const __m256 m = _mm256_fmadd_ps(xc, _mm256_set1_ps(EXP_LOG2E), round);
+    const __m256 n = _mm256_sub_ps(m, round);
+    const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO),
+                                      _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), xc));
+    __m256 q = _mm256_set1_ps(exp_coef[0]);
+#pragma GCC unroll 6
+    for (int i = 1; i < 7; i++) q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(exp_coef[i]));
+    /* 2^n: n's integer sits in m's low mantissa bits, offset by EXP_ROUND's */
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_castps_si256(m), _mm256_set1_epi32((int)(127u - 0x4B400000u))), 23);
+    return (vec)_mm256_andnot_ps(below, _mm256_mul_ps(q, _mm256_castsi256_ps(bits)));
+}
 #else
-#define HKT_EXP16 0
+#define HKT_AVX512_F32 0
+#define HKT_EXPV 0
 #endif
 #else
 static inline double exp_nonpos(double x) { return exp(x); }
-#define HKT_EXP16 0
+#define HKT_AVX512_F32 0
+#define HKT_EXPV 0
 #endif
 
 /* Largest of x[0..n), NaN possibly skipped; -inf when nothing is visible, or NaN

@@ -1,0 +1,41 @@
+"""The softmax's vector exp in each instruction-set build (exp_nonpos_vec in
+csrc/hkt_real.h: AVX-512's with vscalefps, AVX2's with 2^n built from the
+rounding's bits) gives the bits of the scalar exp_nonpos of the same build, which
+the kernels use for tails, on float bit patterns of every class.  A small C
+program (tests/c/exp_lanes.c) built with the extension's flags runs the sweep:
+every 61st bit pattern here, all 2^32 by hand (`exp_lanes 1`)."""
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+
+from hkt.timing import machine_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "..", "csrc")
+# the extension's own flags (setup.py) that can change a computed value: none of
+# -ffast-math's; FMA contraction is GCC's default in both
+FLAGS = ["-std=gnu11", "-O3", "-fno-trapping-math"]
+
+
+def gcc():
+    cc = shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs gcc on x86-64 (the instruction-set builds are GCC's)")
+    return cc
+
+
+@pytest.mark.parametrize("isa,flag", [("AVX2", "avx2"), ("AVX512", "avx512f")])
+def test_vector_exp_has_the_scalar_bits(isa, flag, tmp_path):
+    cc = gcc()
+    if flag not in machine_info()["flags"]:
+        pytest.skip(f"this CPU has no {flag}")
+    exe = tmp_path / f"exp_lanes_{isa}"
+    subprocess.run([cc, *FLAGS, f"-I{CSRC}", f"-DHKT_ISA_{isa}", os.path.join(HERE, "c", "exp_lanes.c"), "-o",
+                    str(exe), "-lm"], check=True, capture_output=True, text=True)
+    out = subprocess.run([str(exe), "61"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    checked = int(out.stdout.split()[-4])
+    assert checked > (1 << 32) // 61, out.stdout  # the sweep ran (and the special values)
