@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test demo bench clean fuzz sanitize wheel wheel-check
+.PHONY: install test demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
 
 $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,15 @@ demo: install
 bench: install
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_module.py
+
+# The same benchmarks with hkt's kernels, torch's and MKL's held to AVX2 (+FMA): what a
+# CPU without AVX-512 would see, as a stand-in on this one (its cores, caches and
+# clock are this CPU's).  Results in benchmarks/results/avx2-only/, which name the
+# restriction; readme_tables.py shows them as their own block.
+AVX2_ONLY = HKT_CPU_KERNELS=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+bench-avx2: install
+	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_attention.py --out benchmarks/results/avx2-only
+	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_module.py --out benchmarks/results/avx2-only
 
 # One abi3 wheel (cp310-abi3) for every CPython >= 3.10; torch is not needed to build it.
 $(BIN)/python:

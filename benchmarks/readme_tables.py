@@ -20,7 +20,14 @@ def machine_line(m, threads):
     bf16 = f", bfloat16 {m['hkt_bf16']}" if "hkt_bf16" in m else ""
     commit = f", hkt at {m['hkt_commit']}" if m.get("hkt_commit") else ""
     return (f"{m['cpu']} (family {m['family']}, model {m['model']}; {', '.join(m['flags'])}), "
-            f"hkt kernels built for `{m['hkt_cpu_kernels']}`{bf16}, {threads} threads, torch {m['torch']}{commit}")
+            f"hkt kernels built for `{m['hkt_cpu_kernels']}`{bf16}, {threads} threads, torch {m['torch']}{commit}"
+            f"{limits_text(m)}")
+
+
+def limits_text(m):
+    """What a run restricted by environment variables (hkt.timing.ISA_LIMITS) had narrowed."""
+    limits = m.get("isa_limits") or {}
+    return (", instruction sets restricted by " + " ".join(f"`{k}={v}`" for k, v in limits.items())) if limits else ""
 
 
 def attention_block(a):
@@ -46,7 +53,8 @@ def attention_block(a):
 def targets_block(targets):
     out = ["| measure | target | measured | |", "|---|---|---|---|"]
     for t in targets:
-        out.append(f"| {t['measure']} | {t['target']} | {t['value']:.3g} | {'met' if t['met'] else '**not met**'} |")
+        verdict = f"n/a: {t['not_applicable']}" if t["met"] is None else "met" if t["met"] else "**not met**"
+        out.append(f"| {t['measure']} | {t['target']} | {t['value']:.3g} | {verdict} |")
     return out
 
 
@@ -77,9 +85,10 @@ def main():
     others = sorted(d for d in os.listdir(results) if os.path.isfile(os.path.join(results, d, "attention.json")))
     for d in others:
         with open(os.path.join(results, d, "attention.json")) as f:
-            cpu = json.load(f)["machine"]["cpu"]
-        lines += ["", f"**Another CPU: {cpu}** (`benchmarks/results/{d}/`)", ""] + machine_block(
-            os.path.join(results, d))
+            m = json.load(f)["machine"]
+        title = (f"{m['cpu']} with its instruction sets restricted, a stand-in for a CPU without the rest"
+                 if m.get("isa_limits") else f"Another CPU: {m['cpu']}")
+        lines += ["", f"**{title}** (`benchmarks/results/{d}/`)", ""] + machine_block(os.path.join(results, d))
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
         text = f.read()

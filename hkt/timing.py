@@ -55,7 +55,19 @@ def machine_info() -> Dict[str, object]:
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
     info["hkt_commit"] = _commit()
+    # instruction sets narrowed for the run (hkt's kernels, torch's, MKL's): a
+    # figure taken so stands for a smaller CPU, and must say so
+    info["isa_limits"] = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}
     return info
+
+
+ISA_LIMITS = ("HKT_CPU_KERNELS", "HKT_BF16", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_limits_text(info: Dict[str, object]) -> str:
+    """'' or ', restricted by HKT_CPU_KERNELS=avx2 ...' for a run with narrowed instruction sets."""
+    limits = info.get("isa_limits") or {}
+    return (", instruction sets restricted by " + " ".join(f"{k}={v}" for k, v in limits.items())) if limits else ""
 
 
 def _commit() -> Optional[str]:
@@ -78,7 +90,7 @@ def _commit() -> Optional[str]:
 def describe_machine(info: Dict[str, object]) -> str:
     return (f"{info['cpu']} (family {info['family']} model {info['model']}; {' '.join(info['flags'])}); "
             f"hkt kernels: {info['hkt_cpu_kernels']}, bfloat16 {info['hkt_bf16']}; {info['threads']} threads; "
-            f"torch {info['torch']}")
+            f"torch {info['torch']}{isa_limits_text(info)}")
 
 
 def sgemm_gflops(n: int = 2048, repeats: int = 5) -> float:
@@ -97,11 +109,18 @@ def _seconds(f: Callable[[], object]) -> float:
 
 
 def report_targets(targets: List[tuple]) -> List[Dict[str, object]]:
-    """Prints (measure, value, comparison, target) rows with met / NOT MET, and
-    returns them as dicts for the results file."""
+    """Prints (measure, value, comparison, target[, why not]) rows with met / NOT
+    MET, and returns them as dicts for the results file.  A fifth element says
+    why the target does not apply on this machine (bfloat16's on a CPU without
+    native bfloat16): the row then reads "n/a" and its "met" is None."""
     rows = []
     print("\ntargets:")
-    for measure, value, op, target in targets:
+    for measure, value, op, target, *why in targets:
+        if why and why[0]:
+            rows.append({"measure": measure, "value": value, "target": f"{op} {target}", "met": None,
+                         "not_applicable": why[0]})
+            print(f"  n/a      {measure:70s} {value:8.3f}  (target {op} {target}; {why[0]})")
+            continue
         met = value <= target if op == "<=" else value >= target
         rows.append({"measure": measure, "value": value, "target": f"{op} {target}", "met": met})
         print(f"  {'met    ' if met else 'NOT MET'}  {measure:70s} {value:8.3f}  (target {op} {target})")
