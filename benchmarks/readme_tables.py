@@ -82,10 +82,13 @@ def machine_block(folder):
 def main():
     results = os.path.join(HERE, "results")
     lines = machine_block(results)
-    others = sorted(d for d in os.listdir(results) if os.path.isfile(os.path.join(results, d, "attention.json")))
-    for d in others:
-        with open(os.path.join(results, d, "attention.json")) as f:
-            m = json.load(f)["machine"]
+    others = []
+    for d in os.listdir(results):
+        if os.path.isfile(os.path.join(results, d, "attention.json")):
+            with open(os.path.join(results, d, "attention.json")) as f:
+                others.append((d, json.load(f)["machine"]))
+    # other CPUs first, then runs of a CPU held to fewer instruction sets
+    for d, m in sorted(others, key=lambda x: (bool(x[1].get("isa_limits")), x[0])):
         title = (f"{m['cpu']} with its instruction sets restricted, a stand-in for a CPU without the rest"
                  if m.get("isa_limits") else f"Another CPU: {m['cpu']}")
         lines += ["", f"**{title}** (`benchmarks/results/{d}/`)", ""] + machine_block(os.path.join(results, d))
