@@ -8,6 +8,7 @@
 #ifndef HKT_REAL_H
 #define HKT_REAL_H
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -172,6 +173,25 @@ static inline double exp_nonpos(double x) { return exp(x); }
 #define HKT_AVX512_F32 0
 #define HKT_EXPV 0
 #endif
+
+/* scale * w_l, the one factor a level's dot products are multiplied by.  With
+ * both nonzero, a product below the smallest subnormal would round to 0, and
+ * 0 * inf is NaN where the exact product (an inf in q or k times a nonzero
+ * factor) is +-inf: such a factor is kept at the smallest subnormal of its
+ * sign, so an infinite dot product stays infinite and finite ones give the 0
+ * (or the subnormal) they would.  Any other factor is the plain product. */
+static inline real level_factor(real scale, real w) {
+    const real f = scale * w;
+    if (f == 0 && scale != 0 && w != 0) {
+#if REAL_IS_FLOAT
+        const real tiny = FLT_TRUE_MIN;
+#else
+        const real tiny = DBL_TRUE_MIN;
+#endif
+        return (scale < 0) != (w < 0) ? -tiny : tiny;
+    }
+    return f;
+}
 
 /* Largest of x[0..n), NaN possibly skipped; -inf when nothing is visible, or NaN
  * if then some entry is NaN (a NaN anywhere else reaches the row sum through the

@@ -14,6 +14,7 @@ The fuzz runs HKT_FUZZ_EXAMPLES examples (default 150; `make fuzz` runs 20,000; 
 NumPy stride fuzz a quarter of that), derandomized, so `make test` always tries the
 same ones; HKT_FUZZ_SEED=n draws a different fixed set.
 """
+import math
 import os
 import re
 
@@ -396,6 +397,35 @@ def test_inf_key_is_nan_or_hidden_by_the_sign_of_its_score():
     assert positive.any() and (~positive).any()
     assert torch.equal(nan_rows(got[0])[0, 0], positive)
     torch.testing.assert_close(got[0][0, 0, ~positive], masked[0][0, 0, ~positive], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("kernel", ["attention", "decode"])
+def test_inf_key_with_a_level_factor_below_the_subnormals(kernel):
+    # float32, scale the smallest subnormal and |w| < 1/2: scale * w rounds to 0,
+    # and the kernels multiply each level's dot products by that one factor.  An
+    # inf in a key must still give +-inf scores (NaN rows, or the key hidden), as
+    # the float64 reference's exact factor does, not 0 * inf = NaN in every row.
+    tiny = float(torch.finfo(torch.float32).smallest_normal * 2.0 ** -23)
+    T = S = 6
+    g = torch.Generator().manual_seed(3)
+    q = [torch.randn(1, 1, level_len(T, l), 2, generator=g) for l in range(2)]
+    k = [torch.randn(1, 1, level_len(S, l), 2, generator=g) for l in range(2)]
+    v, w = torch.randn(1, 1, S, 3, generator=g), torch.tensor([0.25, -0.375])
+    assert tiny > 0 and (torch.tensor(tiny) * w == 0).all()  # in float32, scale * w_l is 0
+    k[0][0, 0, 2, 1] = math.inf
+    if kernel == "attention":
+        got = hkt.hkt_attention(q, k, v, w, scale=tiny, is_causal=True)
+    else:  # every row decoded against the whole cache so far, its own key last
+        with torch.no_grad():
+            got = torch.cat([hkt.hkt_attention_with_kvcache([x[:, :, (i >> l):(i >> l) + 1] for l, x in enumerate(q)],
+                                                            k, v, w, i, scale=tiny) for i in range(T)], dim=2)
+    want = reference([x.double() for x in q], [x.double() for x in k], v.double(), w.double(), scale=tiny,
+                     is_causal=True)
+    nan = torch.isnan(want[0, 0]).any(-1)
+    positive = q[0][0, 0, :, 1] > 0  # the inf score's sign, for the rows that see key 2
+    assert torch.equal(nan, positive & (torch.arange(T) >= 2)) and nan.any() and (~nan[2:]).any()
+    assert torch.equal(torch.isnan(got[0, 0]).any(-1), nan)
+    torch.testing.assert_close(got[0, 0][~nan].double(), want[0, 0][~nan], rtol=1e-6, atol=1e-6)
 
 
 def test_nan_in_value_reaches_every_row_in_its_column():
