@@ -43,8 +43,21 @@ def level_terms(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[flo
         scale = 1.0 / math.sqrt(D)
     L = len(q)
     w2 = w.unsqueeze(0).expand(H, L) if w.dim() == 1 else w
-    return [scale * w2[:, l].view(1, H, 1, 1) * upsample_level(q[l] @ repeat_kv(k[l], H).transpose(-1, -2), l, T, S)
-            for l in range(L)]
+    return [level_factor(scale, w2[:, l]).view(1, H, 1, 1)
+            * upsample_level(q[l] @ repeat_kv(k[l], H).transpose(-1, -2), l, T, S) for l in range(L)]
+
+
+def level_factor(scale: float, w: Tensor) -> Tensor:
+    """scale * w (a level's factor, one per head), in w's dtype; where both are
+    nonzero but the product rounds to 0, the smallest subnormal of its sign
+    instead, so an inf in q or k times it is +-inf, as the exact product is,
+    not 0 * inf = NaN.  The kernels apply the same factor."""
+    f = scale * w
+    if scale == 0.0:
+        return f
+    tiny = torch.nextafter(torch.zeros_like(f), torch.sign(w.detach()) * (1.0 if scale > 0 else -1.0))
+    # f + tiny (f is +-0 there): the derivative in w stays scale, as the kernels' dw is
+    return torch.where((f == 0) & (w != 0), f + tiny, f)
 
 
 def combined_scores(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[float] = None) -> Tensor:

@@ -399,19 +399,21 @@ def test_inf_key_is_nan_or_hidden_by_the_sign_of_its_score():
     torch.testing.assert_close(got[0][0, 0, ~positive], masked[0][0, 0, ~positive], rtol=0, atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("kernel", ["attention", "decode"])
-def test_inf_key_with_a_level_factor_below_the_subnormals(kernel):
-    # float32, scale the smallest subnormal and |w| < 1/2: scale * w rounds to 0,
+def test_inf_key_with_a_level_factor_below_the_subnormals(kernel, dtype):
+    # scale the dtype's smallest subnormal and |w| < 1/2: scale * w rounds to 0,
     # and the kernels multiply each level's dot products by that one factor.  An
     # inf in a key must still give +-inf scores (NaN rows, or the key hidden), as
-    # the float64 reference's exact factor does, not 0 * inf = NaN in every row.
-    tiny = float(torch.finfo(torch.float32).smallest_normal * 2.0 ** -23)
+    # the exact factor does, not 0 * inf = NaN in every row; the reference takes
+    # the same factor (hkt.reference.level_factor), the float32 case's in float64.
+    tiny = float(torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps)
     T = S = 6
     g = torch.Generator().manual_seed(3)
-    q = [torch.randn(1, 1, level_len(T, l), 2, generator=g) for l in range(2)]
-    k = [torch.randn(1, 1, level_len(S, l), 2, generator=g) for l in range(2)]
-    v, w = torch.randn(1, 1, S, 3, generator=g), torch.tensor([0.25, -0.375])
-    assert tiny > 0 and (torch.tensor(tiny) * w == 0).all()  # in float32, scale * w_l is 0
+    q = [torch.randn(1, 1, level_len(T, l), 2, generator=g, dtype=dtype) for l in range(2)]
+    k = [torch.randn(1, 1, level_len(S, l), 2, generator=g, dtype=dtype) for l in range(2)]
+    v, w = torch.randn(1, 1, S, 3, generator=g, dtype=dtype), torch.tensor([0.25, -0.375], dtype=dtype)
+    assert tiny > 0 and (torch.tensor(tiny, dtype=dtype) * w == 0).all()  # scale * w_l is 0 in the dtype
     k[0][0, 0, 2, 1] = math.inf
     if kernel == "attention":
         got = hkt.hkt_attention(q, k, v, w, scale=tiny, is_causal=True)
