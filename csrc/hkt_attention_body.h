@@ -277,11 +277,53 @@ static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_
     }
 }
 #else
-/* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions */
-static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_t lds, real *dst, int64_t ldd) {
+/* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions,
+ * element by element */
+static inline void transpose_scalar(int64_t rows, int64_t cols, const real *src, int64_t lds, real *dst,
+                                    int64_t ldd) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t c = 0; c < cols; c++) dst[c * ldd + r] = src[r * lds + c];
 }
+#if HKT_AVX2_F32 /* the AVX2 float32 build, whose intrinsics hkt_real.h includes */
+/* The 8 x 8 block of floats in r[0..7] (row i in r[i]) transposed in place:
+ * pairs of floats interleaved, then pairs of pairs, then the 128-bit halves
+ * swapped across registers. */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* transpose_scalar's result, whole 8 x 8 blocks through registers and the
+ * ragged edges element by element: as the AVX-512 build's 16 x 16 blocks, for
+ * the key caches and the backward's values, which weigh most at short T. */
+static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_t lds, real *dst, int64_t ldd) {
+    const int64_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+    for (int64_t c0 = 0; c0 < c8; c0 += 8)
+        for (int64_t r0 = 0; r0 < r8; r0 += 8) {
+            __m256 x[8];
+            for (int i = 0; i < 8; i++) x[i] = _mm256_loadu_ps(src + (r0 + i) * lds + c0);
+            transpose8(x);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(dst + (c0 + j) * ldd + r0, x[j]);
+        }
+    if (r8 < rows) transpose_scalar(rows - r8, c8, src + r8 * lds, lds, dst + r8, ldd);
+    if (c8 < cols) transpose_scalar(rows, cols - c8, src + c8, lds, dst + c8 * ldd, ldd);
+}
+#else
+#define transpose transpose_scalar
+#endif
 #endif
 
 

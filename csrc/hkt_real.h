@@ -124,6 +124,7 @@ static inline float exp_nonpos(float x) {
  * 0 -- one instruction for the integer add, shift, multiply and select the
  * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
 #define HKT_AVX512_F32 1
+#define HKT_AVX2_F32 0
 #define HKT_EXPV 1
 static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
     const __m512 x = (__m512)xv, lo = _mm512_set1_ps(EXP_MIN), round = _mm512_set1_ps(EXP_ROUND);
@@ -146,6 +147,7 @@ static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
  * byte blends for the selects and its constants spilled to the stack; this is
  * one and-not for the underflow's exact 0 and the constants in registers. */
 #define HKT_AVX512_F32 0
+#define HKT_AVX2_F32 1
 #define HKT_EXPV 1
 static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
     const __m256 x = (__m256)xv, lo = _mm256_set1_ps(EXP_MIN), round = _mm256_set1_ps(EXP_ROUND);
@@ -166,11 +168,13 @@ static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
 }
 #else
 #define HKT_AVX512_F32 0
+#define HKT_AVX2_F32 0
 #define HKT_EXPV 0
 #endif
 #else
 static inline double exp_nonpos(double x) { return exp(x); }
 #define HKT_AVX512_F32 0
+#define HKT_AVX2_F32 0
 #define HKT_EXPV 0
 #endif
 
