@@ -75,7 +75,8 @@ fuzz: install
 SAN_DIR      = build/sanitize
 SAN_EXAMPLES ?= 1000
 SAN_SKIP     = --ignore=tests/test_notebook.py --ignore=tests/test_experiments.py \
-               --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py --ignore=tests/test_results.py
+               --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py --ignore=tests/test_results.py \
+               --ignore=tests/test_exp_lanes.py --ignore=tests/test_bench_report.py
 SAN_ENV      = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
                ASAN_OPTIONS=detect_leaks=0,allocator_may_return_null=1,detect_odr_violation=0 \
                UBSAN_OPTIONS=halt_on_error=1,print_stacktrace=1

@@ -24,6 +24,8 @@ def gcc():
     cc = shutil.which("gcc")
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("needs gcc on x86-64 (the instruction-set builds are GCC's)")
+    if not os.path.isfile(os.path.join(CSRC, "hkt_real.h")):
+        pytest.skip("needs the extension's sources (csrc/) beside tests/")
     return cc
 
 
