@@ -399,21 +399,25 @@ def test_inf_key_is_nan_or_hidden_by_the_sign_of_its_score():
     torch.testing.assert_close(got[0][0, 0, ~positive], masked[0][0, 0, ~positive], rtol=0, atol=1e-15)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-@pytest.mark.parametrize("kernel", ["attention", "decode"])
+@pytest.mark.parametrize("dtype,kernel", [(torch.float32, "attention"), (torch.float32, "decode"),
+                                          (torch.float64, "attention"), (torch.float64, "decode"),
+                                          (torch.bfloat16, "attention")],
+                         ids=["float32", "float32-decode", "float64", "float64-decode", "bfloat16"])
 def test_inf_key_with_a_level_factor_below_the_subnormals(kernel, dtype):
     # scale the dtype's smallest subnormal and |w| < 1/2: scale * w rounds to 0,
     # and the kernels multiply each level's dot products by that one factor.  An
     # inf in a key must still give +-inf scores (NaN rows, or the key hidden), as
     # the exact factor does, not 0 * inf = NaN in every row; the reference takes
     # the same factor (hkt.reference.level_factor), the float32 case's in float64.
-    tiny = float(torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps)
+    # bfloat16 computes in float32 (natively or upcast), with the scale in float32
+    fdt = torch.float32 if dtype == torch.bfloat16 else dtype
+    tiny = float(torch.finfo(fdt).smallest_normal * torch.finfo(fdt).eps)
     T = S = 6
     g = torch.Generator().manual_seed(3)
     q = [torch.randn(1, 1, level_len(T, l), 2, generator=g, dtype=dtype) for l in range(2)]
     k = [torch.randn(1, 1, level_len(S, l), 2, generator=g, dtype=dtype) for l in range(2)]
     v, w = torch.randn(1, 1, S, 3, generator=g, dtype=dtype), torch.tensor([0.25, -0.375], dtype=dtype)
-    assert tiny > 0 and (torch.tensor(tiny, dtype=dtype) * w == 0).all()  # scale * w_l is 0 in the dtype
+    assert tiny > 0 and (torch.tensor(tiny, dtype=fdt) * w.to(fdt) == 0).all()  # scale * w_l is 0 there
     k[0][0, 0, 2, 1] = math.inf
     if kernel == "attention":
         got = hkt.hkt_attention(q, k, v, w, scale=tiny, is_causal=True)
@@ -427,7 +431,8 @@ def test_inf_key_with_a_level_factor_below_the_subnormals(kernel, dtype):
     positive = q[0][0, 0, :, 1] > 0  # the inf score's sign, for the rows that see key 2
     assert torch.equal(nan, positive & (torch.arange(T) >= 2)) and nan.any() and (~nan[2:]).any()
     assert torch.equal(torch.isnan(got[0, 0]).any(-1), nan)
-    torch.testing.assert_close(got[0, 0][~nan].double(), want[0, 0][~nan], rtol=1e-6, atol=1e-6)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got[0, 0][~nan].double(), want[0, 0][~nan], rtol=tol, atol=tol)
 
 
 def test_nan_in_value_reaches_every_row_in_its_column():
