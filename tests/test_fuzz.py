@@ -673,9 +673,12 @@ def group_sum(x, Hk):
 def rounding_scale(q, k, v, w, mask, dout, causal, scale):
     """Per result (out, dq..., dk..., dv, dw[, mask gradient]), in float64: the sum
     of |terms| of the computation that makes each entry, with each probability
-    weighed by 1 + the sum of |terms| of its score (the exp turns the score's
-    absolute rounding error into P's relative one).  Non-finite inputs count as 0
-    (they reach an entry only as NaN or inf, which are compared as such)."""
+    weighed by 1 + the sum of |terms| of its score + the largest such sum in its
+    row (P = exp(score - lse): the exp turns the absolute rounding errors of the
+    score and of lse, which is about the row's largest score, into P's relative
+    one; a P far below its row's largest carries lse's error alone).  Non-finite
+    inputs count as 0 (they reach an entry only as NaN or inf, which are compared
+    as such)."""
     def mag(x):
         return torch.nan_to_num(x.detach().double().abs(), nan=0.0, posinf=0.0, neginf=0.0)
     L, D = len(q), q[0].shape[-1]
@@ -690,7 +693,8 @@ def rounding_scale(q, k, v, w, mask, dout, causal, scale):
     score = sum(sc * wa[:, l].view(1, H, 1, 1) * upsample_level(G[l], l, T, S) for l in range(L))
     if mask is not None and mask.is_floating_point():
         score = score + mag(mask)
-    A = P * (1 + score)
+    row_max = score.amax(-1, keepdim=True) if S > 0 else 0.0
+    A = P * (1 + score + row_max)
     va, da = repeat_kv(mag(v), H), mag(dout)
     out = A @ va
     dS = A * (da @ va.transpose(-1, -2) + (da * out).sum(-1, keepdim=True))
