@@ -156,7 +156,10 @@ def hkt_attention(
     mask over a score that is not NaN) contributes nothing, even to a NaN row;
     -inf added to a NaN score is NaN, as in SDPA, so that entry is visible.  NaN in ``v`` reaches every
     row that sees that key.  A non-finite value that only hidden entries see
-    may or may not show up elsewhere (0 * NaN inside a tile).
+    may or may not show up elsewhere (0 * NaN inside a tile).  A level's factor
+    ``scale * w[l]`` never rounds to 0 from two nonzero numbers (it is kept at
+    the smallest subnormal of its sign), so an inf in ``q`` or ``k`` gives a
+    +-inf score however small the factor.
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, ranks,
