@@ -155,7 +155,7 @@ setup(
                      "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c",
                      "csrc/hkt_binding.c"],
             include_dirs=["csrc"],
-            depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h", "csrc/hkt_cpu.h", "csrc/hkt_real.h",
+            depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h", "csrc/hkt_level.h", "csrc/hkt_cpu.h", "csrc/hkt_real.h",
                      "csrc/hkt_attention_body.h", "csrc/hkt_decode_body.h", "csrc/hkt_bf16_body.h", "csrc/hkt_isa.h"]
             + ([CUDA_SOURCE] if build_ext_cuda.nvcc else []),
             define_macros=define_macros,

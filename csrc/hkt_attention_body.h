@@ -134,24 +134,28 @@ DEFINE_TILE(tile_t8x1, 8, 1, kk * lda + r)
 DEFINE_TILE(tile_t4x1, 4, 1, kk * lda + r)
 DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
 
+/* How many of a gemm's M rows go in R-row blocks; the rest go in 4-row blocks,
+ * then single rows, whose few accumulators wait on the FMA's latency (2 chains
+ * of a 1 x 2 tile: a quarter of the core's rate).  With AVX2's 6-row blocks a
+ * 64-row tile left 4 such rows, 6% of the work at a quarter of the rate (its
+ * products ran 23% slower per FLOP than the AVX-512 build's on the same Zen 4
+ * core).  Where R is not a multiple of 4, 2 or 3 rows left over are taken with
+ * the block before them as 8 or 9 rows.  Each entry is still one sum over kk in
+ * order: the same bits whatever the blocks. */
+static inline int64_t block_rows(int64_t M, int R) {
+    const int64_t tail = M % R;
+    return R % 4 && tail >= 2 && tail <= 3 && M >= R + tail ? M - R - tail : M - tail;
+}
+
 static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const real *A,
                  int64_t lda, const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {
     /* row i of op(A) starts at A + i * as, and op(A)[i][kk] = A[i * as + kk * ks] */
     const int64_t as = trans_a ? 1 : lda, ks = trans_a ? lda : 1;
     int64_t j = 0;
-    /* Rows left over by the R-row blocks go in 4-row blocks before single rows:
-     * a single row's few accumulators wait on the FMA's latency (2 chains of a
-     * 1 x 2 tile: a quarter of the core's rate).  With AVX2's 6-row blocks a
-     * 64-row tile left 4 such rows, 6% of the work at a quarter of the rate
-     * (its products ran 23% slower per FLOP than the AVX-512 build's on the same
-     * Zen 4 core); 2 or 3 left over are taken with the block before them as 8
-     * or 9 rows.  Each entry is still one sum over kk in order: the same bits. */
-    const int64_t tail = M % WIDE_R;
-    const int64_t rows_r = tail >= 2 && tail <= 3 && WIDE_R > 4 && M >= WIDE_R + tail ? M - WIDE_R - tail : M - tail;
 #define HKT_TILES(R, NV, TR, T4, T1, TTR, TT4, TT1)                                                      \
     for (; j + NV * VL <= N; j += NV * VL) {                                                             \
         int64_t i = 0;                                                                                   \
-        const int64_t rows_main = (R) == WIDE_R ? rows_r : M / (R) * (R);                                \
+        const int64_t rows_main = block_rows(M, R);                                                      \
         if (trans_a) {                                                                                   \
             for (; i < rows_main; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
             for (; i + 4 <= M; i += 4) TT4(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \

@@ -60,9 +60,9 @@
  */
 #include "hkt.h"
 #include "hkt_dropout.h"
+#include "hkt_level.h"
 
 #include <cuda_runtime.h>
-#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -135,19 +135,6 @@ __device__ static inline real weight(const hkt_params &p, int64_t h, int l) {
     return ((const real *)p.w)[h * p.w_stride[0] + l * p.w_stride[1]];
 }
 
-/* scale * w_l as the kernels apply it: as level_factor in hkt_real.h (a nonzero
- * product that would round to 0 is kept at the smallest subnormal of its sign,
- * so that inf * factor stays inf rather than 0 * inf = NaN). */
-template <typename real>
-__device__ static inline real level_factor(real scale, real w) {
-    const real f = scale * w;
-    if (f == 0 && scale != 0 && w != 0) {
-        const real tiny = sizeof(real) == 4 ? (real)FLT_TRUE_MIN : (real)DBL_TRUE_MIN;
-        return (scale < 0) != (w < 0) ? -tiny : tiny;
-    }
-    return f;
-}
-
 template <typename real>
 __device__ static inline real dot(const real *x, const real *y, int64_t n) {
     real acc = 0;
@@ -169,7 +156,7 @@ __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64
                          (j >> l) * p.k_stride[l][2];
         const real gl = dot(qr, kr, p.D);
         if (g) g[l] = gl;
-        const real wl = level_factor<real>(scale, weight<real>(p, h, l));
+        const real wl = hkt_level_factor(scale, weight<real>(p, h, l));
         s = l == p.L - 1 ? wl * gl : wl * gl + s;
     }
     /* float mask first, then hiding, so a NaN in a hidden entry of a float mask
@@ -334,7 +321,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dq_kernel(const __grid_co
                 __syncwarp();
                 const int64_t nk = jend - j0 < 32 ? jend - j0 : 32;
                 for (int l = 0; l < L; l++) {
-                    const real wl = level_factor<real>(scale, weight<real>(p, h, l));
+                    const real wl = hkt_level_factor(scale, weight<real>(p, h, l));
                     const real *kb = (const real *)p.k[l] + b * p.k_stride[l][0] + kv_head(p, h) * p.k_stride[l][1];
                     real *dqrow = (real *)p.dq[l] + b * p.dq_stride[l][0] + h * p.dq_stride[l][1] +
                                   (i >> l) * p.dq_stride[l][2];
@@ -400,7 +387,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_c
                     dvrow[e] += acc;
                 }
                 for (int l = 0; l < L; l++) {
-                    const real wl = level_factor<real>(scale, weight<real>(p, h, l));
+                    const real wl = hkt_level_factor(scale, weight<real>(p, h, l));
                     const real *qb = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1];
                     real *dkrow = (real *)p.dk[l] + b * p.dk_stride[l][0] + hk * p.dk_stride[l][1] +
                                   (j >> l) * p.dk_stride[l][2];
@@ -852,7 +839,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_
     for (int64_t task = blockIdx.x; task < p.B * p.H * nqt; task += gridDim.x) {
         const int64_t bh = task / nqt, i0 = task % nqt * TC_BM, b = bh / p.H, h = bh % p.H, hk = kv_head(p, h);
 #pragma unroll
-        for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? level_factor<float>((float)p.scale, weight<float>(p, h, l)) : 0.f;
+        for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? hkt_level_factor((float)p.scale, weight<float>(p, h, l)) : 0.f;
         __syncthreads(); /* the previous task's reads of shared memory are done */
         tc_load_block(sm.sc, p, p.q, p.q_stride, b, h, i0, T);
         /* this warp's level-0 query rows as A fragments, for every 16 of D */
@@ -1031,7 +1018,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
             const int64_t hh = it / ntile, c0 = c_lo + it % ntile * TC_BN;
             const int64_t h = DKV ? hx * group + hh : hx, hk = DKV ? hx : kv_head(p, h);
 #pragma unroll
-            for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? level_factor<float>((float)p.scale, weight<float>(p, h, l)) : 0.f;
+            for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? hkt_level_factor((float)p.scale, weight<float>(p, h, l)) : 0.f;
             __syncthreads();
             /* 1. the tile's columns of every level, its value rows (v, or dO), and (dk/dv) its queries' lse and delta */
             if (DKV) {

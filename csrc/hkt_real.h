@@ -8,7 +8,8 @@
 #ifndef HKT_REAL_H
 #define HKT_REAL_H
 
-#include <float.h>
+#include "hkt_level.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -124,8 +125,6 @@ static inline float exp_nonpos(float x) {
  * 0 -- one instruction for the integer add, shift, multiply and select the
  * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
 #define HKT_AVX512_F32 1
-#define HKT_AVX2_F32 0
-#define HKT_EXPV 1
 static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
     const __m512 x = (__m512)xv, lo = _mm512_set1_ps(EXP_MIN), round = _mm512_set1_ps(EXP_ROUND);
     const __mmask16 below = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
@@ -146,9 +145,7 @@ static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
  * as the scalar form does).  GCC vectorises the scalar form too, but with two
  * byte blends for the selects and its constants spilled to the stack; this is
  * one and-not for the underflow's exact 0 and the constants in registers. */
-#define HKT_AVX512_F32 0
 #define HKT_AVX2_F32 1
-#define HKT_EXPV 1
 static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
     const __m256 x = (__m256)xv, lo = _mm256_set1_ps(EXP_MIN), round = _mm256_set1_ps(EXP_ROUND);
     const __m256 below = _mm256_cmp_ps(x, lo, _CMP_LT_OQ); /* all ones where x < EXP_MIN (-inf too) */
@@ -166,35 +163,27 @@ static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
         _mm256_add_epi32(_mm256_castps_si256(m), _mm256_set1_epi32((int)(127u - 0x4B400000u))), 23);
     return (vec)_mm256_andnot_ps(below, _mm256_mul_ps(q, _mm256_castsi256_ps(bits)));
 }
-#else
-#define HKT_AVX512_F32 0
-#define HKT_AVX2_F32 0
-#define HKT_EXPV 0
 #endif
 #else
 static inline double exp_nonpos(double x) { return exp(x); }
+#endif
+/* which intrinsics the build has (float32 only), and so whether it has a vector exp */
+#ifndef HKT_AVX512_F32
 #define HKT_AVX512_F32 0
+#endif
+#ifndef HKT_AVX2_F32
 #define HKT_AVX2_F32 0
-#define HKT_EXPV 0
 #endif
+#define HKT_EXPV (HKT_AVX512_F32 || HKT_AVX2_F32)
 
-/* scale * w_l, the one factor a level's dot products are multiplied by.  With
- * both nonzero, a product below the smallest subnormal would round to 0, and
- * 0 * inf is NaN where the exact product (an inf in q or k times a nonzero
- * factor) is +-inf: such a factor is kept at the smallest subnormal of its
- * sign, so an infinite dot product stays infinite and finite ones give the 0
- * (or the subnormal) they would.  Any other factor is the plain product. */
+/* scale * w_l, the factor a level's dot products are multiplied by, in this
+ * real type: hkt_level.h's rule, which the CUDA kernels share. */
 static inline real level_factor(real scale, real w) {
-    const real f = scale * w;
-    if (f == 0 && scale != 0 && w != 0) {
 #if REAL_IS_FLOAT
-        const real tiny = FLT_TRUE_MIN;
+    return hkt_level_factor_f(scale, w);
 #else
-        const real tiny = DBL_TRUE_MIN;
+    return hkt_level_factor_d(scale, w);
 #endif
-        return (scale < 0) != (w < 0) ? -tiny : tiny;
-    }
-    return f;
 }
 
 /* Largest of x[0..n), NaN possibly skipped; -inf when nothing is visible, or NaN
