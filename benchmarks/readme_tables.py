@@ -12,6 +12,8 @@ import json
 import os
 import re
 
+from hkt.timing import isa_limits_text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -21,13 +23,7 @@ def machine_line(m, threads):
     commit = f", hkt at {m['hkt_commit']}" if m.get("hkt_commit") else ""
     return (f"{m['cpu']} (family {m['family']}, model {m['model']}; {', '.join(m['flags'])}), "
             f"hkt kernels built for `{m['hkt_cpu_kernels']}`{bf16}, {threads} threads, torch {m['torch']}{commit}"
-            f"{limits_text(m)}")
-
-
-def limits_text(m):
-    """What a run restricted by environment variables (hkt.timing.ISA_LIMITS) had narrowed."""
-    limits = m.get("isa_limits") or {}
-    return (", instruction sets restricted by " + " ".join(f"`{k}={v}`" for k, v in limits.items())) if limits else ""
+            f"{isa_limits_text(m, quote='`')}")
 
 
 def attention_block(a):
@@ -58,11 +54,15 @@ def targets_block(targets):
     return out
 
 
-def machine_block(folder):
+def load(folder):
+    """A run's (attention.json, module.json)."""
     with open(os.path.join(folder, "attention.json")) as f:
         a = json.load(f)
     with open(os.path.join(folder, "module.json")) as f:
-        m = json.load(f)
+        return a, json.load(f)
+
+
+def machine_block(a, m):
     lines = attention_block(a)
     lines += ["", "Every target of the benchmarks, as they printed it (attention, then the module's training "
               "step against `nn.MultiheadAttention`):", ""]
@@ -81,17 +81,15 @@ def machine_block(folder):
 
 def main():
     results = os.path.join(HERE, "results")
-    lines = machine_block(results)
-    others = []
-    for d in os.listdir(results):
-        if os.path.isfile(os.path.join(results, d, "attention.json")):
-            with open(os.path.join(results, d, "attention.json")) as f:
-                others.append((d, json.load(f)["machine"]))
+    lines = machine_block(*load(results))
+    others = [(d, load(os.path.join(results, d))) for d in os.listdir(results)
+              if os.path.isfile(os.path.join(results, d, "attention.json"))]
     # other CPUs first, then runs of a CPU held to fewer instruction sets
-    for d, m in sorted(others, key=lambda x: (bool(x[1].get("isa_limits")), x[0])):
+    for d, run in sorted(others, key=lambda x: (bool(x[1][0]["machine"].get("isa_limits")), x[0])):
+        m = run[0]["machine"]
         title = (f"{m['cpu']} with its instruction sets restricted, a stand-in for a CPU without the rest"
                  if m.get("isa_limits") else f"Another CPU: {m['cpu']}")
-        lines += ["", f"**{title}** (`benchmarks/results/{d}/`)", ""] + machine_block(os.path.join(results, d))
+        lines += ["", f"**{title}** (`benchmarks/results/{d}/`)", ""] + machine_block(*run)
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
         text = f.read()

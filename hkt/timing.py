@@ -64,10 +64,12 @@ def machine_info() -> Dict[str, object]:
 ISA_LIMITS = ("HKT_CPU_KERNELS", "HKT_BF16", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 
 
-def isa_limits_text(info: Dict[str, object]) -> str:
-    """'' or ', restricted by HKT_CPU_KERNELS=avx2 ...' for a run with narrowed instruction sets."""
+def isa_limits_text(info: Dict[str, object], quote: str = "") -> str:
+    """'' or ', instruction sets restricted by HKT_CPU_KERNELS=avx2 ...' for a
+    run with narrowed instruction sets (each setting between ``quote``s)."""
     limits = info.get("isa_limits") or {}
-    return (", instruction sets restricted by " + " ".join(f"{k}={v}" for k, v in limits.items())) if limits else ""
+    return (", instruction sets restricted by " + " ".join(f"{quote}{k}={v}{quote}" for k, v in limits.items())
+            if limits else "")
 
 
 def _commit() -> Optional[str]:
