@@ -51,7 +51,13 @@ static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
 /* ---- GEMM: C (M, N) = [C +] alpha * op(A) @ B, row-major with leading dimensions;
  * op(A) = A (M, K) or, with trans_a, A^T where A is stored (K, M).  Register-blocked
  * R x (NV vectors) micro-tiles: 4 x 4 keeps 16 accumulators in zmm registers, and
- * 4 loads plus 4 broadcasts feed 16 FMAs. */
+ * 4 loads plus 4 broadcasts feed 16 FMAs.
+ *
+ * Each entry is stored as (C or -0) + alpha * sum, the product's one use, so
+ * the builds with FMA round it once in every tile and the portable build twice
+ * in every tile.  (With alpha * sum computed first and C added where
+ * accumulating, GCC contracted it in some tiles and not in others, by how it
+ * specialised each one.) */
 #define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN)                                            \
     static inline __attribute__((always_inline)) void NAME(                                \
         int64_t K, real alpha, const real *restrict A, int64_t lda, const real *restrict B,    \
@@ -68,14 +74,18 @@ static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
                 _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] += a * b[v];      \
             }                                                                                   \
         }                                                                                       \
+        /* alpha read back from memory after the loop: held through it as a   \
+         * broadcast vector, it took the 16th register AVX2's 6 x 2 tile needs, \
+         * and GCC kept one B vector on the stack instead (the transposed      \
+         * products ran about a third slower than the others there) */         \
+        real al = alpha;                                                                        \
+        __asm__("" : "+m"(al));                                                                 \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) {                             \
                 real *p = C + r * ldc + v * (VLEN);                                             \
-                VT o = alpha * c[r][v], old;                                                    \
-                if (accumulate) {                                                               \
-                    memcpy(&old, p, sizeof(VT));                                                \
-                    o += old;                                                                   \
-                }                                                                               \
+                VT o = -(VT){0}; /* -0 + x is x, +0 and -0 included */                          \
+                if (accumulate) memcpy(&o, p, sizeof(VT));                                      \
+                o += al * c[r][v];                                                              \
                 memcpy(p, &o, sizeof(VT));                                                      \
             }                                                                                   \
     }
@@ -186,7 +196,7 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
             for (int64_t n = j; n < N; n++) {
                 real acc = 0;
                 for (int64_t kk = 0; kk < K; kk++) acc += A[i * as + kk * ks] * B[kk * ldb + n];
-                crow[n] = accumulate ? crow[n] + alpha * acc : alpha * acc;
+                crow[n] = (accumulate ? crow[n] : -(real)0) + alpha * acc;
             }
         }
     }
