@@ -32,8 +32,8 @@ static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", NULL);
 static const hkt_isa_table *pick_isa(void) {
 #if HKT_ISA_BUILDS
     __builtin_cpu_init();
-    const int has512 = __builtin_cpu_supports("avx512f");
     const int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int has512 = __builtin_cpu_supports("avx512f") && has2;
     const char *want = getenv("HKT_CPU_KERNELS"); /* for tests and benchmarks: a narrower set */
     if (want && strcmp(want, "default") == 0) return &isa_generic;
     if (want && strcmp(want, "avx2") == 0 && has2) return &isa_avx2;

@@ -194,9 +194,9 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
         for (int64_t i = 0; i < M; i++) {
             real *crow = C + i * ldc;
             for (int64_t n = j; n < N; n++) {
-                real acc = 0;
-                for (int64_t kk = 0; kk < K; kk++) acc += A[i * as + kk * ks] * B[kk * ldb + n];
-                crow[n] = (accumulate ? crow[n] : -(real)0) + alpha * acc;
+                real acc = 0; /* as the tiles round it (madd) */
+                for (int64_t kk = 0; kk < K; kk++) acc = madd(A[i * as + kk * ks], B[kk * ldb + n], acc);
+                crow[n] = madd(alpha, acc, accumulate ? crow[n] : -(real)0);
             }
         }
     }

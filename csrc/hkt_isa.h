@@ -9,7 +9,11 @@
 
 #if HKT_ISA_BUILDS
 #if defined(HKT_ISA_AVX512)
-#pragma GCC target("avx512f")
+/* fma as well: AVX-512F alone fuses only zmm products (its EVEX forms of the
+ * narrower ones need AVX512VL), so the GEMM's half- and quarter-width tiles
+ * multiplied and added in two roundings, as no other tile did.  Every AVX-512
+ * CPU has FMA (hkt_attention.c checks it all the same). */
+#pragma GCC target("avx512f,fma")
 #else
 #pragma GCC target("avx2,fma")
 #endif

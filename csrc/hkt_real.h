@@ -65,6 +65,25 @@ static inline __attribute__((always_inline)) vec vload(const real *p) {
 
 static inline __attribute__((always_inline)) void vstore(real *p, vec v) { memcpy(p, &v, sizeof v); }
 
+/* a * b + c rounded as GCC rounds the vector kernels' a * b + c: once where the
+ * target has fused multiply-add (GCC contracts them there), twice where it has
+ * not.  For scalar loops that must give the bits the vector tiles give: left to
+ * GCC, such a loop was contracted in some copies of a function and, in others,
+ * vectorised as products added one by one, unfused.  (__FP_FAST_FMA is not
+ * defined under hkt_isa.h's target pragmas; __FMA__ is.) */
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__FP_FAST_FMA)
+#define HKT_FUSED_MADD 1
+#endif
+static inline real madd(real a, real b, real c) {
+#if HKT_FUSED_MADD && REAL_IS_FLOAT
+    return __builtin_fmaf(a, b, c);
+#elif HKT_FUSED_MADD
+    return __builtin_fma(a, b, c);
+#else
+    return a * b + c; /* no fused instruction to contract into */
+#endif
+}
+
 /* <x, y> summed in double: the backward's delta = rowsum(dO * out), which dS =
  * P (dP - delta) subtracts from a number of about its size, so its rounding
  * error is magnified there; a double sum leaves one rounding, whatever the
