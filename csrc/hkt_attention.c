@@ -219,16 +219,23 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
     w.scores = at;    at += BQ * BK;
     w.gram = at;      at += levels;
     w.folded = at;    at += levels;
-    w.key_tile = at;  at += round16(key_tile);
+    /* the backward holds BWD_KEY_TILES key tiles at once, the forward one */
+    const int64_t slots = backward ? BWD_KEY_TILES : 1;
+    w.key_tile_step = round16(key_tile);
+    w.key_tile = at;  at += slots * w.key_tile_step;
     if (backward) {
         w.dscores = at;        at += BQ * BK;
         w.pdrop = at;          at += BQ * BK;
         w.dscores_coarse = at; at += levels;
-        w.values_t = at;       at += round16(p->Dv * BK);
-        w.dw_acc = at;         at += round16(p->L);
+        w.values_t_step = round16(p->Dv * BK);
+        w.values_t = at;       at += slots * w.values_t_step;
+        w.dw_acc = at;         at += round16(slots * p->L);
         pack_rows(p, &w, &at, elem);
         for (int l = 0; l < p->L && !bf16; l++) w.pack_k |= level_len(p->S, l) > 1 && p->k_stride[l][2] != p->D;
-        if (w.pack_k) { w.key_rows = at; at += round16(key_tile); }
+        if (w.pack_k) {
+            w.key_rows_step = round16(key_tile);
+            w.key_rows = at; at += slots * w.key_rows_step;
+        }
         if (bf16) {
             /* words and bfloat16 pairs take the room of one float32 each */
             int64_t kp = 0, qs = 0;
@@ -238,7 +245,8 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
                 kp += (cols_max(l) + 1) / 2 * p->D;
                 qs += (rows_max(l) + 1) / 2 * p->D;
             }
-            w.key_pairs = at; at += round16(kp);
+            w.key_pairs_step = round16(kp);
+            w.key_pairs = at; at += slots * w.key_pairs_step;
             w.q_pairs = at;   at += round16(qs);
             w.do_pairs = at;  at += round16(BQ / 2 * p->Dv);
             w.p_pairs = at;   at += BQ / 2 * BK;

@@ -1018,29 +1018,60 @@ static void backward_keys(const hkt_params *p, const ws_layout *ws, real *base, 
         }
 }
 
+/* ws with its key-tile regions (key_tile, values_t, key_rows, key_pairs) at
+ * slot s of the BWD_KEY_TILES the backward holds; the pair's scratch regions
+ * are shared by the slots. */
+static inline ws_layout key_slot(const ws_layout *ws, int s) {
+    ws_layout w = *ws;
+    w.key_tile += s * ws->key_tile_step;
+    w.values_t += s * ws->values_t_step;
+    w.key_rows += s * ws->key_rows_step;
+    w.key_pairs += s * ws->key_pairs_step;
+    return w;
+}
+
 /* Key tiles [kt0, kt1) of kv head hk against every query tile that sees them,
- * for query heads [h0, h1) of one group, in (key tile, query head, query tile)
- * order, for the given sides; the key side's dw partials go to dw_partial.
- * The tile's keys and values are loaded once for those heads.  (Every
- * gradient row receives its additions in the same order whether the group's
- * heads come in one call or one call each.) */
+ * for query heads [h0, h1) of one group, for the given sides; the key side's
+ * dw partials go to dw_partial.  BWD_KEY_TILES key tiles are loaded at a time
+ * (once for those heads), and each query tile is taken against all of them
+ * before the next: (key tile block, query head, query tile, key tile) order.
+ * Every gradient row still receives its additions in the order of the plain
+ * (key tile, query head, query tile) walk -- a dq row from key tiles in
+ * order, a dk or dv row from query heads, then query tiles, in order -- so
+ * the same bits, whether the group's heads come in one call or one call each. */
 static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h0,
                                 int64_t h1, int64_t kt0, int64_t kt1, int want) {
-    const real *kt[HKT_MAX_LEVELS];
-    int64_t ktld[HKT_MAX_LEVELS];
+    const real *kt[BWD_KEY_TILES][HKT_MAX_LEVELS];
+    int64_t ktld[BWD_KEY_TILES][HKT_MAX_LEVELS];
+    ws_layout wk[BWD_KEY_TILES];
     real *dwacc = base + ws->dw_acc;
     const int64_t nkt = (p->S + BK - 1) / BK;
-    for (int64_t t = kt0; t < kt1; t++) {
-        const int64_t j0 = t * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
-        backward_keys(p, ws, base, b, h0, j0, j1, kt, ktld);
+    /* one key tile at a time where a level's rows span tiles (L >= 8): its dq
+     * and dk rows would take their additions in another order than the plain
+     * walk's, which the two-pass schedule keeps */
+    const int64_t held = ((int64_t)1 << (p->L - 1)) > BK ? 1 : BWD_KEY_TILES;
+    for (int64_t t0 = kt0; t0 < kt1; t0 += held) {
+        const int n = kt1 - t0 < held ? (int)(kt1 - t0) : (int)held;
+        for (int s = 0; s < n; s++) {
+            const int64_t j0 = (t0 + s) * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+            wk[s] = key_slot(ws, s);
+            backward_keys(p, &wk[s], base, b, h0, j0, j1, kt[s], ktld[s]);
+        }
         for (int64_t h = h0; h < h1; h++) {
-            for (int l = 0; l < p->L; l++) dwacc[l] = 0;
-            /* causal: query tiles that end before j0 see none of these keys */
-            for (int64_t i0 = p->causal ? (j0 / BQ) * BQ : 0; i0 < p->T; i0 += BQ)
-                backward_pair(p, ws, base, b, h, i0, i0 + BQ < p->T ? i0 + BQ : p->T, j0, j1, kt, ktld, want, dwacc);
-            real *dwp = (real *)p->dw_partial + p->B * p->H * p->T + ((b * p->H + h) * nkt + t) * p->L;
+            for (int x = 0; x < n * p->L; x++) dwacc[x] = 0;
+            for (int64_t i0 = p->causal ? t0 * BK / BQ * BQ : 0; i0 < p->T; i0 += BQ) {
+                const int64_t i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
+                for (int s = 0; s < n; s++) {
+                    const int64_t j0 = (t0 + s) * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+                    if (p->causal && i1 - 1 < j0) continue; /* the query tile ends before these keys */
+                    backward_pair(p, &wk[s], base, b, h, i0, i1, j0, j1, kt[s], ktld[s], want, dwacc + s * p->L);
+                }
+            }
             if (want & WANT_KV)
-                for (int l = 0; l < p->L; l++) dwp[l] = dwacc[l];
+                for (int s = 0; s < n; s++) {
+                    real *dwp = (real *)p->dw_partial + p->B * p->H * p->T + ((b * p->H + h) * nkt + t0 + s) * p->L;
+                    for (int l = 0; l < p->L; l++) dwp[l] = dwacc[s * p->L + l];
+                }
         }
     }
 }

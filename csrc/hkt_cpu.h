@@ -28,6 +28,16 @@
 /* Cap on the backward's per-thread packed copies of strided query-side rows
  * (ws_layout.pack_q and the like), all threads together. */
 #define HKT_PACK_BYTES ((size_t)64 << 20)
+/* Key tiles the backward holds at once (ws_layout's key slots): each query
+ * tile's rows, read from beyond the L2 cache, serve that many key tiles before
+ * the next is read.  At T=4096, L=3, one key tile per pass over a head's
+ * query side (4.6 MB of q, dO and dq rows) ran the backward up to 18% below
+ * its rate at T=2048 on two threads of a Zen 4 (9% on one; how much varied with
+ * the machine's load).  Two took 3-5% off the full T=4096 forward+backward and
+ * changed nothing measurable at T <= 2048; four took 6.5% off there but added
+ * 6% at B=8 H=4 T=1024 (the module's heads, packed), whose key slots then
+ * crowd the packed rows out of L2. */
+#define BWD_KEY_TILES 2
 /* Bytes at the head of each thread's workspace block, before the reals: per-thread state. */
 #define WS_HEADER 64
 
@@ -97,7 +107,7 @@ typedef struct {
     int64_t pdrop;          /* BQ x BK: P after dropout */
     int64_t dscores_coarse; /* levels: dS summed over 2^l x 2^l blocks */
     int64_t values_t;       /* (Dv, BK): the tile's values transposed */
-    int64_t dw_acc;         /* L: dw of the current key tile */
+    int64_t dw_acc;         /* BWD_KEY_TILES x L: dw of the key tiles held */
     int64_t key_rows;       /* levels: the tile's key rows, (cols, D) each at key_tile_off[l], if pack_k */
     int64_t q_packed;       /* levels: one query head's q[l] rows, (ceil(T / 2^l), D) each, at pack_off[l] */
     int64_t dq_packed;      /* levels: its dq[l] rows, the same shapes */
@@ -122,6 +132,9 @@ typedef struct {
     int64_t ds_pairs;       /* (BQ / 2, BK) words: the same as row pairs */
     int64_t pairs_t;        /* (BK, BQ / 2) words: P or dS as row pairs, transposed (AMX's A for dv, dk) */
     int64_t key_pairs_off[HKT_MAX_LEVELS], q_off[HKT_MAX_LEVELS]; /* per level, in words */
+    /* backward: key_tile, values_t, key_rows and key_pairs each hold
+     * BWD_KEY_TILES tiles, this far apart (key_slot in the kernels' body) */
+    int64_t key_tile_step, values_t_step, key_rows_step, key_pairs_step;
     int64_t pack_off[HKT_MAX_LEVELS]; /* per level: offsets in q_packed and dq_packed (backward), q_tile (forward) */
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
