@@ -232,10 +232,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
         w.dw_acc = at;         at += round16(slots * p->L);
         pack_rows(p, &w, &at, elem);
         for (int l = 0; l < p->L && !bf16; l++) w.pack_k |= level_len(p->S, l) > 1 && p->k_stride[l][2] != p->D;
-        if (w.pack_k) {
-            w.key_rows_step = round16(key_tile);
-            w.key_rows = at; at += slots * w.key_rows_step;
-        }
+        if (w.pack_k) { w.key_rows = at; at += slots * w.key_tile_step; }
         if (bf16) {
             /* words and bfloat16 pairs take the room of one float32 each */
             int64_t kp = 0, qs = 0;

@@ -1025,7 +1025,7 @@ static inline ws_layout key_slot(const ws_layout *ws, int s) {
     ws_layout w = *ws;
     w.key_tile += s * ws->key_tile_step;
     w.values_t += s * ws->values_t_step;
-    w.key_rows += s * ws->key_rows_step;
+    w.key_rows += s * ws->key_tile_step;
     w.key_pairs += s * ws->key_pairs_step;
     return w;
 }

@@ -133,8 +133,9 @@ typedef struct {
     int64_t pairs_t;        /* (BK, BQ / 2) words: P or dS as row pairs, transposed (AMX's A for dv, dk) */
     int64_t key_pairs_off[HKT_MAX_LEVELS], q_off[HKT_MAX_LEVELS]; /* per level, in words */
     /* backward: key_tile, values_t, key_rows and key_pairs each hold
-     * BWD_KEY_TILES tiles, this far apart (key_slot in the kernels' body) */
-    int64_t key_tile_step, values_t_step, key_rows_step, key_pairs_step;
+     * BWD_KEY_TILES tiles, this far apart (key_slot in the kernels' body);
+     * key_rows, the same keys untransposed, steps as key_tile does */
+    int64_t key_tile_step, values_t_step, key_pairs_step;
     int64_t pack_off[HKT_MAX_LEVELS]; /* per level: offsets in q_packed and dq_packed (backward), q_tile (forward) */
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
