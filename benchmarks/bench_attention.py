@@ -100,20 +100,28 @@ def thread_scaling(H, D, threads, repeats, T=2048):
     forward+backward, and for scale what the machine itself gives two threads:
     SDPA's forward+backward and sgemm (torch.mm 2048^3).  A core's clock and
     the memory it shares differ with one or two cores busy, so no kernel can
-    expect much more than sgemm's figure."""
+    expect much more than sgemm's figure.  The thread counts take turns, call
+    by call (each call sets its own), so that a change in the machine's load
+    during the measure weighs on both sides of the ratio alike (on the Zen 4
+    VM, sgemm's own 2-thread figure read 1.54 and 1.99 in two runs a minute
+    apart)."""
+    def at(n, f):
+        def g():
+            torch.set_num_threads(n)
+            return f()
+        return g
+
     out = {}
     for backward in (False, True):
         fns = attention_callables(1, H, T, D, (3,), backward=backward)
         if not backward:
             del fns["sdpa"]
-        times = {}
-        for n in (1, threads):
-            torch.set_num_threads(n)
-            times[n] = time_interleaved(fns, repeats=max(3, repeats // 2))
+        med = time_interleaved({f"{name}, {n} threads": at(n, f) for name, f in fns.items() for n in (1, threads)},
+                               repeats=max(5, repeats))
         tag = "fwd+bwd" if backward else "fwd"
-        out[tag] = times[1]["hkt L=3"] / times[threads]["hkt L=3"]
+        out[tag] = med["hkt L=3, 1 threads"] / med[f"hkt L=3, {threads} threads"]
         if backward:
-            out[f"sdpa {tag}"] = times[1]["sdpa"] / times[threads]["sdpa"]
+            out[f"sdpa {tag}"] = med["sdpa, 1 threads"] / med[f"sdpa, {threads} threads"]
     torch.set_num_threads(1)
     one = sgemm_gflops()
     torch.set_num_threads(threads)
