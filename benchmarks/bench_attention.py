@@ -117,7 +117,7 @@ def thread_scaling(H, D, threads, repeats, T=2048):
         if not backward:
             del fns["sdpa"]
         med = time_interleaved({f"{name}, {n} threads": at(n, f) for name, f in fns.items() for n in (1, threads)},
-                               repeats=max(5, repeats))
+                               repeats=repeats)
         tag = "fwd+bwd" if backward else "fwd"
         out[tag] = med["hkt L=3, 1 threads"] / med[f"hkt L=3, {threads} threads"]
         if backward:
@@ -162,11 +162,14 @@ def main(argv=None):
     ap.add_argument("--reference-max-T", type=int, default=2048, help="largest T the O(T^2)-memory reference runs at")
     ap.add_argument("--memory-T", type=int, default=16384)
     ap.add_argument("--bf16-T", type=int, nargs="*", default=[1024, 2048])
+    ap.add_argument("--min-time", type=float, default=1.5,
+                    help="seconds of rounds each cell of the main table runs at least")
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.T, args.repeats, args.memory_T, args.reference_max_T, args.bf16_T = [128, 512], 3, 2048, 512, [256]
+        args.min_time = 0.0
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     H, D = args.heads, args.dim
@@ -187,7 +190,9 @@ def main(argv=None):
             for backward in (False, True):
                 fns = attention_callables(1, H, T, D, (1, 2, 3), is_causal=causal, backward=backward,
                                           include_reference=ref)
-                med = time_interleaved(fns, repeats=args.repeats)
+                # at least min_time of rounds: a call of a few ms is one a stall of the
+                # VM's other core can double, and 7 rounds of T=512 last a third of a second
+                med = time_interleaved(fns, repeats=args.repeats, min_time=args.min_time)
                 for name, sec in med.items():
                     L = 1 if name == "sdpa" else int(name.split("=")[1])
                     flops = score_flops(1, H, T, D, L, is_causal=causal, backward=backward)
@@ -253,7 +258,8 @@ def main(argv=None):
     vs_sgemm = forward_vs_sgemm(H, D, args.threads, args.repeats)
     print(f"forward L=3 at T=2048 and sgemm, interleaved (medians): {vs_sgemm['hkt_gflops']:.0f} and "
           f"{vs_sgemm['sgemm_gflops']:.0f} GFLOP/s, ratio {vs_sgemm['ratio']:.3f}")
-    scaling = thread_scaling(H, D, args.threads, args.repeats)
+    # 11 rounds at least: its target is a ratio of two medians, each with the machine's noise
+    scaling = thread_scaling(H, D, args.threads, args.repeats if args.quick else max(11, args.repeats))
     print(f"{args.threads} threads / 1 thread speed-up, T=2048 L=3: " + ", ".join(
         f"{k} {v:.2f}x" for k, v in scaling.items()))
 
