@@ -1044,6 +1044,7 @@ static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *
     const real *kt[BWD_KEY_TILES][HKT_MAX_LEVELS];
     int64_t ktld[BWD_KEY_TILES][HKT_MAX_LEVELS];
     ws_layout wk[BWD_KEY_TILES];
+    int64_t kj0[BWD_KEY_TILES], kj1[BWD_KEY_TILES]; /* the held tiles' key ranges */
     real *dwacc = base + ws->dw_acc;
     const int64_t nkt = (p->S + BK - 1) / BK;
     /* one key tile at a time where a level's rows span tiles (L >= 8): its dq
@@ -1053,18 +1054,19 @@ static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *
     for (int64_t t0 = kt0; t0 < kt1; t0 += held) {
         const int n = kt1 - t0 < held ? (int)(kt1 - t0) : (int)held;
         for (int s = 0; s < n; s++) {
-            const int64_t j0 = (t0 + s) * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
+            kj0[s] = (t0 + s) * BK;
+            kj1[s] = kj0[s] + BK < p->S ? kj0[s] + BK : p->S;
             wk[s] = key_slot(ws, s);
-            backward_keys(p, &wk[s], base, b, h0, j0, j1, kt[s], ktld[s]);
+            backward_keys(p, &wk[s], base, b, h0, kj0[s], kj1[s], kt[s], ktld[s]);
         }
         for (int64_t h = h0; h < h1; h++) {
             for (int x = 0; x < n * p->L; x++) dwacc[x] = 0;
             for (int64_t i0 = p->causal ? t0 * BK / BQ * BQ : 0; i0 < p->T; i0 += BQ) {
                 const int64_t i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
                 for (int s = 0; s < n; s++) {
-                    const int64_t j0 = (t0 + s) * BK, j1 = j0 + BK < p->S ? j0 + BK : p->S;
-                    if (p->causal && i1 - 1 < j0) continue; /* the query tile ends before these keys */
-                    backward_pair(p, &wk[s], base, b, h, i0, i1, j0, j1, kt[s], ktld[s], want, dwacc + s * p->L);
+                    if (p->causal && i1 - 1 < kj0[s]) continue; /* the query tile ends before these keys */
+                    backward_pair(p, &wk[s], base, b, h, i0, i1, kj0[s], kj1[s], kt[s], ktld[s], want,
+                                  dwacc + s * p->L);
                 }
             }
             if (want & WANT_KV)
