@@ -188,7 +188,9 @@ class MultiheadHKT(nn.Module):
     (and get zero weights), where MHA lets them attend to the real keys.  The
     padded computation runs instead, with the same zeros, under TorchScript,
     ``torch.export`` / ``torch.compile``, on CUDA, with ``attn_mask``,
-    ``add_bias_kv`` / ``add_zero_attn`` or dropout in training.
+    ``add_bias_kv`` / ``add_zero_attn``, dropout in training, or a float
+    ``key_padding_mask`` that requires grad (which then gets its gradient: the
+    packed call never reads the mask).
 
     Differences from ``nn.MultiheadAttention``:
 
@@ -752,7 +754,9 @@ class MultiheadHKT(nn.Module):
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
               and q0.device.type == "cpu" and not torch.compiler.is_compiling()
-              and not torch._C._are_functorch_transforms_active()):
+              and not torch._C._are_functorch_transforms_active()
+              # the packed call never reads the mask: a float mask's gradient needs the padded one
+              and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
             out = self._packed_attention(qs, ks, vh, w, real, causal)
         elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
             out = qkv_attention(qkv, qs, ks, vh, w, mask, causal, dropout_p)

@@ -312,6 +312,31 @@ def test_module_equals_padded_call_on_real_tokens(is_causal, batch_first, float_
     torch.testing.assert_close(xp.grad, xq.grad, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_module_float_mask_that_requires_grad_gets_it(is_causal):
+    """A float key_padding_mask that requires grad gets its gradient with
+    pack_padding (the packed call never reads the mask, so the padded one runs):
+    the gradient of the documented result, MHA-style attention with the padded
+    query rows' outputs set to 0."""
+    E, H = 16, 4
+    packed = randomized(hkt.MultiheadHKT(E, H, batch_first=True, levels=3, pack_padding=True).double())
+    plain = randomized(hkt.MultiheadHKT(E, H, batch_first=True, levels=3).double())
+    x, kpm = padded_batch(E, MOD_LENS, float_mask=True)
+    real = torch.isfinite(kpm)
+    m1, m2 = kpm.clone().requires_grad_(), kpm.clone().requires_grad_()
+    got, _ = packed(x, x, x, key_padding_mask=m1, is_causal=is_causal, need_weights=False)
+    want, _ = plain(x, x, x, key_padding_mask=m2, is_causal=is_causal, need_weights=False)
+    want = want.masked_fill(~real[..., None], 0.0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dout = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    g1, = torch.autograd.grad(got, m1, dout)
+    g2, = torch.autograd.grad(want, m2, dout)
+    torch.testing.assert_close(g1, g2, rtol=1e-10, atol=1e-12)
+    # (a length-1 sequence's one key gets 0: its softmax is 1 whatever the mask)
+    assert int((g1[real] != 0).sum()) == int(real.sum()) - 1
+    assert torch.equal(g1[~real], torch.zeros_like(g1[~real]))
+
+
 def test_module_takes_the_packed_path(monkeypatch):
     """The packed call really runs (not the padded one with zeroed rows)."""
     import hkt.modules as modules
