@@ -22,6 +22,9 @@ Differences from plain SDPA that hkt's contract fixes here:
   are given an all-visible mask row (finite scores, so nothing becomes NaN in
   SDPA's forward or backward) and their output is then set to 0, which also
   zeroes every gradient that flows through them;
+- ``is_causal`` with a scale <= 0 (hkt allows any finite scale): the causal
+  mask goes to SDPA as a mask, not as ``is_causal``, with which torch 2.13's
+  CPU kernel gave NaN rows for finite inputs;
 - dropout is refused: SDPA draws its own dropout pattern, not the kernels'
   (hkt_dropout.h), so the two backends would differ.
 
@@ -146,10 +149,16 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         scale = 1.0 / math.sqrt(D)
     qt, kt = concat_levels(q, k, w)
     gqa = kt.shape[1] != qt.shape[1]  # grouped-query: SDPA reads kv head h // (H // H_kv), as the kernels do
-    if attn_mask is None:
+    scale = float(scale)
+    if attn_mask is None and (not is_causal or scale > 0):
         # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
         # where SDPA gives zeros
-        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=float(scale), enable_gqa=gqa)
+        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    if attn_mask is None:
+        # is_causal with a scale <= 0: torch 2.13's CPU kernel for is_causal gives
+        # NaN rows there (finite inputs, Dv = L * D); with an explicit mask it is
+        # right, so the causal mask goes as one
+        attn_mask = torch.ones((1, 1, T, S), dtype=torch.bool, device=qt.device)
     causal = None
     if is_causal:
         causal = torch.ones(T, S, dtype=torch.bool, device=qt.device).tril()
@@ -164,5 +173,5 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         # NaN is visible (it makes its row NaN, as in the kernels)
         empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
         mask = mask.masked_fill(empty, 0.0)
-    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=float(scale), enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.masked_fill(empty, 0.0)

@@ -71,6 +71,19 @@ def test_scale_and_lower_rank_masks(scale):
             assert_close_all(got, want, 1e-10)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0, -0.0])
+@pytest.mark.parametrize("L, dtype", [(1, torch.float64), (2, torch.float64), (1, torch.float32)])
+def test_causal_with_a_scale_not_above_zero(scale, L, dtype):
+    """is_causal with scale <= 0 (any finite scale is allowed): torch's CPU SDPA
+    kernel for is_causal gave NaN rows there where Dv = L * D, so the backend
+    gives it the causal mask explicitly; the reference's values and gradients."""
+    B, H, T, D = 1, 2, 16, 8
+    q, k, v, w = sample_inputs(B, H, T, T, D, L * D, L, dtype=dtype, requires_grad=True)
+    got = outputs_and_grads(sdpa, q, k, v, w, None, is_causal=True, scale=scale)
+    want = outputs_and_grads(reference, q, k, v, w, None, is_causal=True, scale=scale)
+    assert_close_all(got, want, 1e-10 if dtype == torch.float64 else 2e-5)
+
+
 def test_rows_with_no_visible_key_give_zeros():
     B, H, T, S, D, Dv, L = 2, 2, 20, 24, 4, 3, 3
     q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, requires_grad=True)
