@@ -134,7 +134,7 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     dtype = compute_dtype(q0.dtype)
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
     if like_inputs and v.dim() == 4 and v.shape[-1] == q0.shape[-1] and _like(q0):
-        out = torch.empty_like(q0, dtype=dtype)
+        out = _empty_like_layout(q0, dtype)
     else:
         out = _empty((*lead, v.shape[-1] if v.dim() else 0), dtype, q0)
     lse = _empty(lead, dtype, q0)
@@ -194,12 +194,14 @@ def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     # it without arguments (preserve_format, of a contiguous x): 1.0 us, against
     # 1.5 with them.  The custom op's outputs stay strictly contiguous_format,
     # as its fake kernel says (a size-1 dimension's stride included).
-    cf, pf = torch.contiguous_format, torch.preserve_format
+    cf = torch.contiguous_format
 
     def buf(x):
         if like_inputs and x.dtype == dtype and x.is_contiguous():
             return torch.empty_like(x)
-        return torch.empty_like(x, dtype=dtype, memory_format=pf if like_inputs and _like(x) else cf)
+        if like_inputs and _like(x):
+            return _empty_like_layout(x, dtype)
+        return torch.empty_like(x, dtype=dtype, memory_format=cf)
     dw = torch.empty_like(w, dtype=dtype, memory_format=cf)
     if into is not None:
         return [into[0], *[buf(x) for x in q[1:]]], [into[1], *[buf(x) for x in k[1:]]], into[2], dw
@@ -208,13 +210,25 @@ def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
 
 def _like(x: Tensor) -> bool:
     """Whether an output may copy x's layout (torch.preserve_format, which
-    copies a dense layout and makes anything else contiguous): x's features
+    copies a dense layout; see _empty_like_layout for the rest): x's features
     have unit stride, which the kernels need.  The heads a module splits off its
     projections, (B, T, H, D) memory seen as (B, H, T, D), are the case that
     matters: gradients and outputs in that layout turn the module's reshapes
     back to (B, T, H * D) into views, where contiguous ones cost a transposing
     copy each (about a tenth of a ListOps-size training step)."""
     return x.dim() > 0 and (x.stride(-1) == 1 or x.size(-1) <= 1)
+
+
+def _empty_like_layout(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """torch.empty_like(x) in dtype, laid out like x (x passed _like), or
+    contiguous where that layout would not have unit feature stride: for an x
+    whose rows overlap (sliding windows from Tensor.unfold), preserve_format
+    makes up dense strides in x's stride order, which may put another
+    dimension innermost."""
+    y = torch.empty_like(x, dtype=dtype)
+    if y.stride(-1) == 1 or y.size(-1) <= 1:
+        return y
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dtype: torch.dtype):

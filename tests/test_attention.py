@@ -132,6 +132,27 @@ def test_non_contiguous_inputs():
     assert_matches(qt, kt, vt, wt, 1e-10, 1e-10, is_causal=True)
 
 
+@pytest.mark.parametrize("which", ["q[0]", "k[0]", "v", "all"])
+def test_overlapping_rows(which):
+    """Inputs whose rows overlap in memory (sliding windows, Tensor.unfold) have
+    unit feature stride, as the kernels need; the outputs and gradients made for
+    them must too (torch's preserve_format may put another dimension innermost
+    for such a layout), whichever input it is."""
+    B, H, T, D, L = 2, 3, 19, 5, 3
+    q, k, v, w = sample_inputs(B, H, T, T, D, D, L, requires_grad=True)
+
+    def windows(seed):  # (B, H, T, D): head h is features h .. h + D - 1 of one (B, T, H + D - 1) tensor
+        x = torch.randn(B, T, H + D - 1, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        return x.requires_grad_().unfold(2, D, 1).transpose(1, 2)
+    if which in ("q[0]", "all"):
+        q[0] = windows(1)
+    if which in ("k[0]", "all"):
+        k[0] = windows(2)
+    if which in ("v", "all"):
+        v = windows(3)
+    assert_matches(q, k, v, w, 1e-10, 1e-10, is_causal=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("B, H, Hk, threads", [
     (2, 3, 3, 2),  # backward: one task per (b, kv head), strided rows packed per query head
