@@ -527,9 +527,12 @@ static int parse_scale(PyObject *scale, int64_t D, double *out) {
 
 static int check_dropout(double dropout_p) {
     if (dropout_p >= 0.0 && dropout_p <= 1.0) return 0;
-    char buf[64]; /* PyErr_Format has no %g */
-    snprintf(buf, sizeof buf, "%g", dropout_p);
-    PyErr_Format(PyExc_ValueError, "dropout_p: must be in [0, 1], got %s", buf);
+    /* as Python writes it (repr: 1.0000001, not %g's 1) */
+    PyObject *v = PyFloat_FromDouble(dropout_p);
+    if (v) {
+        PyErr_Format(PyExc_ValueError, "dropout_p: must be in [0, 1], got %R", v);
+        Py_DECREF(v);
+    }
     return -1;
 }
 
@@ -725,7 +728,8 @@ static const DLTensor *take_mask(hkt_params *p, held *hd, PyObject *mask, const 
                      "got %s", exp, got);
         return NULL;
     }
-    if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && (mt->dtype.code == kDLBool || mt->dtype.code == kDLUInt)) {
+    /* bool only: a uint8 mask (DLPack's bool before kDLBool) is refused, as SDPA refuses it */
+    if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && mt->dtype.code == kDLBool) {
         p->mask_kind = HKT_MASK_BOOL;
     } else if (mt->dtype.lanes == 1 && mt->dtype.code == q0->dtype.code && mt->dtype.bits == q0->dtype.bits) {
         if (check_aligned(mt, "attn_mask")) return NULL;

@@ -77,6 +77,8 @@ def bad_cases():
     yield "str-scale", TypeError, "scale", dict(scale="0.5")
     yield "mask-shape", ValueError, "attn_mask", dict(attn_mask=torch.ones(10, 8, dtype=torch.bool))
     yield "mask-dtype", TypeError, "attn_mask", dict(attn_mask=torch.ones(10, 7, dtype=torch.int32))
+    # uint8, once DLPack's stand-in for bool, is not taken as one (as SDPA, and the "sdpa" backend)
+    yield "mask-uint8", TypeError, "attn_mask", dict(attn_mask=torch.ones(10, 7, dtype=torch.uint8))
     yield "mask-type", TypeError, "attn_mask", dict(attn_mask=[[True]])
     yield "dropout", ValueError, "dropout_p", dict(dropout_p=1.5)
     yield "dropout-neg", ValueError, "dropout_p", dict(dropout_p=-0.1)
