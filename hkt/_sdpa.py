@@ -78,11 +78,12 @@ def _shape_error(name: str, want, meaning: str, got) -> ValueError:
     return ValueError(f"{name}: expected shape {tuple(want)} {meaning}, got {tuple(got)}")
 
 
-def check_arguments(q, k, v, w, attn_mask, dropout_p, scale) -> None:
+def check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=False) -> None:
     """What the extension checks for the kernels, for the inputs SDPA would
     otherwise take silently (a level one row too long is sliced away by the
-    concatenation, for example).  Types, devices and dtypes are checked by the
-    caller (functional._check_inputs)."""
+    concatenation, for example), and for meta tensors, which never reach the
+    extension (dropout_allowed: the kernels' fake kernel takes dropout).  Types,
+    devices and dtypes are checked by the caller (functional._check_inputs)."""
     L = len(q)
     dtype = q[0].dtype
     named = [(f"q[{l}]", x) for l, x in enumerate(q)] + [(f"k[{l}]", x) for l, x in enumerate(k)]
@@ -125,8 +126,8 @@ def check_arguments(q, k, v, w, attn_mask, dropout_p, scale) -> None:
             raise ValueError(f"attn_mask: expected 4 dimensions, each 1 or that of (B, H, T, S) = {full}, "
                              f"got {tuple(attn_mask.shape)}")
     if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p: must be in [0, 1], got {dropout_p:g}")
-    if dropout_p > 0:
+        raise ValueError(f"dropout_p: must be in [0, 1], got {dropout_p!r}")
+    if dropout_p > 0 and not dropout_allowed:
         raise ValueError("dropout_p: the 'sdpa' backend has no dropout (SDPA's own dropout pattern is not the "
                          "kernels' one); use backend='kernels' (backend=None picks them when dropout_p > 0)")
     if scale is not None:

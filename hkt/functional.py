@@ -1,5 +1,6 @@
 """The public functional API: hkt.hkt_attention."""
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
@@ -46,12 +47,14 @@ def _pick_backend(backend, q, dropout_p) -> str:
 
 def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
     """What the extension cannot see: that x is a dense torch.Tensor on q[0]'s
-    device (only those go through DLPack: a sparse or meta tensor would fail
-    there without its name) and, for bfloat16 (upcast before the extension sees
-    it), that it matches q[0].  Returns x.requires_grad.  The argument's name is
-    name[level] (name alone when level is None), built only for a message."""
+    device (only those go through DLPack: a sparse tensor, or one on another
+    device than q[0], would fail there without its name) and, where bfloat16 is
+    on either side (the extension sees bfloat16 upcast to float32), that its
+    dtype is q[0]'s (dtype None: any).  Returns x.requires_grad.  The
+    argument's name is name[level] (name alone when level is None), built only
+    for a message."""
     if isinstance(x, Tensor) and x.layout == torch.strided and x.device == device and (
-            dtype != torch.bfloat16 or x.dtype == dtype):
+            x.dtype == dtype or (dtype != torch.bfloat16 and (x.dtype != torch.bfloat16 or dtype is None))):
         return x.requires_grad
     if level is not None:
         name = f"{name}[{level}]"
@@ -61,9 +64,17 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
         raise TypeError(f"{name}: only dense (strided) tensors are supported, got layout {x.layout}")
     if x.device != device:
         raise ValueError(f"{name}: is on {x.device} but q[0] is on {device}")
-    if dtype == torch.bfloat16 and x.dtype != dtype:
+    if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name}: dtype {x.dtype} does not match q[0]'s {dtype}")
     return x.requires_grad
+
+
+def _refuse_meta(q0, what: str) -> None:
+    """For the calls with no shapes-only path (the extension's decoding and
+    variable-length kernels): meta tensors hold no data for them to read, and
+    cannot go through DLPack."""
+    if isinstance(q0, Tensor) and q0.is_meta:
+        raise ValueError(f"q[0]: {what} needs tensors with data; meta tensors are not supported")
 
 
 def _check_inputs(q, k, v, w):
@@ -125,7 +136,10 @@ def hkt_attention(
         is_causal: key j is visible to query i only when j <= i.
         dropout_p: dropout on the attention probabilities (apply it only in
             training); the mask is drawn from torch's default generator.
-        scale: score scale, default 1 / sqrt(D).
+        scale: score scale, default 1 / sqrt(D).  ``scale`` and ``dropout_p``
+            take any real number but a bool (NumPy scalars too, as in SDPA).
+            Meta tensors give meta results of the right shapes (the custom
+            op's fake kernel), after the same argument checks.
         backend: how to compute it.  ``"kernels"``: hkt's own kernels (CPU;
             CUDA in a build made with ``HKT_CUDA=1``): O(T) memory, exact 4/3
             score cost on the CPU, bitwise deterministic, bfloat16 native
@@ -205,13 +219,14 @@ def _name_the_argument(q, k, v, w, attn_mask):
 
 def _kernel_args(attn_mask, is_causal, dropout_p, scale, dtype):
     """The scalar checks and the mask as the kernels take it (a float mask in
-    the compute dtype, 4-D); returns (attn_mask, dropout_p as a float)."""
-    _check_scalars(is_causal, dropout_p, scale)
+    the compute dtype, 4-D); returns (attn_mask, dropout_p, scale) as
+    _check_scalars returns them."""
+    dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
     if attn_mask is not None:
         if attn_mask.is_floating_point():
             attn_mask = attn_mask.to(_kernels.compute_dtype(dtype))
         attn_mask = _as_4d(attn_mask)
-    return attn_mask, float(dropout_p)
+    return attn_mask, dropout_p, scale
 
 
 def _eager_seed(dropout_p: float) -> int:
@@ -225,9 +240,14 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     q0 = q[0]
     if q0.dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
         _check_inputs(q, k, v, w)
-    attn_mask, dropout_p = _kernel_args(attn_mask, is_causal, dropout_p, scale, q0.dtype)
-    if torch.compiler.is_compiling():
-        # traced: the registered custom op, which torch.compile understands
+    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q0.dtype)
+    if torch.compiler.is_compiling() or q0.is_meta:
+        # traced: the registered custom op, which torch.compile understands;
+        # meta tensors (shapes only) take its fake kernel
+        if q0.is_meta:  # no extension call checks them: the same checks, in Python
+            _check_inputs(q, k, v, w)
+            _check_mask(attn_mask, q0.device)
+            _sdpa.check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=True)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
         seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros(
@@ -249,10 +269,10 @@ def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     the extension would for the kernels, then plain differentiable torch ops."""
     _check_inputs(q, k, v, w)
     _check_mask(attn_mask, q[0].device)
-    _check_scalars(is_causal, dropout_p, scale)
+    dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask)
-    _sdpa.check_arguments(q, k, v, w, attn_mask, float(dropout_p), scale)
+    _sdpa.check_arguments(q, k, v, w, attn_mask, dropout_p, scale)
     return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
 
 
@@ -262,15 +282,40 @@ def _heads(x: Tensor, H: int, hd: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
 
 
+def _type_name(x) -> str:
+    """x's type for a message, with its module unless built in (NumPy's bool is
+    called 'bool' too)."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _real(x) -> bool:
+    """A real number other than a bool: int, float, or a NumPy (or other
+    numbers.Real) scalar, as SDPA takes for dropout_p and scale."""
+    if isinstance(x, (int, float)):  # the common case first: an ABC's isinstance is slower
+        return not isinstance(x, bool)
+    return isinstance(x, numbers.Real)
+
+
 def _check_scalars(is_causal, dropout_p, scale):
     """Types of the scalar arguments (their ranges are the extension's, or
-    hkt._sdpa's, to check)."""
+    hkt._sdpa's, to check).  Returns (dropout_p, scale) as the extension takes
+    them: dropout_p a float, scale None, an int or a float (a NumPy scalar as
+    a float)."""
     if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        raise TypeError(f"is_causal: expected a bool, got {_type_name(is_causal)}")
+    if not _real(dropout_p):
+        raise TypeError(f"dropout_p: expected a float, got {_type_name(dropout_p)}")
+    try:
+        dropout_p = float(dropout_p)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError("dropout_p: must be in [0, 1], got an int beyond the float range") from None
+    if scale is not None:
+        if not _real(scale):
+            raise TypeError(f"scale: expected a float or None, got {_type_name(scale)}")
+        if not isinstance(scale, (int, float)):
+            scale = float(scale)
+    return dropout_p, scale
 
 
 def _as_4d(attn_mask: Tensor) -> Tensor:
@@ -401,9 +446,9 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     gradient is written as one tensor, qkv's (_QKVAttention); anywhere else
     hkt_attention itself, the same values."""
     if (qkv.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled() and qkv.requires_grad
-            and not torch.compiler.is_compiling() and _pick_backend(None, q, dropout_p) == "kernels"):
+            and not qkv.is_meta and not torch.compiler.is_compiling() and _pick_backend(None, q, dropout_p) == "kernels"):
         try:
-            mask, dropout_p = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)
+            mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)
             return _QKVAttention.apply(q[0].shape[1], k[0].shape[1], is_causal, dropout_p, None,
                                        _eager_seed(dropout_p), mask, qkv, w, *q[1:], *k[1:])
         except _CALL_FAILED:

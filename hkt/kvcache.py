@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _kernels
-from .functional import _check_tensor, _heads
+from .functional import _check_tensor, _heads, _refuse_meta
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -113,6 +113,7 @@ def hkt_attention_with_kvcache(
         # nothing is checked in Python on the way in; when something failed, say
         # which argument the extension could not see was wrong, if one was
         _check_decode_inputs(q, k_cache, v_cache, w, k, v)
+        _refuse_meta(q[0], "decoding")
         raise
 
 

@@ -554,8 +554,8 @@ class MultiheadHKT(nn.Module):
         else:
             real = kpm != float("-inf")
         if not torch.jit.is_scripting():
-            if torch.compiler.is_compiling():
-                return real  # traced: no data-dependent checks (the padded path runs)
+            if torch.compiler.is_compiling() or kpm.is_meta:
+                return real  # traced, or shapes only: no data-dependent checks (the padded path runs)
         if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
             raise ValueError("key_padding_mask: with pack_padding a float mask may hold only 0 (keep) and -inf "
                              "(padding)")

@@ -7,7 +7,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _kernels
-from .functional import _check_inputs, _check_scalars
+from .functional import _check_inputs, _check_scalars, _refuse_meta
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -118,6 +118,7 @@ def hkt_attention_varlen(
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
         # what the extension cannot name: not tensors at all, mixed bfloat16
         _check_inputs(q, k, v, w)
+        _refuse_meta(q[0], "variable-length attention")
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64 offsets, got "
@@ -128,7 +129,7 @@ def hkt_attention_varlen(
 def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
     if q[0].dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
         _check_inputs(q, k, v, w)
-    _check_scalars(is_causal, 0.0, scale)
+    _, scale = _check_scalars(is_causal, 0.0, scale)
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
                                     v.requires_grad or w.requires_grad):
         return _VarlenAttention.apply(len(q), cu_q, cu_k, max_q, max_k, is_causal, scale, *q, *k, v, w)

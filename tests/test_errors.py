@@ -93,3 +93,65 @@ def test_extension_takes_capsules_and_rejects_consumed_ones():
     from_dlpack(used)  # consumes it: the capsule is renamed "used_dltensor"
     with pytest.raises(TypeError, match="^v: a DLPack capsule must be an unconsumed"):
         _C.forward(q, k, used, w, out, lse)
+
+
+def test_scalar_arguments_as_sdpa_takes_them():
+    """NumPy real scalars for scale and dropout_p work as the floats they are
+    (SDPA takes them); a NumPy bool is not a bool for is_causal (nor for SDPA),
+    and the message says whose type it is; a dropout_p just out of range is
+    written in full."""
+    q, k, v, w = base()
+    for backend in ("kernels", "sdpa"):
+        want = hkt.hkt_attention(q, k, v, w, scale=0.5, backend=backend)
+        assert torch.equal(hkt.hkt_attention(q, k, v, w, scale=np.float32(0.5), backend=backend), want)
+        assert torch.equal(hkt.hkt_attention(q, k, v, w, scale=0.5, dropout_p=np.float32(0), backend=backend), want)
+        with pytest.raises(TypeError, match="^is_causal: expected a bool, got numpy.bool"):
+            hkt.hkt_attention(q, k, v, w, is_causal=np.bool_(True), backend=backend)
+        with pytest.raises(ValueError, match=r"^dropout_p: must be in \[0, 1\], got 1.0000001$"):
+            hkt.hkt_attention(q, k, v, w, dropout_p=1.0000001, backend=backend)
+        with pytest.raises(ValueError, match="^dropout_p: must be in \\[0, 1\\], got an int beyond the float range"):
+            hkt.hkt_attention(q, k, v, w, dropout_p=10**400, backend=backend)
+
+
+def test_bfloat16_next_to_another_dtype_is_named_as_it_was_passed():
+    """The kernels see bfloat16 upcast to float32; the message names the dtype
+    the caller passed, on either side."""
+    q, k, v, w = base()
+    with pytest.raises(TypeError, match="^w: dtype torch.bfloat16 does not match q\\[0\\]'s torch.float64"):
+        hkt.hkt_attention(q, k, v, w.bfloat16())
+    with pytest.raises(TypeError, match="^v: dtype torch.float64 does not match q\\[0\\]'s torch.bfloat16"):
+        hkt.hkt_attention([x.bfloat16() for x in q], [x.bfloat16() for x in k], v, w.bfloat16())
+
+
+def test_meta_tensors_give_shapes():
+    """Meta tensors (shapes only, e.g. a model built under torch.device("meta"))
+    get meta results shaped as real ones would be, gradients too, with the
+    same argument checks; the decoding and variable-length kernels, which have
+    no such path, say so by name."""
+    q, k, v, w = [[x.to("meta").requires_grad_() for x in xs] for xs in base()[:2]] + \
+        [x.to("meta").requires_grad_() for x in base()[2:]]
+    for kw in ({}, dict(is_causal=True, dropout_p=0.1), dict(attn_mask=torch.zeros(10, 7, device="meta"))):
+        out = hkt.hkt_attention(q, k, v, w, **kw)
+        assert out.is_meta and out.shape == (2, 3, 10, 5)
+        grads = torch.autograd.grad(out.sum(), [*q, *k, v, w])
+        assert all(g.is_meta and g.shape == x.shape for g, x in zip(grads, [*q, *k, v, w]))
+    with pytest.raises(ValueError, match="^q\\[1\\]: expected shape"):
+        hkt.hkt_attention(swap(q, 1, q[1][:, :, :-1]), k, v, w)
+    with pytest.raises(ValueError, match="^dropout_p: must be in"):
+        hkt.hkt_attention(q, k, v, w, dropout_p=2.0)
+    with pytest.raises(ValueError, match="^k\\[0\\]: is on cpu but q\\[0\\] is on meta"):
+        hkt.hkt_attention(q, swap(k, 0, torch.zeros(k[0].shape)), v, w)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="^q\\[0\\]: decoding needs tensors with data"):
+            hkt.hkt_attention_with_kvcache([x[:, :, :1] for x in q], k, v, w, 1)
+        cu = torch.tensor([0, 10], device="meta")
+        with pytest.raises(ValueError, match="^q\\[0\\]: variable-length attention needs tensors with data"):
+            hkt.hkt_attention_varlen([x[0].transpose(0, 1) for x in q], [x[0].transpose(0, 1) for x in k],
+                                     v[0].transpose(0, 1), w, cu, cu)
+    with torch.device("meta"):
+        m = hkt.MultiheadHKT(16, 4, batch_first=True, levels=3, pack_padding=True)
+        x = torch.randn(2, 9, 16)
+        out, weights = m(x, x, x, key_padding_mask=torch.zeros(2, 9, dtype=torch.bool), is_causal=True)
+        assert out.shape == (2, 9, 16) and weights.shape == (2, 9, 9)
+        out.sum().backward()
+        assert m.in_proj_weight.grad.shape == (48, 16)
