@@ -103,11 +103,16 @@ def hkt_attention_with_kvcache(
         ceil(S_max / 2^l) slots, a negative ``cache_seqlens``, H not divisible
         by H_kv, only one of k and v, overlapping written caches, a
         non-finite scale.
+
+    Under ``torch.autocast`` the other inputs are cast to the caches' dtype,
+    in which the kernel computes.
     """
     if torch.is_grad_enabled() and _any_requires_grad(q, k_cache, v_cache, w, k, v):
         raise RuntimeError("hkt_attention_with_kvcache: not differentiable (forward-only decoding kernel), but an "
                            "input requires grad; call it under torch.no_grad() or torch.inference_mode()")
     try:
+        if torch._C._is_any_autocast_enabled():
+            q, k, v, w = _to_cache_dtype(q, k, v, w, v_cache)
         return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
         # nothing is checked in Python on the way in; when something failed, say
@@ -115,6 +120,22 @@ def hkt_attention_with_kvcache(
         _check_decode_inputs(q, k_cache, v_cache, w, k, v)
         _refuse_meta(q[0], "decoding")
         raise
+
+
+def _to_cache_dtype(q, k, v, w, v_cache):
+    """Under torch.autocast (on q[0]'s device type): q, k, v and w in the
+    caches' dtype, which the kernel computes in (the caches, written in place,
+    cannot be cast), as autocast promotes a mixed call to its widest dtype;
+    else as they are."""
+    if not (isinstance(q, (list, tuple)) and q and isinstance(q[0], Tensor) and isinstance(v_cache, Tensor)
+            and torch.is_autocast_enabled(q[0].device.type) and v_cache.is_floating_point()):
+        return q, k, v, w
+
+    def cast(x):
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != v_cache.dtype:
+            return x.to(v_cache.dtype)
+        return x
+    return [cast(x) for x in q], None if k is None else [cast(x) for x in k], cast(v), cast(w)
 
 
 def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:

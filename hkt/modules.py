@@ -773,6 +773,8 @@ class MultiheadHKT(nn.Module):
             if real is not None:
                 probs = probs.masked_fill(~real.view(B, 1, T, 1), 0.0)
             weights = probs.mean(dim=1) if average_attn_weights else probs
+            if weights.dtype != q0.dtype:  # under autocast: the projections' dtype, as MHA's weights (w stays float32)
+                weights = weights.to(q0.dtype)
         if unbatched:
             out = out.squeeze(0)
             if weights is not None:

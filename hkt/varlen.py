@@ -7,7 +7,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _kernels
-from .functional import _check_inputs, _check_scalars, _refuse_meta
+from .functional import _autocast_inputs, _check_inputs, _check_scalars, _refuse_meta
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -104,7 +104,8 @@ def hkt_attention_varlen(
 
     CPU only; float32, float64 (own precision) and bfloat16 (computed in
     float32); eager mode (no TorchScript, no custom op for torch.compile yet).
-    No attention mask and no dropout.
+    No attention mask and no dropout.  Under ``torch.autocast`` the inputs
+    are cast as :func:`hkt.hkt_attention` casts them.
 
     Raises:
         TypeError / ValueError naming the argument: wrong dtypes, ranks or
@@ -114,6 +115,8 @@ def hkt_attention_varlen(
         sequence, H not divisible by H_kv.
     """
     try:
+        if torch._C._is_any_autocast_enabled():
+            q, k, v, w = _autocast_inputs(q, k, v, w)
         return _varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
         # what the extension cannot name: not tensors at all, mixed bfloat16
