@@ -54,7 +54,7 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
     argument's name is name[level] (name alone when level is None), built only
     for a message."""
     if isinstance(x, Tensor) and x.layout == torch.strided and x.device == device and (
-            x.dtype == dtype or (dtype != torch.bfloat16 and (x.dtype != torch.bfloat16 or dtype is None))):
+            x.dtype == dtype or dtype is None or (dtype != torch.bfloat16 and x.dtype != torch.bfloat16)):
         return x.requires_grad
     if level is not None:
         name = f"{name}[{level}]"
