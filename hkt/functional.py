@@ -69,6 +69,23 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
     return x.requires_grad
 
 
+def _recording() -> bool:
+    """Whether torch.compile or torch.jit.trace is recording this call: they
+    record registered ops, never the extension's direct calls, so the custom op
+    must run (a trace of a direct call would replay whatever memory the output
+    had: no op, no error)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def _refuse_trace(what: str) -> None:
+    """For the kernels with no registered op (decoding, variable-length):
+    torch.jit.trace cannot record them, so a trace would silently replay
+    stale memory."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(f"{what}: torch.jit.trace cannot record it (its kernels are called directly, not as a "
+                           "registered op, so the trace would replay stale memory); call it outside the trace")
+
+
 def _refuse_meta(q0, what: str) -> None:
     """For the calls with no shapes-only path (the extension's decoding and
     variable-length kernels): meta tensors hold no data for them to read, and
@@ -270,9 +287,9 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     if q0.dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
         _check_inputs(q, k, v, w)
     attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q0.dtype)
-    if torch.compiler.is_compiling() or q0.is_meta:
-        # traced: the registered custom op, which torch.compile understands;
-        # meta tensors (shapes only) take its fake kernel
+    if _recording() or q0.is_meta:
+        # torch.compile or torch.jit.trace: the registered custom op, which they
+        # record; meta tensors (shapes only) take its fake kernel
         if q0.is_meta:  # no extension call checks them: the same checks, in Python
             _check_inputs(q, k, v, w)
             _check_mask(attn_mask, q0.device)
@@ -475,7 +492,7 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     gradient is written as one tensor, qkv's (_QKVAttention); anywhere else
     hkt_attention itself, the same values."""
     if (qkv.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled() and qkv.requires_grad
-            and not qkv.is_meta and not torch.compiler.is_compiling() and _pick_backend(None, q, dropout_p) == "kernels"):
+            and not qkv.is_meta and not _recording() and _pick_backend(None, q, dropout_p) == "kernels"):
         try:
             mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)
             return _QKVAttention.apply(q[0].shape[1], k[0].shape[1], is_causal, dropout_p, None,

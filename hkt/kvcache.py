@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _kernels
-from .functional import _check_tensor, _heads, _refuse_meta
+from .functional import _check_tensor, _heads, _refuse_meta, _refuse_trace
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -107,6 +107,7 @@ def hkt_attention_with_kvcache(
     Under ``torch.autocast`` the other inputs are cast to the caches' dtype,
     in which the kernel computes.
     """
+    _refuse_trace("hkt_attention_with_kvcache")
     if torch.is_grad_enabled() and _any_requires_grad(q, k_cache, v_cache, w, k, v):
         raise RuntimeError("hkt_attention_with_kvcache: not differentiable (forward-only decoding kernel), but an "
                            "input requires grad; call it under torch.no_grad() or torch.inference_mode()")

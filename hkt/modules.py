@@ -66,10 +66,11 @@ def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     """Whether the extension takes this call: CPU float32/float64 of one dtype,
     the ranks it wants (a malformed call goes to the expression, whose error
     torch raises), and not while torch.compile traces (it fuses the expression)
-    or under torch.func transforms (the extension takes plain arrays)."""
+    or torch.jit.trace records (it records ops, not the extension's calls), or
+    under torch.func transforms (the extension takes plain arrays)."""
     return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
             and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
-            and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling()
+            and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and not torch._C._are_functorch_transforms_active())
 
 
@@ -187,7 +188,7 @@ class MultiheadHKT(nn.Module):
     levels of the sequence alone).  Padded query positions then output zeros
     (and get zero weights), where MHA lets them attend to the real keys.  The
     padded computation runs instead, with the same zeros, under TorchScript,
-    ``torch.export`` / ``torch.compile``, on CUDA, with ``attn_mask``,
+    ``torch.jit.trace``, ``torch.export`` / ``torch.compile``, on CUDA, with ``attn_mask``,
     ``add_bias_kv`` / ``add_zero_attn``, dropout in training, or a float
     ``key_padding_mask`` that requires grad (which then gets its gradient: the
     packed call never reads the mask).
@@ -554,8 +555,8 @@ class MultiheadHKT(nn.Module):
         else:
             real = kpm != float("-inf")
         if not torch.jit.is_scripting():
-            if torch.compiler.is_compiling() or kpm.is_meta:
-                return real  # traced, or shapes only: no data-dependent checks (the padded path runs)
+            if torch.compiler.is_compiling() or torch.jit.is_tracing() or kpm.is_meta:
+                return real  # recorded, or shapes only: no data-dependent checks (the padded path runs)
         if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
             raise ValueError("key_padding_mask: with pack_padding a float mask may hold only 0 (keep) and -inf "
                              "(padding)")
@@ -753,7 +754,7 @@ class MultiheadHKT(nn.Module):
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
-              and q0.device.type == "cpu" and not torch.compiler.is_compiling()
+              and q0.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
               and not torch._C._are_functorch_transforms_active()
               # the packed call never reads the mask: a float mask's gradient needs the padded one
               and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):

@@ -7,7 +7,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _kernels
-from .functional import _autocast_inputs, _check_inputs, _check_scalars, _refuse_meta
+from .functional import _autocast_inputs, _check_inputs, _check_scalars, _refuse_meta, _refuse_trace
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -114,6 +114,7 @@ def hkt_attention_varlen(
         end at the number of rows, a ``max_seqlen_*`` below the longest
         sequence, H not divisible by H_kv.
     """
+    _refuse_trace("hkt_attention_varlen")
     try:
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)

@@ -1,4 +1,4 @@
-"""MultiheadHKT under TorchScript (torch.jit.script) and torch.export.
+"""MultiheadHKT under TorchScript (torch.jit.script, torch.jit.trace) and torch.export.
 
 A scripted or exported model must compute what the eager one computes, forward
 and backward: the scripted module calls the same registered op
@@ -265,3 +265,69 @@ def test_compiled_swapped_encoder_matches_eager():
     g_compiled = _grads(model, out.square().mean())
     g_eager = _grads(model, model(x, mask=mask, is_causal=True).square().mean())
     _assert_same_grads(g_compiled, g_eager)
+
+
+# ---- torch.jit.trace ----
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@pytest.mark.parametrize("levels", [1, 3])
+@pytest.mark.parametrize("grad", [False, True])
+def test_traced_module_matches_eager(levels, grad):
+    """torch.jit.trace records the registered op (and the downsampling as torch
+    ops), never the extension's direct calls, whose trace would replay stale
+    memory: a traced model computes what the eager one computes, at the traced
+    length and others, forward and backward; pack_padding traces the padded
+    call with its zeros."""
+    torch.manual_seed(0)
+    m = _randomize(hkt.MultiheadHKT(16, 4, batch_first=True, levels=levels, pack_padding=True).double())
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, kpm):
+            return self.m(x, x, x, key_padding_mask=kpm, need_weights=False, is_causal=True)[0]
+
+    def inputs(T):
+        x = torch.randn(2, T, 16, dtype=F64, requires_grad=True)
+        kpm = torch.arange(T)[None] >= torch.tensor([T, T // 2 + 1])[:, None]
+        return x, kpm
+    eager = Wrap()
+    with torch.set_grad_enabled(grad):
+        traced = torch.jit.trace(eager, inputs(16))
+    assert "hkt::attention_forward" in str(traced.inlined_graph)
+    for T in (16, 23, 5):
+        x, kpm = inputs(T)
+        got, want = traced(x, kpm), eager(x, kpm)
+        assert torch.equal(got, want)
+        assert torch.equal(torch.autograd.grad(got.sum(), x)[0], torch.autograd.grad(want.sum(), x)[0])
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_traced_functional_matches_eager():
+    from helpers import sample_inputs
+    q, k, v, w = sample_inputs(1, 2, 9, 9, 4, 4, 2)
+    traced = torch.jit.trace(lambda q0, q1, k0: hkt.hkt_attention([q0, q1], [k0, k[1]], v, w, is_causal=True),
+                             (q[0], q[1], k[0]))
+    q0 = torch.randn(q[0].shape, dtype=F64)
+    assert torch.equal(traced(q0, q[1], k[0]), hkt.hkt_attention([q0, q[1]], k, v, w, is_causal=True))
+
+
+def test_trace_refuses_the_kernels_it_cannot_record():
+    """Decoding and variable-length attention have no registered op: under
+    torch.jit.trace they raise, rather than record nothing."""
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = hkt.MultiheadHKT(16, 4, batch_first=True).eval()
+            self.cache = self.m.init_cache(1, 8)
+
+        def forward(self, x):
+            return self.m.decode(x, self.cache)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="^hkt_attention_with_kvcache: torch.jit.trace cannot"):
+        torch.jit.trace(Step(), (torch.randn(1, 1, 16),))
+    q = [torch.randn(6, 2, 4)]
+    cu = torch.tensor([0, 6])
+    with pytest.raises(RuntimeError, match="^hkt_attention_varlen: torch.jit.trace cannot"):
+        torch.jit.trace(lambda q0: hkt.hkt_attention_varlen([q0], q, q[0], torch.ones(1), cu, cu), (q[0],))
