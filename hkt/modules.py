@@ -438,8 +438,10 @@ class MultiheadHKT(nn.Module):
         """A MultiheadHKT whose output equals ``mha``'s (to float rounding) before any training.
 
         Same options, device, dtype and training mode as ``mha``; level 0 gets a
-        copy of ``mha``'s parameters.  The coarse levels start switched off but
-        trainable:
+        copy of ``mha``'s parameters, each requiring grad as its source does;
+        the parameters hkt adds (coarse projections, taps, level weights)
+        require grad if any of ``mha``'s does (a frozen attention stays
+        frozen).  The coarse levels start switched off but trainable:
 
         * ``coarse_q_proj_weight`` and ``coarse_q_proj_bias`` are zero, so every
           coarse score is 0.  They still get gradients at once (the gradient of
@@ -479,24 +481,30 @@ class MultiheadHKT(nn.Module):
                   add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
                   vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
                   levels=levels, downsample_kernel=downsample_kernel)
+        copied = set()
+
+        def take(dst: Tensor, src: Tensor) -> None:  # a copy that trains only if its source did
+            dst.copy_(src)
+            dst.requires_grad_(src.requires_grad)
+            copied.add(id(dst))
         with torch.no_grad():
             if mha._qkv_same_embed_dim:
                 if new._packed_in_proj:
-                    new.in_proj_weight.copy_(mha.in_proj_weight)
+                    take(new.in_proj_weight, mha.in_proj_weight)
                 else:  # cannot happen: same kdim/vdim; kept for safety
                     raise AssertionError("packed MHA but unpacked MultiheadHKT")
             else:
-                new.q_proj_weight.copy_(mha.q_proj_weight)
-                new.k_proj_weight.copy_(mha.k_proj_weight)
-                new.v_proj_weight.copy_(mha.v_proj_weight)
+                take(new.q_proj_weight, mha.q_proj_weight)
+                take(new.k_proj_weight, mha.k_proj_weight)
+                take(new.v_proj_weight, mha.v_proj_weight)
             if mha.in_proj_bias is not None:
-                new.in_proj_bias.copy_(mha.in_proj_bias)
-            new.out_proj.weight.copy_(mha.out_proj.weight)
+                take(new.in_proj_bias, mha.in_proj_bias)
+            take(new.out_proj.weight, mha.out_proj.weight)
             if mha.out_proj.bias is not None:
-                new.out_proj.bias.copy_(mha.out_proj.bias)
+                take(new.out_proj.bias, mha.out_proj.bias)
             if mha.bias_k is not None:
-                new.bias_k.copy_(mha.bias_k)
-                new.bias_v.copy_(mha.bias_v)
+                take(new.bias_k, mha.bias_k)
+                take(new.bias_v, mha.bias_v)
             if levels > 1:
                 # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives softmax weight w0 to level 0.
                 new.level_logits.zero_()
@@ -514,6 +522,13 @@ class MultiheadHKT(nn.Module):
                     new.coarse_k_proj_bias.copy_(bk.unsqueeze(0).expand_as(new.coarse_k_proj_bias))
                 new.q_downsample.fill_(1.0 / downsample_kernel)
                 new.k_downsample.fill_(1.0 / downsample_kernel)
+        # what trained before trains after: the copies as their sources (above), and
+        # the parameters hkt adds (coarse projections, taps, level weights) if any of
+        # mha's did, so a frozen attention stays frozen
+        trainable = any(p.requires_grad for p in mha.parameters())
+        for p in new.parameters():
+            if id(p) not in copied:
+                p.requires_grad_(trainable)
         new.train(mha.training)
         return new
 
@@ -830,8 +845,12 @@ def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
     place) by ``MultiheadHKT.from_mha(mha, levels, **kw)``, so the model's
     output is unchanged until it trains.
 
-    Device, dtype and training mode of each attention are kept; a module shared
-    at several places is replaced by one shared MultiheadHKT.  Every
+    Device, dtype, training mode and which parameters require grad are kept
+    (see :meth:`MultiheadHKT.from_mha`); a module shared at several places (in
+    one parent or several) is replaced by one shared MultiheadHKT.  The new
+    modules are new objects: hooks registered on the old ones, an optimizer
+    built over their parameters, and a subclass's own ``forward`` do not carry
+    over (build the optimizer after the swap).  Every
     ``nn.TransformerEncoder`` that now holds a MultiheadHKT gets
     ``use_nested_tensor = False``: it chose its nested-tensor fast path at
     construction, from the old attention, and that path would hand nested
@@ -851,7 +870,8 @@ def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
         return MultiheadHKT.from_mha(model, levels, **kw)
     done = {}
     for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
+        # _modules, not named_children(), which skips a module's second slot in one parent
+        for name, child in list(parent._modules.items()):
             if isinstance(child, nn.MultiheadAttention):
                 if id(child) not in done:
                     done[id(child)] = MultiheadHKT.from_mha(child, levels, **kw)

@@ -643,6 +643,42 @@ def test_swap_attention_replaces_all_and_keeps_output():
     assert isinstance(hkt.swap_attention(mha), hkt.MultiheadHKT)
 
 
+def test_swap_attention_shared_in_one_parent():
+    """One attention held twice by the same parent (a ModuleList, or two
+    attributes): both places get the one new module."""
+    mha = nn.MultiheadAttention(8, 2)
+    pair = hkt.swap_attention(nn.ModuleList([mha, mha]))
+    assert isinstance(pair[0], hkt.MultiheadHKT) and pair[0] is pair[1]
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.MultiheadAttention(8, 2)
+            self.b = self.a
+    tied = hkt.swap_attention(Tied())
+    assert isinstance(tied.a, hkt.MultiheadHKT) and tied.a is tied.b
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_from_mha_keeps_what_trains(levels):
+    """A frozen attention stays frozen (a fine-tune with a frozen backbone must
+    not start training it); a partly frozen one keeps its frozen copies frozen,
+    and hkt's own parameters train."""
+    mha = nn.MultiheadAttention(8, 2, kdim=6, vdim=5)
+    mha.requires_grad_(False)
+    new = hkt.MultiheadHKT.from_mha(mha, levels)
+    assert not any(p.requires_grad for p in new.parameters())
+    mha.requires_grad_(True)
+    mha.k_proj_weight.requires_grad_(False)
+    mha.out_proj.bias.requires_grad_(False)
+    new = hkt.MultiheadHKT.from_mha(mha, levels)
+    frozen = {n for n, p in new.named_parameters() if not p.requires_grad}
+    assert frozen == {"k_proj_weight", "out_proj.bias"}
+    x, kv, v = torch.randn(2, 4, 8), torch.randn(2, 4, 6), torch.randn(2, 4, 5)
+    new(x, kv, v)[0].sum().backward()
+    assert new.k_proj_weight.grad is None and new.q_proj_weight.grad is not None
+
+
 # --------------------------------------------------------------------------- inside nn.Transformer*
 
 def _encoder(batch_first=True, seed=11):
