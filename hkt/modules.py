@@ -62,6 +62,18 @@ _DS_DTYPES = (torch.float32, torch.float64)
 
 
 @torch.jit.unused
+def _refuse_fx_proxy(query) -> None:
+    """torch.fx.symbolic_trace traces into every module outside torch.nn (it
+    keeps nn.MultiheadAttention whole), and this forward branches on shapes and
+    values, which it cannot record: say how to keep the module whole instead of
+    failing on the first branch."""
+    if isinstance(query, torch.fx.Proxy):
+        raise TypeError("query: torch.fx.symbolic_trace cannot trace into MultiheadHKT (its forward branches on "
+                        "shapes and values); keep it whole with a tracer whose is_leaf_module(m, name) returns True "
+                        "for it, as torch.fx does for nn.MultiheadAttention, or use torch.export")
+
+
+@torch.jit.unused
 def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     """Whether the extension takes this call: CPU float32/float64 of one dtype,
     the ranks it wants (a malformed call goes to the expression, whose error
@@ -694,6 +706,8 @@ class MultiheadHKT(nn.Module):
             dtypes other than bool and floating point.  (In a TorchScript-compiled
             module these arrive as ``torch.jit.Error`` carrying the same message.)
         """
+        if not torch.jit.is_scripting():
+            _refuse_fx_proxy(query)
         if query.is_nested or key.is_nested or value.is_nested:
             raise ValueError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
                              "around nn.MultiheadAttention creates them in eval mode with a key padding mask; set "

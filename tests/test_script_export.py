@@ -331,3 +331,29 @@ def test_trace_refuses_the_kernels_it_cannot_record():
     cu = torch.tensor([0, 6])
     with pytest.raises(RuntimeError, match="^hkt_attention_varlen: torch.jit.trace cannot"):
         torch.jit.trace(lambda q0: hkt.hkt_attention_varlen([q0], q, q[0], torch.ones(1), cu, cu), (q[0],))
+
+
+def test_fx_symbolic_trace_is_told_how_to_keep_the_module_whole():
+    """torch.fx.symbolic_trace traces into modules outside torch.nn, and
+    MultiheadHKT's forward branches on shapes and values: a TypeError that says
+    what to do, and that recipe (the module as a leaf, as fx keeps
+    nn.MultiheadAttention) gives a graph module that computes what the model does."""
+    torch.manual_seed(0)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = hkt.MultiheadHKT(16, 4, batch_first=True)
+
+        def forward(self, x):
+            return self.a(x, x, x, need_weights=False, is_causal=True)[0]
+    model = Wrap()
+    with pytest.raises(TypeError, match="^query: torch.fx.symbolic_trace cannot trace into MultiheadHKT"):
+        torch.fx.symbolic_trace(model)
+
+    class Tracer(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, hkt.MultiheadHKT) or super().is_leaf_module(m, name)
+    graph_module = torch.fx.GraphModule(model, Tracer().trace(model))
+    x = torch.randn(2, 9, 16)
+    assert torch.equal(graph_module(x), model(x))
