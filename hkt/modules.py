@@ -216,7 +216,9 @@ class MultiheadHKT(nn.Module):
       additionally materialises the (B, H, T, S) probabilities in plain torch,
       so pass ``need_weights=False`` when you do not need them.
     * A query row whose keys are all masked gives zeros, not NaN.
-    * Only float32 and float64 are supported (those of :func:`hkt.hkt_attention`).
+    * float32, float64 and bfloat16 (those of :func:`hkt.hkt_attention`);
+      float16 raises ``TypeError``, except under ``torch.autocast``, where
+      the attention runs in float32.
     * Malformed input raises ``ValueError`` or ``TypeError`` naming the
       argument, where MHA (torch 2.13) raises ``AssertionError`` (a 2-D
       ``attn_mask`` of the wrong shape: ``RuntimeError``):
