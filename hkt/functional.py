@@ -306,7 +306,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
                                     v.requires_grad or w.requires_grad or
                                     (attn_mask is not None and attn_mask.requires_grad)):
-        return _Attention.apply(len(q), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
+        return _Attention.apply(len(q), len(k), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)[0]
 
 
@@ -400,8 +400,9 @@ class _Attention(torch.autograd.Function):
     whose own derivative is registered, so double backward works too."""
 
     @staticmethod
-    def forward(ctx, L, is_causal, dropout_p, scale, seed, attn_mask, *qkvw):
-        q, k, v, w = list(qkvw[:L]), list(qkvw[L:2 * L]), qkvw[2 * L], qkvw[2 * L + 1]
+    def forward(ctx, L, Lk, is_causal, dropout_p, scale, seed, attn_mask, *qkvw):
+        # Lk: k's own count, which the extension checks against q's and names
+        q, k, v, w = list(qkvw[:L]), list(qkvw[L:L + Lk]), qkvw[L + Lk], qkvw[L + Lk + 1]
         out = _save_forward(ctx, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
         ctx.save_for_backward(*qkvw, *ctx.results)
         return out
@@ -411,8 +412,8 @@ class _Attention(torch.autograd.Function):
         L, saved = ctx.L, ctx.saved_tensors
         q, k = list(saved[:L]), list(saved[L:2 * L])
         v, w = saved[2 * L:2 * L + 2]
-        dq, dk, dv, dw, dmask = _run_backward(ctx, dout, q, k, v, w, saved[2 * L + 2:], ctx.needs_input_grad[5])
-        return (None, None, None, None, None, dmask, *dq, *dk, dv, dw)
+        dq, dk, dv, dw, dmask = _run_backward(ctx, dout, q, k, v, w, saved[2 * L + 2:], ctx.needs_input_grad[6])
+        return (None, None, None, None, None, None, dmask, *dq, *dk, dv, dw)
 
 
 def _save_forward(ctx, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):

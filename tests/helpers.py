@@ -60,6 +60,7 @@ def bad_cases():
     yield "k-head-dim", ValueError, "k[0]", dict(k=swap(k, 0, torch.randn(2, 3, 7, 3, dtype=torch.float64)))
     yield "k-batch", ValueError, "k[0]", dict(k=swap(k, 0, torch.randn(1, 3, 7, 4, dtype=torch.float64)))
     yield "k-levels", ValueError, "k", dict(k=k[:2])
+    yield "k-more-levels", ValueError, "k", dict(k=[*k, k[2][:, :, :1]])
     yield "v-length", ValueError, "v", dict(v=torch.randn(2, 3, 8, 5, dtype=torch.float64))
     yield "v-rank", ValueError, "v", dict(v=torch.randn(3, 7, 5, dtype=torch.float64))
     yield "v-type", TypeError, "v", dict(v=np.zeros((2, 3, 7, 5)))

@@ -28,6 +28,32 @@ def test_bad_input_names_argument(case):
     assert str(info.value).startswith(name + ":"), str(info.value)
 
 
+def _requiring_grad(x):
+    """x (a tensor, or a list of them) with its floating tensors requiring grad."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_requiring_grad(y) for y in x)
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_leaf:
+        return x.detach().requires_grad_()
+    return x
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_names_argument_with_grad(case):
+    """The same cases where inputs require grad: the eager autograd Function
+    flattens its tensor arguments, and must hand the extension the lists as
+    given (k with another level count than q: named k, not an IndexError)."""
+    _, exc, name, override = case
+    q, k, v, w = base()
+    args = dict(q=q, k=k, v=v, w=w)
+    kwargs = {}
+    for key, val in override.items():
+        (args if key in args else kwargs)[key] = val
+    args = {key: _requiring_grad(val) for key, val in args.items()}
+    with pytest.raises(exc) as info:
+        hkt.hkt_attention(args["q"], args["k"], args["v"], args["w"], **kwargs)
+    assert str(info.value).startswith(name + ":"), str(info.value)
+
+
 def test_extension_checks_outputs_and_arrays():
     q, k, v, w = [[x.numpy() for x in xs] for xs in base()[:2]] + [x.numpy() for x in base()[2:]]
     B, H, T, Dv = 2, 3, 10, 5
