@@ -15,19 +15,6 @@ from helpers import BAD_CASES as CASES, bad_input_base as base, swap
 
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_names_argument(case):
-    _, exc, name, override = case
-    q, k, v, w = base()
-    args = dict(q=q, k=k, v=v, w=w)
-    kwargs = {}
-    for key, val in override.items():
-        (args if key in args else kwargs)[key] = val
-    with pytest.raises(exc) as info:
-        hkt.hkt_attention(args["q"], args["k"], args["v"], args["w"], **kwargs)
-    assert str(info.value).startswith(name + ":"), str(info.value)
-
-
 def _requiring_grad(x):
     """x (a tensor, or a list of them) with its floating tensors requiring grad."""
     if isinstance(x, (list, tuple)):
@@ -37,18 +24,21 @@ def _requiring_grad(x):
     return x
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_names_argument_with_grad(case):
-    """The same cases where inputs require grad: the eager autograd Function
-    flattens its tensor arguments, and must hand the extension the lists as
-    given (k with another level count than q: named k, not an IndexError)."""
+def test_bad_input_names_argument(case, grad):
+    """Each case without and with its tensors requiring grad: the eager
+    autograd Function flattens its tensor arguments, and must hand the
+    extension the lists as given (k with another level count than q: named k,
+    not an IndexError)."""
     _, exc, name, override = case
     q, k, v, w = base()
     args = dict(q=q, k=k, v=v, w=w)
     kwargs = {}
     for key, val in override.items():
         (args if key in args else kwargs)[key] = val
-    args = {key: _requiring_grad(val) for key, val in args.items()}
+    if grad:
+        args = {key: _requiring_grad(val) for key, val in args.items()}
     with pytest.raises(exc) as info:
         hkt.hkt_attention(args["q"], args["k"], args["v"], args["w"], **kwargs)
     assert str(info.value).startswith(name + ":"), str(info.value)
