@@ -4,7 +4,6 @@ from typing import List, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import _kernels
 from .functional import _autocast_inputs, _check_inputs, _check_scalars, _refuse_meta, _refuse_trace
@@ -100,7 +99,9 @@ def hkt_attention_varlen(
         (total_q, H, Dv).  A query of a sequence with no keys gives zeros.
         Gradients flow to every ``q[l]``, ``k[l]``, ``v`` and ``w`` (the
         gradient of ``w`` summed over sequences in a fixed order: bitwise the
-        same for any thread count).
+        same for any thread count), to any order: a backward with
+        ``create_graph=True`` differentiates the plain-PyTorch reference,
+        sequence by sequence (O(T_s S_s) memory).
 
     CPU only; float32, float64 (own precision) and bfloat16 (computed in
     float32); eager mode (no TorchScript, no custom op for torch.compile yet).
@@ -142,7 +143,9 @@ def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
 
 class _VarlenAttention(torch.autograd.Function):
     """Autograd for :func:`hkt_attention_varlen`: the packed kernels forward and
-    backward (no double backward)."""
+    backward; a backward run with ``create_graph=True`` (double backward,
+    gradient penalties) differentiates the plain-PyTorch reference instead
+    (:func:`_differentiable_grads`)."""
 
     @staticmethod
     def forward(ctx, L, cu_q, cu_k, max_q, max_k, is_causal, scale, *qkvw):
@@ -153,10 +156,42 @@ class _VarlenAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
         L, saved = ctx.L, ctx.saved_tensors
         q, k = list(saved[:L]), list(saved[L:2 * L])
         v, w, out, lse, cu_q, cu_k = saved[2 * L:]
-        dq, dk, dv, dw = _kernels._varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
+        if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
+            _, _, is_causal, scale = ctx.args
+            dq, dk, dv, dw = _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale)
+        else:
+            dq, dk, dv, dw = _kernels._varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
         return (None,) * 7 + (*dq, *dk, dv, dw)
+
+
+def _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale):
+    """The packed gradients as differentiable tensors (create_graph): each
+    sequence's attention recomputed by hkt.reference in the compute dtype (its
+    (T_s, S_s) scores and probabilities: O(T_s S_s) memory, as the padded call's
+    double backward), then differentiated by autograd with create_graph=True."""
+    from .reference import hkt_attention_reference
+    L, cd = len(q), _kernels.compute_dtype(q[0].dtype)
+    oq = [x.tolist() for x in varlen_level_offsets(cu_q, L)]
+    ok = [x.tolist() for x in varlen_level_offsets(cu_k, L)]
+    with torch.enable_grad():
+        qc, kc, vc, wc = [x.to(cd) for x in q], [x.to(cd) for x in k], v.to(cd), w.to(cd)
+        outs = []
+        for s in range(len(oq[0]) - 1):
+            if ok[0][s + 1] == ok[0][s]:  # no keys: zeros, which depend on nothing
+                outs.append(vc.new_zeros((oq[0][s + 1] - oq[0][s], qc[0].shape[1], vc.shape[2])))
+                continue
+            qs = [x[oq[l][s]:oq[l][s + 1]].transpose(0, 1).unsqueeze(0) for l, x in enumerate(qc)]
+            ks = [x[ok[l][s]:ok[l][s + 1]].transpose(0, 1).unsqueeze(0) for l, x in enumerate(kc)]
+            vs = vc[ok[0][s]:ok[0][s + 1]].transpose(0, 1).unsqueeze(0)
+            outs.append(hkt_attention_reference(qs, ks, vs, wc, is_causal=is_causal, scale=scale)[0].transpose(0, 1))
+        out = torch.cat(outs, 0) if outs else vc.new_zeros((0, qc[0].shape[1], vc.shape[2]))
+        inputs = [*q, *k, v, w]
+        wrt = [x for x in inputs if x.requires_grad]  # the rest need no gradient
+        got = iter(torch.autograd.grad(out, wrt, dout.to(cd), create_graph=True, allow_unused=True) if wrt else ())
+        grads = [next(got) if x.requires_grad else None for x in inputs]
+    grads = [torch.zeros_like(x) if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+    return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1]

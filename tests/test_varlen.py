@@ -265,6 +265,19 @@ def test_bad_cases_are_bad_only_in_what_they_change():
     hkt.hkt_attention_varlen(q, k, v, w, cu_of(lens), cu_of(lens), 5, 5)  # the base call is valid
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("H_kv", [2, 1])
+def test_double_backward(is_causal, H_kv):
+    """Second derivatives (create_graph=True): gradgradcheck in float64, with a
+    sequence without keys, one without queries, T_s != S_s and grouped heads."""
+    q, k, v, w = packed_inputs([3, 0, 4, 2], [5, 2, 0, 3], 2, 3, 2, 2, H_kv=H_kv, requires_grad=True)
+    cu_q, cu_k = cu_of([3, 0, 4, 2]), cu_of([5, 2, 0, 3])
+
+    def f(*xs):
+        return hkt.hkt_attention_varlen(list(xs[:2]), list(xs[2:4]), xs[4], xs[5], cu_q, cu_k, is_causal=is_causal)
+    assert torch.autograd.gradgradcheck(f, (*q, *k, v, w))
+
+
 # ---- MultiheadHKT(pack_padding=True) ----
 
 def randomized(module, seed=0):
@@ -335,6 +348,32 @@ def test_module_float_mask_that_requires_grad_gets_it(is_causal):
     # (a length-1 sequence's one key gets 0: its softmax is 1 whatever the mask)
     assert int((g1[real] != 0).sum()) == int(real.sum()) - 1
     assert torch.equal(g1[~real], torch.zeros_like(g1[~real]))
+
+
+def test_module_second_order_gradients_as_padded():
+    """A gradient penalty through the packed call (its backward differentiated
+    again) equals the padded call's, for a trainable and a frozen module; the
+    first-order gradient w.r.t. the input must itself require grad."""
+    E = 16
+    x0, kpm = padded_batch(E, MOD_LENS)
+    real = ~kpm
+    c = torch.randn(x0.shape, generator=torch.Generator().manual_seed(2), dtype=F64) * real[..., None]
+    for frozen in (False, True):
+        grads = []
+        for pack in (False, True):
+            m = randomized(hkt.MultiheadHKT(E, 4, batch_first=True, levels=3, pack_padding=pack).double())
+            m.requires_grad_(not frozen)
+            enc = torch.nn.Linear(E, E, dtype=F64)
+            torch.nn.init.eye_(enc.weight)
+            torch.nn.init.zeros_(enc.bias)
+            x = enc(x0.clone().requires_grad_())
+            out, _ = m(x, x, x, key_padding_mask=kpm, is_causal=True, need_weights=False)
+            g, = torch.autograd.grad((out * c).sum(), x, create_graph=True)
+            assert g.requires_grad
+            g.square().sum().backward()
+            grads.append([p.grad for p in (*enc.parameters(), *m.parameters()) if p.requires_grad])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_module_takes_the_packed_path(monkeypatch):
