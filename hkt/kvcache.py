@@ -287,8 +287,15 @@ def _check_step(mha, x, cache) -> Tensor:
                          f"{cache.max_len}")
     if x.dtype != cache.v.dtype or x.device != cache.v.device:
         raise TypeError(f"x: is {x.dtype} on {x.device}, but the cache is {cache.v.dtype} on {cache.v.device}")
-    if len(cache.k) != mha.levels or cache.k[0].shape[1] != mha.num_kv_heads:
-        raise ValueError("cache: was made by another module (levels or kv heads differ)")
+    if (len(cache.k) != mha.levels or cache.k[0].shape[1] != mha.num_kv_heads or cache.v.shape[3] != mha.head_dim
+            or any(s.shape[2:] != (mha.downsample_kernel, mha.embed_dim) for s in cache.inputs)):
+        raise ValueError("cache: was made by another module (levels, kv heads, head size, embed_dim or "
+                         "downsample_kernel differ)")
+    own = mha.out_proj.weight.dtype
+    if own != cache.v.dtype and not torch.is_autocast_enabled(x.device.type):
+        # the projections run in the module's dtype: only autocast reconciles the two
+        raise TypeError(f"cache: is {cache.v.dtype} but the module's parameters are {own}; make the cache in "
+                        f"the module's dtype (init_cache's default), or decode under torch.autocast")
     if mha.training and mha.dropout > 0:
         raise ValueError(f"dropout: MultiheadHKT.decode has no dropout, but the module is in training mode with "
                          f"dropout={mha.dropout}; call mha.eval()")
@@ -331,9 +338,14 @@ class _Constants:
 def _step_constants(mha, cache: DecodeCache) -> _Constants:
     """The module's :class:`_Constants`, kept in the cache between steps: they
     are a few dozen slicing and stacking ops and a softmax per step otherwise,
-    most of a small model's step.  Made again whenever a parameter they read
-    was replaced or changed in place (its version counter moved), so a module
-    trained between steps is seen as it is."""
+    most of a small model's step (2.5x a step's time when made every step,
+    E=256, measured).  Made again whenever a parameter they read was replaced
+    or changed in place where autograd's version counter sees it (a foreach
+    or single-tensor optimiser step, load_state_dict, an in-place op under
+    no_grad).  Updates it does not see (a fused optimiser's step, edits
+    through ``.data``) leave them stale: MultiheadHKT.decode's docstring says
+    to start a new cache after changing parameters, whose past keys and
+    values were made with the old ones anyway."""
     params = (mha.in_proj_weight, mha.in_proj_bias, mha.q_proj_weight, mha.k_proj_weight, mha.coarse_q_proj_weight,
               mha.coarse_q_proj_bias, mha.coarse_k_proj_weight, mha.coarse_k_proj_bias, mha.level_logits,
               mha.q_downsample, mha.k_downsample)

@@ -850,8 +850,16 @@ class MultiheadHKT(nn.Module):
         no backward).  ``ValueError`` for ``add_bias_kv``, ``add_zero_attn``,
         ``kdim`` / ``vdim`` other than ``embed_dim``, training mode with
         ``dropout > 0``, a wrong shape of ``x`` or more tokens than the cache
-        has room for; ``TypeError`` for an ``x`` of another dtype or device than
-        the cache.
+        has room for, or a cache made by a module of another configuration;
+        ``TypeError`` for an ``x`` of another dtype or device than the cache,
+        or a cache of another dtype than the module's parameters (outside
+        ``torch.autocast``).
+
+        The cache holds the keys and values of past tokens as the parameters
+        made them: after changing parameters (training), start a new cache.
+        (Between steps, an in-place change that autograd's version counter
+        sees is picked up for the next tokens; a fused optimiser's step or an
+        edit through ``.data`` is not.)
         """
         return _kvcache.decode(self, x, cache)
 

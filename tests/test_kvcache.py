@@ -434,6 +434,24 @@ def test_module_decode_bad_calls_leave_the_cache_alone():
         m.init_cache(2, 4, dtype=torch.bfloat16)
 
 
+def test_module_decode_refuses_a_cache_it_cannot_use():
+    """A cache of another module's configuration (here: downsample kernel,
+    embed_dim) or of another dtype than the module's parameters raises,
+    naming the cache, before anything runs: a cache of another kernel size was
+    taken silently (0.37 off the forward), and the others failed deep inside
+    with unnamed errors."""
+    m = module(3, 2)
+    x = torch.randn(1, 1, 16, dtype=F64)
+    with torch.no_grad():
+        for other in (module(3, 1), module(3, 3), hkt.MultiheadHKT(32, 4, batch_first=True, levels=3).double()):
+            with pytest.raises(ValueError, match="^cache: was made by another module"):
+                m.decode(x, other.init_cache(1, 4))
+        cache = m.init_cache(1, 4, dtype=torch.float32)
+        with pytest.raises(TypeError, match="^cache: is torch.float32 but the module's parameters are torch.float64"):
+            m.decode(x.float(), cache)
+        assert cache.length == 0
+
+
 def test_step_constants_follow_parameter_changes():
     """decode keeps level weights, projections and taps between steps; a
     parameter changed in place (an optimiser step) or replaced must be seen at
