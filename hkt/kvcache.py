@@ -187,7 +187,7 @@ class DecodeCache:
         self.inputs, self.q_coarse, self.k_coarse = inputs, q_coarse, k_coarse
         self.max_len = max_len
         self.length = 0
-        self._constants = None  # _step_constants
+        self._constants = None  # _step_constants: (parameters, their versions, _Constants)
 
     @property
     def q_inputs(self) -> List[Tensor]:
@@ -350,12 +350,16 @@ def _step_constants(mha, cache: DecodeCache) -> _Constants:
               mha.coarse_q_proj_bias, mha.coarse_k_proj_weight, mha.coarse_k_proj_bias, mha.level_logits,
               mha.q_downsample, mha.k_downsample)
     try:
-        key = tuple((id(p), p._version) if p is not None else None for p in params)
+        versions = tuple(p._version if p is not None else None for p in params)
     except RuntimeError:  # inference tensors (a module made under inference_mode) keep no versions
-        key = None
-    if key is None or cache._constants is None or cache._constants[0] != key:
-        cache._constants = (key, _Constants(mha))
-    return cache._constants[1]
+        versions = None
+    kept = cache._constants
+    # the parameters themselves are kept and compared by identity, not by id(): a
+    # replaced parameter freed, a new one may get its id (and start at version 0 too)
+    if (versions is None or kept is None or kept[1] != versions
+            or any(a is not b for a, b in zip(kept[0], params))):
+        cache._constants = kept = (params, versions, _Constants(mha))
+    return kept[2]
 
 
 def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:

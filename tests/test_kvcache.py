@@ -452,6 +452,36 @@ def test_module_decode_refuses_a_cache_it_cannot_use():
         assert cache.length == 0
 
 
+def test_step_constants_follow_replaced_parameters_whatever_their_id():
+    """Parameters replaced between steps (functional_call with new tensors each
+    call) are seen even when a new one gets a freed one's id() and, like it,
+    version 0: the kept constants were keyed by (id, version), and took new
+    level weights for the old ones (1.6 off)."""
+    m = module(3, 2)
+
+    class Gen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x, cache):
+            return self.m.decode(x, cache)
+    gen = Gen()
+    x = torch.randn(1, 6, 16, dtype=F64)
+    a = torch.tensor([[3.0, 0, 0]] * 4, dtype=F64)
+    b = torch.tensor([[0.0, 0, 3.0]] * 4, dtype=F64)
+    with torch.no_grad():
+        for _ in range(5):  # a freed tensor's id comes back within a few tries
+            outs = []
+            for fresh in (False, True):
+                cache = m.init_cache(1, 16)
+                torch.func.functional_call(gen, {"m.level_logits": a.clone()}, (x[:, :4], cache))
+                if fresh:
+                    cache._constants = None
+                outs.append(torch.func.functional_call(gen, {"m.level_logits": b.clone()}, (x[:, 4:5], cache)))
+            assert torch.equal(*outs)
+
+
 def test_step_constants_follow_parameter_changes():
     """decode keeps level weights, projections and taps between steps; a
     parameter changed in place (an optimiser step) or replaced must be seen at
