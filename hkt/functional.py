@@ -31,7 +31,7 @@ def _pick_backend(backend, q, dropout_p) -> str:
             raise NotImplementedError(
                 "backend: hkt's kernels do not run under torch.func transforms (vmap, grad, jacrev, ...); "
                 "backend=None or 'sdpa' computes the same attention with differentiable torch ops there")
-        if isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool) and dropout_p > 0:
+        if _real(dropout_p) and dropout_p > 0:
             raise NotImplementedError(
                 "dropout_p: dropout runs only in hkt's kernels, which do not run under torch.func transforms "
                 "(vmap, grad, jacrev, ...); use dropout_p=0 there (for example the module in eval mode)")
@@ -39,8 +39,7 @@ def _pick_backend(backend, q, dropout_p) -> str:
     if backend == "kernels" or backend == "sdpa":
         return backend
     q0 = q[0] if isinstance(q, (list, tuple)) and len(q) else None
-    if (isinstance(q0, Tensor) and q0.is_cuda and not _CUDA_KERNELS_PREFERRED
-            and isinstance(dropout_p, (int, float)) and dropout_p == 0):
+    if isinstance(q0, Tensor) and q0.is_cuda and not _CUDA_KERNELS_PREFERRED and _real(dropout_p) and dropout_p == 0:
         return "sdpa"
     return "kernels"
 

@@ -200,7 +200,9 @@ class MultiheadHKT(nn.Module):
     levels of the sequence alone).  Padded query positions then output zeros
     (and get zero weights), where MHA lets them attend to the real keys.  The
     padded computation runs instead, with the same zeros, under TorchScript,
-    ``torch.jit.trace``, ``torch.export`` / ``torch.compile``, on CUDA, with ``attn_mask``,
+    ``torch.jit.trace``, ``torch.export`` / ``torch.compile``, ``torch.func``
+    transforms (where the mask's layout goes unchecked: the checks read its
+    values), on CUDA, with ``attn_mask``,
     ``add_bias_kv`` / ``add_zero_attn``, dropout in training, or a float
     ``key_padding_mask`` that requires grad (which then gets its gradient: the
     packed call never reads the mask).
@@ -584,8 +586,10 @@ class MultiheadHKT(nn.Module):
         else:
             real = kpm != float("-inf")
         if not torch.jit.is_scripting():
-            if torch.compiler.is_compiling() or torch.jit.is_tracing() or kpm.is_meta:
-                return real  # recorded, or shapes only: no data-dependent checks (the padded path runs)
+            if (torch.compiler.is_compiling() or torch.jit.is_tracing() or kpm.is_meta
+                    or torch._C._are_functorch_transforms_active()):
+                # recorded, shapes only, or under torch.func: no data-dependent checks (the padded path runs)
+                return real
         if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
             raise ValueError("key_padding_mask: with pack_padding a float mask may hold only 0 (keep) and -inf "
                              "(padding)")

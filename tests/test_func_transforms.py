@@ -7,6 +7,7 @@ attention with differentiable torch ops (the "sdpa" backend), and
 MultiheadHKT's downsampling its torch expression.  Each result here is checked
 against the plain reference (or plain autograd) in float64.
 """
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -92,6 +93,28 @@ def test_per_sample_gradients_of_a_module():
             torch.testing.assert_close(got[n][i], p.grad, **TOL, msg=lambda m: f"{n}, sample {i}: {m}")
 
 
+def test_per_sample_gradients_of_a_packed_module():
+    """pack_padding under vmap: the packed call (and its checks of the mask's
+    values) cannot run there, so the padded call does, with the same zeros."""
+    torch.manual_seed(0)
+    model = hkt.MultiheadHKT(8, 2, batch_first=True, levels=3, pack_padding=True).double().eval()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x = torch.randn(3, 9, 8, dtype=torch.float64)
+    kpm = torch.arange(9)[None] >= torch.tensor([9, 4, 6])[:, None]
+
+    def loss(params, xi, mi):
+        y = xi[None]  # one tensor as query, key and value: self-attention, which pack_padding packs
+        out = functional_call(model, params, (y, y, y), {"key_padding_mask": mi[None], "need_weights": False})[0]
+        return out.square().sum()
+    got = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, kpm)
+    for i in range(x.shape[0]):
+        model.zero_grad()
+        y = x[i:i + 1]
+        model(y, y, y, key_padding_mask=kpm[i:i + 1], need_weights=False)[0].square().sum().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(got[n][i], p.grad, **TOL, msg=lambda m: f"{n}, sample {i}: {m}")
+
+
 def test_the_kernels_outside_transforms_still():
     # outside a transform the kernels run: their float32 result is not SDPA's bits
     # (a different sum order), and a bool is all this asks
@@ -107,10 +130,11 @@ def test_kernels_backend_under_a_transform_is_refused_by_name():
         vmap(lambda v: hkt.hkt_attention(q, k, v, w, backend="kernels"))(v[None])
 
 
-def test_dropout_under_a_transform_is_refused_by_name():
+@pytest.mark.parametrize("p", [0.1, np.float32(0.1)], ids=["float", "numpy-float32"])
+def test_dropout_under_a_transform_is_refused_by_name(p):
     q, k, v, w = inputs()
     with pytest.raises(NotImplementedError, match="^dropout_p: dropout runs only in hkt's kernels"):
-        grad(lambda v: hkt.hkt_attention(q, k, v, w, dropout_p=0.1).sum())(v)
+        grad(lambda v: hkt.hkt_attention(q, k, v, w, dropout_p=p).sum())(v)
 
 
 def test_module_in_training_mode_with_dropout_is_refused_under_grad():
