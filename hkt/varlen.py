@@ -137,7 +137,7 @@ def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
     _, scale = _check_scalars(is_causal, 0.0, scale)
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
                                     v.requires_grad or w.requires_grad):
-        return _VarlenAttention.apply(len(q), cu_q, cu_k, max_q, max_k, is_causal, scale, *q, *k, v, w)
+        return _VarlenAttention.apply(len(q), len(k), cu_q, cu_k, max_q, max_k, is_causal, scale, *q, *k, v, w)
     return _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)[0]
 
 
@@ -148,8 +148,9 @@ class _VarlenAttention(torch.autograd.Function):
     (:func:`_differentiable_grads`)."""
 
     @staticmethod
-    def forward(ctx, L, cu_q, cu_k, max_q, max_k, is_causal, scale, *qkvw):
-        q, k, v, w = list(qkvw[:L]), list(qkvw[L:2 * L]), qkvw[2 * L], qkvw[2 * L + 1]
+    def forward(ctx, L, Lk, cu_q, cu_k, max_q, max_k, is_causal, scale, *qkvw):
+        # Lk: k's own count, which the extension checks against q's and names
+        q, k, v, w = list(qkvw[:L]), list(qkvw[L:L + Lk]), qkvw[L + Lk], qkvw[L + Lk + 1]
         out, lse = _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)
         ctx.save_for_backward(*qkvw, out, lse, cu_q, cu_k)
         ctx.L, ctx.args = L, (max_q, max_k, is_causal, scale)
@@ -165,7 +166,7 @@ class _VarlenAttention(torch.autograd.Function):
             dq, dk, dv, dw = _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale)
         else:
             dq, dk, dv, dw = _kernels._varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
-        return (None,) * 7 + (*dq, *dk, dv, dw)
+        return (None,) * 8 + (*dq, *dk, dv, dw)
 
 
 def _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale):

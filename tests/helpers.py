@@ -41,6 +41,16 @@ def bad_input_base(dtype=torch.float64):
     return sample_inputs(2, 3, 10, 7, 4, 5, 3, dtype=dtype)
 
 
+def requiring_grad(x):
+    """x (a tensor, or a list of them) with its floating tensors requiring grad:
+    a bad-input case again through the autograd path."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(requiring_grad(y) for y in x)
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_leaf:
+        return x.detach().requires_grad_()
+    return x
+
+
 def swap(seq, i, x):
     seq = list(seq)
     seq[i] = x

@@ -10,18 +10,9 @@ import torch
 import hkt
 from hkt import _C
 
-from helpers import BAD_CASES as CASES, bad_input_base as base, swap
+from helpers import BAD_CASES as CASES, bad_input_base as base, requiring_grad, swap
 
 
-
-
-def _requiring_grad(x):
-    """x (a tensor, or a list of them) with its floating tensors requiring grad."""
-    if isinstance(x, (list, tuple)):
-        return type(x)(_requiring_grad(y) for y in x)
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.is_leaf:
-        return x.detach().requires_grad_()
-    return x
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
@@ -38,7 +29,7 @@ def test_bad_input_names_argument(case, grad):
     for key, val in override.items():
         (args if key in args else kwargs)[key] = val
     if grad:
-        args = {key: _requiring_grad(val) for key, val in args.items()}
+        args = {key: requiring_grad(val) for key, val in args.items()}
     with pytest.raises(exc) as info:
         hkt.hkt_attention(args["q"], args["k"], args["v"], args["w"], **kwargs)
     assert str(info.value).startswith(name + ":"), str(info.value)

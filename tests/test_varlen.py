@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hkt
-from helpers import level_len, randomize, with_threads
+from helpers import level_len, randomize, requiring_grad, with_threads
 from hkt.reference import hkt_attention_reference
 
 F64, F32 = torch.float64, torch.float32
@@ -239,6 +239,7 @@ def bad_varlen_cases():
     yield "v-heads", ValueError, "v", dict(v=v[:, :2])
     yield "w", ValueError, "w", dict(w=w[:, :2])
     yield "levels", ValueError, "k: expected 3 levels", dict(k=k[:2])
+    yield "more-levels", ValueError, "k: expected 3 levels", dict(k=[*k, k[2][:2]])
     yield "scale", ValueError, "scale", dict(scale=float("nan"))
     yield "causal-type", TypeError, "is_causal", dict(is_causal="yes")
     yield "q-type", TypeError, "q", dict(q=q[0])
@@ -247,13 +248,18 @@ def bad_varlen_cases():
 BAD = list(bad_varlen_cases())
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
-def test_bad_input_names_the_argument(case):
+def test_bad_input_names_the_argument(case, grad):
+    """Each case without and with its tensors requiring grad (the autograd
+    Function flattens them: k with fewer levels than q must still be named k)."""
     _, exc, start, override = case
     lens = [3, 5, 2]
     q, k, v, w = packed_inputs(lens, lens, 4, 4, 3, 3)
     args = dict(q=q, k=k, v=v, w=w, cu_seqlens_q=cu_of(lens), cu_seqlens_k=cu_of(lens))
     args.update(override)
+    if grad:
+        args = {key: requiring_grad(val) for key, val in args.items()}
     with pytest.raises(exc) as info:
         hkt.hkt_attention_varlen(**args)
     assert str(info.value).startswith(start), str(info.value)
