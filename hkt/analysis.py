@@ -224,16 +224,20 @@ def bilinear_forms(module: MultiheadHKT, *, bias: bool = True, dtype=None) -> Te
     if module.kdim != module.embed_dim:
         raise ValueError(f"module: bilinear forms on one token space need kdim == embed_dim, got kdim={module.kdim}")
     H, hd = module.num_heads, module.head_dim
+    Hk = getattr(module, "num_kv_heads", H)  # (modules pickled before grouped heads have none)
     forms = []
     for wq, bq, wk, bk in _level_projections(module, bias):
         if dtype is not None:
             wq, wk = wq.to(dtype), wk.to(dtype)
             bq, bk = (None if b is None else b.to(dtype) for b in (bq, bk))
-        Wq, Wk = wq.reshape(H, hd, -1), wk.reshape(H, hd, -1)  # (H, hd, E)
+        Wq, Wk = wq.reshape(H, hd, -1), wk.reshape(Hk, hd, -1)  # (H, hd, E), (H_kv, hd, E)
         if bias and (bq is not None or bk is not None):
-            zq = torch.zeros(H, hd, 1, dtype=wq.dtype, device=wq.device)
-            Wq = torch.cat([Wq, zq if bq is None else bq.view(H, hd, 1)], dim=-1)
-            Wk = torch.cat([Wk, zq if bk is None else bk.view(H, hd, 1)], dim=-1)
+            def col(b, n):  # the bias as an extra input column (zeros without one)
+                return torch.zeros(n, hd, 1, dtype=wq.dtype, device=wq.device) if b is None else b.view(n, hd, 1)
+            Wq = torch.cat([Wq, col(bq, H)], dim=-1)
+            Wk = torch.cat([Wk, col(bk, Hk)], dim=-1)
+        # grouped kv heads: query head h reads kv head h // (H / H_kv)
+        Wk = Wk.repeat_interleave(H // Hk, dim=0)
         forms.append(Wq.transpose(-1, -2) @ Wk)  # (H, E', E')
     return torch.stack(forms)
 

@@ -12,10 +12,10 @@ from hkt.reference import combined_scores, upsample_level
 f64 = torch.float64
 
 
-def random_module(E=8, H=2, levels=3, seed=0, bias=True, batch_first=True, shared_taps=False):
+def random_module(E=8, H=2, levels=3, seed=0, bias=True, batch_first=True, shared_taps=False, num_kv_heads=None):
     """A MultiheadHKT with every parameter random (not the structured init)."""
     torch.manual_seed(seed)
-    m = MultiheadHKT(E, H, levels=levels, bias=bias, batch_first=batch_first, dtype=f64)
+    m = MultiheadHKT(E, H, levels=levels, bias=bias, batch_first=batch_first, dtype=f64, num_kv_heads=num_kv_heads)
     with torch.no_grad():
         for p in m.parameters():
             p.normal_(0.0, 0.5)
@@ -152,6 +152,19 @@ def test_split_symmetric_properties_and_uniqueness():
     torch.testing.assert_close(pairs[1][0], torch.zeros_like(An))
     with pytest.raises(ValueError):
         A.split_symmetric(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bilinear_forms_with_grouped_kv_heads(bias):
+    """Query head h's form pairs it with kv head h // (H / H_kv): (L, H, E', E')
+    forms that reproduce the level scores (with 2 kv heads for 4 query heads
+    they came out (L, 2, 8, 4), or raised, before)."""
+    m = random_module(H=4, num_kv_heads=2, seed=6, bias=bias)
+    x = torch.randn(2, 10, 8, dtype=f64)
+    forms = A.bilinear_forms(m, bias=bias)
+    assert forms.shape == ((3, 4, 9, 9) if bias else (3, 4, 8, 8))
+    torch.testing.assert_close(A.level_scores_from_forms(m, x, forms), A.level_scores(m, x, bias=bias).levels)
+    A.psd_condition(m, bias=bias)  # runs
 
 
 @pytest.mark.parametrize("bias", [True, False])
