@@ -573,7 +573,11 @@ def kernel_approximation_curve(kernels: Sequence[Tensor], *, rank: int, max_leve
     :func:`multiscale_kernel`'s synthetic data.
 
     For each A (n, n) (sizes may differ) the error of L levels is
-    ||A - best_level_fit(A, L, rank)||_F / ||A||_F, L = 1 .. max_levels.
+    ||A - best_level_fit(A, L, rank)||_F / ||A||_F, L = 1 .. max_levels, or
+    the error of fewer levels where that is smaller: an L-level model holds any
+    model of fewer levels (its other levels zero), so the best L-level error
+    never rises with L, but the backfitting of more levels can stall above it
+    (an exactly 3-level matrix: 0.0134 at L=3, 0.0143 at L=4, 10 sweeps).
 
     Returns:
         {"levels": [1..max_levels], "error": mean relative error per L,
@@ -593,8 +597,9 @@ def kernel_approximation_curve(kernels: Sequence[Tensor], *, rank: int, max_leve
         nrm = torch.linalg.norm(A)
         if not nrm > 0:
             raise ValueError(f"kernels: item {i} has Frobenius norm {float(nrm)}, the relative error is undefined")
-        per_kernel.append([float(torch.linalg.norm(A - best_level_fit(A, L, rank, sweeps=sweeps)) / nrm)
-                           for L in range(1, max_levels + 1)])
+        errs = [float(torch.linalg.norm(A - best_level_fit(A, L, rank, sweeps=sweeps)) / nrm)
+                for L in range(1, max_levels + 1)]
+        per_kernel.append([min(errs[:L]) for L in range(1, max_levels + 1)])
     err = [sum(e[i] for e in per_kernel) / len(per_kernel) for i in range(max_levels)]
     ratios = [err[i + 1] / err[i] for i in range(max_levels - 1) if err[i] > 0 and err[i + 1] > 0]
     rate = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
