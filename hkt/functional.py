@@ -225,7 +225,7 @@ def hkt_attention(
         raise
 
 
-def _autocast_inputs(q, k, v, w):
+def _autocast_inputs(q, k, v, w, to: Optional[torch.dtype] = None):
     """q, k, v and w as torch.autocast has them run, where it is on for q[0]'s
     device type: in its dtype where that is bfloat16, else (float16, which hkt
     does not compute) in float32; float64 stays float64, as autocast leaves it.
@@ -233,21 +233,25 @@ def _autocast_inputs(q, k, v, w):
     module whose projections autocast made bfloat16, next to level weights it
     left float32, would not run.  The casts are differentiable: float32
     parameters get float32 gradients.  A float mask needs none: the kernels
-    take it in their compute dtype."""
-    if not (isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) and q and isinstance(q[0], Tensor)):
+    take it in their compute dtype.  ``to``: every floating input in that
+    dtype instead (decoding's, that of its caches); k may then be None."""
+    if not (isinstance(q, (list, tuple)) and q and isinstance(q[0], Tensor)
+            and (isinstance(k, (list, tuple)) or (to is not None and k is None))):
         return q, k, v, w  # malformed: left for the checks to name
     device = q[0].device.type
     if not torch.is_autocast_enabled(device):
         return q, k, v, w
-    to = torch.get_autocast_dtype(device)
-    if to != torch.bfloat16:
-        to = torch.float32
+    keep = ()
+    if to is None:
+        to, keep = torch.get_autocast_dtype(device), (torch.float64,)
+        if to != torch.bfloat16:
+            to = torch.float32
 
     def cast(x):
-        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != to and x.dtype != torch.float64:
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != to and x.dtype not in keep:
             return x.to(to)
         return x
-    return [cast(x) for x in q], [cast(x) for x in k], cast(v), cast(w)
+    return [cast(x) for x in q], None if k is None else [cast(x) for x in k], cast(v), cast(w)
 
 
 # what a call with a bad argument may raise on its way to the extension

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _kernels
-from .functional import _check_tensor, _heads, _refuse_meta, _refuse_trace
+from .functional import _autocast_inputs, _check_tensor, _heads, _refuse_meta, _refuse_trace
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -112,8 +112,10 @@ def hkt_attention_with_kvcache(
         raise RuntimeError("hkt_attention_with_kvcache: not differentiable (forward-only decoding kernel), but an "
                            "input requires grad; call it under torch.no_grad() or torch.inference_mode()")
     try:
-        if torch._C._is_any_autocast_enabled():
-            q, k, v, w = _to_cache_dtype(q, k, v, w, v_cache)
+        if torch._C._is_any_autocast_enabled() and isinstance(v_cache, Tensor) and v_cache.is_floating_point():
+            # in the caches' dtype, which the kernel computes in (the caches, written
+            # in place, cannot be cast), as autocast promotes a mixed call to its widest
+            q, k, v, w = _autocast_inputs(q, k, v, w, to=v_cache.dtype)
         return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
     except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
         # nothing is checked in Python on the way in; when something failed, say
@@ -121,22 +123,6 @@ def hkt_attention_with_kvcache(
         _check_decode_inputs(q, k_cache, v_cache, w, k, v)
         _refuse_meta(q[0], "decoding")
         raise
-
-
-def _to_cache_dtype(q, k, v, w, v_cache):
-    """Under torch.autocast (on q[0]'s device type): q, k, v and w in the
-    caches' dtype, which the kernel computes in (the caches, written in place,
-    cannot be cast), as autocast promotes a mixed call to its widest dtype;
-    else as they are."""
-    if not (isinstance(q, (list, tuple)) and q and isinstance(q[0], Tensor) and isinstance(v_cache, Tensor)
-            and torch.is_autocast_enabled(q[0].device.type) and v_cache.is_floating_point()):
-        return q, k, v, w
-
-    def cast(x):
-        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != v_cache.dtype:
-            return x.to(v_cache.dtype)
-        return x
-    return [cast(x) for x in q], None if k is None else [cast(x) for x in k], cast(v), cast(w)
 
 
 def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:

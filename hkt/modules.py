@@ -14,7 +14,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import _kernels
 from . import kvcache as _kvcache
-from .functional import _heads, hkt_attention, qkv_attention
+from .functional import _heads, _recording, hkt_attention, qkv_attention
 from .reference import masked_probs
 from .varlen import hkt_attention_varlen, pack_levels
 
@@ -82,7 +82,7 @@ def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     under torch.func transforms (the extension takes plain arrays)."""
     return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
             and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
-            and taps.shape[1] == x.shape[2] and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and taps.shape[1] == x.shape[2] and not _recording()
             and not torch._C._are_functorch_transforms_active())
 
 
@@ -586,8 +586,7 @@ class MultiheadHKT(nn.Module):
         else:
             real = kpm != float("-inf")
         if not torch.jit.is_scripting():
-            if (torch.compiler.is_compiling() or torch.jit.is_tracing() or kpm.is_meta
-                    or torch._C._are_functorch_transforms_active()):
+            if _recording() or kpm.is_meta or torch._C._are_functorch_transforms_active():
                 # recorded, shapes only, or under torch.func: no data-dependent checks (the padded path runs)
                 return real
         if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
@@ -789,7 +788,7 @@ class MultiheadHKT(nn.Module):
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
-              and q0.device.type == "cpu" and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+              and q0.device.type == "cpu" and not _recording()
               and not torch._C._are_functorch_transforms_active()
               # the packed call never reads the mask: a float mask's gradient needs the padded one
               and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
