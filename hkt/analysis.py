@@ -81,6 +81,8 @@ def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causa
             raise ValueError(f"{name}: must be >= 0, got {val}")
     if L < 1:
         raise ValueError(f"L: must be >= 1, got {L}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile: expected an int >= 1, got {tile!r}")
     if T == 0 or S == 0:
         return 0
     i0 = torch.arange(0, T, tile, dtype=torch.int64)
@@ -101,6 +103,9 @@ def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causa
 def measured_cost_ratio(T: int, S: int, L: int, *, is_causal: bool = False) -> float:
     """count_score_macs with L levels over the count with one level (standard
     attention walked over the same tiles)."""
+    for name, val in (("T", T), ("S", S)):
+        if val < 1:  # no scores: the ratio is 0 / 0
+            raise ValueError(f"{name}: must be >= 1, got {val}")
     return count_score_macs(1, 1, T, S, 1, L, is_causal=is_causal) / count_score_macs(1, 1, T, S, 1, 1,
                                                                                      is_causal=is_causal)
 
@@ -496,6 +501,13 @@ def best_level_fit(A: Tensor, levels: int, rank: int, *, sweeps: int = 10) -> Te
     Returns:
         The approximation (T, T).
     """
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+    if not isinstance(A, Tensor) or A.dim() != 2 or A.shape[0] != A.shape[1]:
+        raise ValueError(f"A: expected a square (T, T) tensor, got "
+                         f"{tuple(A.shape) if isinstance(A, Tensor) else type(A).__name__}")
     best, best_err = None, None
     for order in (list(range(levels)), list(reversed(range(levels)))):
         terms = [torch.zeros_like(A) for _ in range(levels)]

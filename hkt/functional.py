@@ -313,15 +313,26 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)[0]
 
 
-def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
-    """backend="sdpa" (hkt._sdpa): every argument checked in Python first, as
-    the extension would for the kernels, then plain differentiable torch ops."""
+def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_allowed: bool):
+    """Every argument of an hkt_attention call checked in Python, as the
+    extension checks them for the kernels, with the same messages: for the
+    callers that never reach it (backend="sdpa", and hkt.reference, which
+    takes the same arguments).  Returns (attn_mask, dropout_p, scale): the mask
+    4-D (a view), the scalars as _check_scalars returns them."""
     _check_inputs(q, k, v, w)
     _check_mask(attn_mask, q[0].device)
     dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask)
-    _sdpa.check_arguments(q, k, v, w, attn_mask, dropout_p, scale)
+    _sdpa.check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=dropout_allowed)
+    return attn_mask, dropout_p, scale
+
+
+def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
+    """backend="sdpa" (hkt._sdpa): every argument checked in Python first, as
+    the extension would for the kernels, then plain differentiable torch ops."""
+    attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
+                                             dropout_allowed=False)
     return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
 
 

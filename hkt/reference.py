@@ -22,7 +22,11 @@ def repeat_kv(x: Tensor, H: int) -> Tensor:
     """Grouped-query attention spelled out: x (B, H_kv, n, d) with its kv heads
     repeated to H heads, query head h reading kv head h // (H // H_kv)."""
     Hk = x.shape[1]
-    return x if Hk == H else x.repeat_interleave(H // Hk, dim=1)
+    if Hk == H:
+        return x
+    if Hk < 1 or H % Hk != 0:
+        raise ValueError("H: the {} kv heads of x must divide the {} heads asked for".format(Hk, H))
+    return x.repeat_interleave(H // Hk, dim=1)
 
 
 def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
@@ -119,17 +123,26 @@ def hkt_attention_reference(
 ):
     """HKT attention exactly as docs/contract.md section 1 defines it.
 
-    Same arguments as :func:`hkt.hkt_attention` (k and v may have fewer heads
-    than q: grouped-query attention, :func:`repeat_kv`).  Dropout needs an explicit
+    Same arguments as :func:`hkt.hkt_attention`, checked as it checks them
+    (the same TypeError / ValueError naming the argument; k and v may have
+    fewer heads than q: grouped-query attention, :func:`repeat_kv`).  Dropout needs an explicit
     ``dropout_mask`` (B, H, T, S) of kept entries (e.g. from
     ``hkt._C.dropout_mask``), so results are reproducible.  With
     ``return_probs`` also returns P (B, H, T, S) before dropout.
     """
+    # the arguments checked as hkt_attention checks them, with its messages
+    # (imported here: hkt.functional's own imports reach this module)
+    from .functional import check_call
+    attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
+                                             dropout_allowed=True)
     P = attention_probs(q, k, w, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     Pd = P
     if dropout_p > 0:
         if dropout_mask is None:
             raise ValueError("dropout_mask: required when dropout_p > 0")
+        if not isinstance(dropout_mask, Tensor) or dropout_mask.shape != P.shape:
+            got = tuple(dropout_mask.shape) if isinstance(dropout_mask, Tensor) else type(dropout_mask).__name__
+            raise ValueError(f"dropout_mask: expected a tensor of shape (B, H, T, S) = {tuple(P.shape)}, got {got}")
         Pd = P * dropout_mask.to(P.dtype) / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(P)
     out = Pd @ repeat_kv(v, P.shape[1])
     return (out, P) if return_probs else out

@@ -85,6 +85,19 @@ def test_count_causal_is_about_half():
 
 # ------------------------------------------------------------ level scores
 
+@pytest.mark.parametrize("call, name", [
+    (lambda: A.count_score_macs(1, 1, 8, 8, 4, 2, tile=0), "tile"),  # before: an unnamed range() error
+    (lambda: A.measured_cost_ratio(0, 8, 2), "T"),  # before: ZeroDivisionError
+    (lambda: A.measured_cost_ratio(8, 0, 2), "S"),
+    (lambda: A.best_level_fit(torch.eye(4), 0, 2), "levels"),  # before: returned the int 0
+    (lambda: A.best_level_fit(torch.eye(4), 1, -1), "rank"),
+    (lambda: A.best_level_fit(torch.ones(4, 3), 1, 2), "A"),
+])
+def test_helpers_name_a_bad_argument(call, name):
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        call()
+
+
 @pytest.mark.parametrize("batch_first,unbatched", [(True, False), (False, False), (True, True)])
 def test_level_scores_match_module_probabilities(batch_first, unbatched):
     m = random_module(batch_first=batch_first)

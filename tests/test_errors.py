@@ -22,17 +22,44 @@ def test_bad_input_names_argument(case, grad):
     autograd Function flattens its tensor arguments, and must hand the
     extension the lists as given (k with another level count than q: named k,
     not an IndexError)."""
-    _, exc, name, override = case
+    _, exc, name, _ = case
+    args, kwargs = spoilt_call(case, grad)
+    with pytest.raises(exc) as info:
+        hkt.hkt_attention(*args, **kwargs)
+    assert str(info.value).startswith(name + ":"), str(info.value)
+
+
+def spoilt_call(case, grad=False):
+    """(q, k, v, w) and the keyword arguments of a BAD_CASES entry's call."""
     q, k, v, w = base()
     args = dict(q=q, k=k, v=v, w=w)
     kwargs = {}
-    for key, val in override.items():
+    for key, val in case[3].items():
         (args if key in args else kwargs)[key] = val
     if grad:
         args = {key: requiring_grad(val) for key, val in args.items()}
+    return [args[key] for key in "qkvw"], kwargs
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_reference_names_the_argument_too(case):
+    """hkt.reference takes hkt_attention's arguments and checks them as it
+    does: before, most bad cases computed something (a dropout_p of 1.5 gave
+    zeros, a level one row too long was sliced away) or failed unnamed."""
+    _, exc, name, _ = case
+    args, kwargs = spoilt_call(case)
     with pytest.raises(exc) as info:
-        hkt.hkt_attention(args["q"], args["k"], args["v"], args["w"], **kwargs)
+        hkt.reference.hkt_attention_reference(*args, **kwargs)
     assert str(info.value).startswith(name + ":"), str(info.value)
+
+
+def test_reference_helpers_refuse_what_they_cannot_do():
+    q, k, v, w = base()
+    with pytest.raises(ValueError, match="^H: the 3 kv heads"):
+        hkt.reference.repeat_kv(v, 4)  # 4 heads cannot share 3 kv heads
+    assert hkt.reference.repeat_kv(v, 6).shape == (2, 6, 7, 5)
+    with pytest.raises(ValueError, match="^dropout_mask: expected a tensor of shape"):
+        hkt.reference.hkt_attention_reference(q, k, v, w, dropout_p=0.5, dropout_mask=torch.ones(10, 7))
 
 
 def test_extension_checks_outputs_and_arrays():
