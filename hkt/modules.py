@@ -73,6 +73,22 @@ def _refuse_fx_proxy(query) -> None:
                         "for it, as torch.fx does for nn.MultiheadAttention, or use torch.export")
 
 
+def _one_input(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b are the same input: the same object, or, in eager mode
+    and TorchScript, the same memory read the same way (Tensor.is_set_to).  A
+    reentrant torch.utils.checkpoint (each argument detached on its own) and a
+    full backward hook (each argument through an identity Function) hand the
+    module such stand-ins for one tensor passed three times, and self-attention
+    must stay self-attention there (pack_padding's zeros).  torch.compile and
+    torch.func cannot evaluate is_set_to: only the object counts under them."""
+    if a is b:
+        return True
+    if not torch.jit.is_scripting():
+        if _recording() or torch._C._are_functorch_transforms_active():
+            return False
+    return a.is_set_to(b)
+
+
 @torch.jit.unused
 def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     """Whether the extension takes this call: CPU float32/float64 of one dtype,
@@ -191,7 +207,9 @@ class MultiheadHKT(nn.Module):
     column).
 
     ``pack_padding=True`` (also a settable attribute) skips the padding of
-    right-padded batches: a self-attention call (``query is key is value``)
+    right-padded batches: a self-attention call (``query is key is value``,
+    or, outside torch.compile and torch.func, the three are the same memory
+    read alike, as a reentrant checkpoint or a backward hook passes them)
     with a ``key_padding_mask`` whose padding is at the end of every sequence
     (bool True, or float -inf, after the last real token; otherwise
     ``ValueError`` naming ``key_padding_mask``) computes only the real tokens,
@@ -784,7 +802,7 @@ class MultiheadHKT(nn.Module):
                                         q0.dtype, q0.device)
         dropout_p = float(self.dropout) if self.training else 0.0
         vh = _heads(v, Hk, hd)
-        real = self._pack_padding_rows(key_padding_mask, query is key and key is value, B, S)
+        real = self._pack_padding_rows(key_padding_mask, _one_input(query, key) and _one_input(key, value), B, S)
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0

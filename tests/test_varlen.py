@@ -442,6 +442,39 @@ def test_module_fallbacks_keep_the_zeros():
     assert torch.equal(got, want)
 
 
+def test_module_self_attention_survives_checkpoint_and_hooks():
+    """A reentrant checkpoint recomputes the forward on each argument detached
+    on its own, and a full backward hook passes each through an identity
+    Function: three objects for one tensor.  pack_padding still treats the call
+    as self-attention (before, the recomputed forward let padded queries attend,
+    so their loss leaked into every gradient, 0.6 off in dx; the hooked one
+    returned nonzero padded rows)."""
+    E = 8
+    m = randomized(hkt.MultiheadHKT(E, 2, batch_first=True, levels=3, pack_padding=True).double())
+    x, kpm = padded_batch(E, MOD_LENS)
+    x.requires_grad_()
+    params = list(m.parameters())
+
+    def grads(call):  # .backward(): a reentrant checkpoint refuses autograd.grad
+        for t in [x, *params]:
+            t.grad = None
+        out = call()
+        (out * out).sum().backward()
+        return out, [t.grad for t in [x, *params]]
+
+    want, want_grads = grads(lambda: m(x, x, x, key_padding_mask=kpm)[0])
+    got, got_grads = grads(lambda: torch.utils.checkpoint.checkpoint(m, x, x, x, kpm, False, use_reentrant=True)[0])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # three projections, not one fused
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    m.register_full_backward_hook(lambda mod, gin, gout: None)
+    hooked, hooked_grads = grads(lambda: m(x, x, x, key_padding_mask=kpm)[0])
+    assert torch.equal(hooked[kpm], torch.zeros_like(hooked[kpm]))
+    torch.testing.assert_close(hooked, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(hooked_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_module_scripted_gives_the_same():
     m = randomized(hkt.MultiheadHKT(8, 2, batch_first=True, pack_padding=True).double())
