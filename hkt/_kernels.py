@@ -245,7 +245,7 @@ def _dls(xs: Sequence[Tensor]) -> List:
 
 def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: int) -> Tensor:
     """The kernels' dropout pattern for ``seed`` as a bool tensor (B, H, T, S), True = kept."""
-    keep = torch.empty((B, H, T, S), dtype=torch.bool)
+    keep = torch.empty((B, H, T, S), dtype=torch.bool, device="cpu")  # the extension fills it
     _C.dropout_mask(_dl(keep), int(seed), float(dropout_p))
     return keep
 

@@ -280,7 +280,8 @@ def _kernel_args(attn_mask, is_causal, dropout_p, scale, dtype):
 
 def _eager_seed(dropout_p: float) -> int:
     """The dropout seed of an eager call, from torch's default generator."""
-    return int(torch.randint(0, _SEED_HIGH, (), dtype=torch.int64)) if dropout_p > 0 else 0
+    # on the CPU, whatever torch's default device is: the generator the docs name
+    return int(torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")) if dropout_p > 0 else 0
 
 
 def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
@@ -299,7 +300,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
             _sdpa.check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=True)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
-        seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros(
+        seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu") if dropout_p > 0 else torch.zeros(
             (), dtype=torch.int64, device=q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
                                        _scale_value(scale, q0), seed)
@@ -450,7 +451,7 @@ def _run_backward(ctx, dout, q, k, v, w, results, mask_needs_grad, into=None):
     if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
         args = (ctx.is_causal, ctx.dropout_p, _scale_value(ctx.scale, q[0]))
         grads = ops.attention_backward(dout, q, k, v, w, out, lse, attn_mask, *args,
-                                       torch.tensor(ctx.seed, dtype=torch.int64), mask_grad)
+                                       torch.tensor(ctx.seed, dtype=torch.int64, device="cpu"), mask_grad)
         return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], (grads[2 * L + 2] if mask_grad else None)
     return _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p, ctx.scale,
                               ctx.seed, mask_grad, like_inputs=True, into=into)

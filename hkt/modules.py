@@ -153,9 +153,9 @@ def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor
     a fresh dropout seed."""
     scale = 1.0 / math.sqrt(qs[0].shape[-1])
     if dropout_p > 0.0:
-        seed = torch.randint(0, 1 << 62, [], dtype=torch.int64)
+        seed = torch.randint(0, 1 << 62, [], dtype=torch.int64, device="cpu")
     else:
-        seed = torch.zeros([], dtype=torch.int64)
+        seed = torch.zeros([], dtype=torch.int64, device="cpu")
     return torch.ops.hkt.attention_forward(qs, ks, v, w, mask, is_causal, dropout_p, scale, seed)[0]
 
 

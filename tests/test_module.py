@@ -809,3 +809,28 @@ def test_swapped_decoder_forward_backward_and_eval():
     tgt2[:, 6:] += 1.0
     with torch.no_grad():
         torch.testing.assert_close(dec(tgt2, mem, **kw)[:, :6], a[:, :6], rtol=1e-6, atol=1e-6)
+
+
+def test_dropout_seed_comes_from_the_cpu_whatever_the_default_device():
+    """The dropout seed was drawn on torch's default device: inside
+    ``with torch.device("meta")`` (a model built there, say) every call with
+    dropout on CPU tensors raised 'Tensor.item() cannot be called on meta
+    tensors', where SDPA and nn.MultiheadAttention run.  The same draws from
+    the CPU generator now, inside or outside, so the same results."""
+    m = hkt.MultiheadHKT(16, 2, batch_first=True, dropout=0.3, levels=3).double().train()
+    x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=True)
+    q, k, v, w = [x[:1, None, :T, :8] for T in (10, 5, 3)], [x[1:, None, :T, 8:] for T in (10, 5, 3)], \
+        x[:1, None, :, 8:], torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+
+    def run():
+        torch.manual_seed(7)
+        out = m(x, x, x)[0]
+        att = hkt.hkt_attention(q, k, v, w, dropout_p=0.3)
+        grads = torch.autograd.grad(out.sum() + att.sum(), [x, *m.parameters()], create_graph=True)
+        return [out, att, *grads]
+
+    want = run()
+    with torch.device("meta"):
+        got = run()
+    for a, b in zip(got, want):
+        assert a.device.type == "cpu" and torch.equal(a, b)
