@@ -30,6 +30,14 @@ has_cuda = bool(_C.has_cuda)
 # backward's scratch) were allocated on that same stream, so the caching
 # allocator hands their memory to later work on it only in stream order.
 
+def _threads() -> int:
+    """torch's thread count for the kernels, capped at the extension's most
+    (torch.set_num_threads takes more; the extension refuses more when asked
+    by name, so a cap is what the docs' "at most" means)."""
+    n = torch.get_num_threads()
+    return n if n <= _C.max_threads else _C.max_threads
+
+
 def _dl(x: Optional[Tensor]):
     if x is None:
         return None
@@ -144,7 +152,7 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     else:
         qs, ks, vs = _feats(q), _feats(k), _feat(v)
     _C.forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
-               _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, torch.get_num_threads(),
+               _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, _threads(),
                _stream(q0))
     return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
 
@@ -174,7 +182,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
         qs, ks, vs, dos, outs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(dout), _arg(out)
     _C.backward(dos, qs, ks, vs, _arg(w), outs,
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
-                is_causal, scale, dropout_p, seed, torch.get_num_threads(), _dl(dmask), _stream(q[0]),
+                is_causal, scale, dropout_p, seed, _threads(), _dl(dmask), _stream(q[0]),
                 _dl(scratch))
     dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
@@ -275,7 +283,7 @@ def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: 
     lens = _dl(cache_seqlens) if isinstance(cache_seqlens, Tensor) else cache_seqlens
     _C.decode([_feat(x) for x in q], [_dl(x) for x in k_cache], _dl(v_cache), _feat(w), lens, _dl(out),
               None if k is None else [_feat(x) for x in k], None if v is None else _feat(v), scale,
-              torch.get_num_threads())
+              _threads())
     return out
 
 
@@ -292,7 +300,7 @@ def _varlen_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tens
     lse = torch.empty((lead[0] * lead[1] if len(lead) == 2 else 0,), dtype=dtype, device=q0.device)
     _C.varlen_forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
                       _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
-                      torch.get_num_threads())
+                      _threads())
     return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
 
 
@@ -306,7 +314,7 @@ def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
     _C.varlen_backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
                        _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _dl(cu_seqlens_q), _dl(cu_seqlens_k),
-                       max_seqlen_q, max_seqlen_k, is_causal, scale, torch.get_num_threads())
+                       max_seqlen_q, max_seqlen_k, is_causal, scale, _threads())
     return _in_dtype(dq, dk, dv, dw, in_dtype)
 
 
@@ -314,7 +322,7 @@ def _downsample_forward(x: Tensor, taps: Tensor) -> Tensor:
     """hkt.modules.causal_downsample of a CPU float32/float64 x (B, n, C) with
     taps (K, C) of its dtype, in one pass: (B, ceil(n / 2), C), the expression's bits."""
     out = x.new_empty((x.shape[0], (x.shape[1] + 1) // 2, x.shape[2]))
-    _C.downsample_forward(_feat(x), _feat(taps), _dl(out), torch.get_num_threads())
+    _C.downsample_forward(_feat(x), _feat(taps), _dl(out), _threads())
     return out
 
 
@@ -325,5 +333,5 @@ def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor, want_x: bool = T
     cf = torch.contiguous_format
     gx = torch.empty_like(x, memory_format=cf) if want_x else None
     gt = torch.empty_like(taps, memory_format=cf)
-    _C.downsample_backward(_feat(grad), _feat(x), _feat(taps), _dl(gx), _dl(gt), torch.get_num_threads())
+    _C.downsample_backward(_feat(grad), _feat(x), _feat(taps), _dl(gx), _dl(gt), _threads())
     return gx, gt

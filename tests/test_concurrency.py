@@ -277,3 +277,22 @@ def test_forked_child_via_multiprocessing():
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env=child_env())
     assert res.returncode == 0 and res.stdout.strip() == "True", res.stdout + res.stderr[-4000:]
+
+
+def test_more_torch_threads_than_the_extension_takes():
+    """torch.set_num_threads takes counts over the extension's most (1024);
+    every call then raised 'num_threads: must be at most 1024', an argument
+    the user never passed, where SDPA and nn.MultiheadAttention run.  The count
+    is capped now, with the same bits as on any other count."""
+    q, k, v, w = sample_inputs(1, 2, 16, 16, 8, 8, 3, dtype=torch.float64)
+    leaves = [x.requires_grad_() for x in [*q, *k, v, w]]
+    m = hkt.MultiheadHKT(16, 2, batch_first=True, levels=3).double()
+    x = torch.randn(1, 16, 16, dtype=torch.float64)
+
+    def run():
+        out = hkt.hkt_attention(q, k, v, w)
+        return [out, *torch.autograd.grad(out.sum(), leaves), m(x, x, x)[0]]
+
+    want = run()
+    got = with_threads(hkt._C.max_threads + 1, run)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
