@@ -203,6 +203,11 @@ int hkt_cpu_bf16_amx(void);
  * HKT_BF16=native, avx512bf16 or upcast overrides (native only where
  * hkt_cpu_has_bf16()). */
 int hkt_cpu_bf16_preferred(void);
+/* What is wrong with the settings above, for a warning: an HKT_CPU_KERNELS or
+ * HKT_BF16 value that is not one of their names (a misspelling would
+ * otherwise run other kernels unnoticed), or a kernel set this CPU cannot
+ * run; written into buf (n bytes), or 0 when nothing is. */
+int hkt_settings_problem(char *buf, size_t n);
 
 void hkt_forward_cpu(const hkt_params *p);
 void hkt_backward_cpu(const hkt_params *p);

@@ -7,6 +7,7 @@
 #include "hkt_cpu.h"
 #include "hkt_dropout.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #if HKT_AMX
@@ -28,6 +29,11 @@ static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", hkt_for
 static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", NULL);
 #endif
 #endif
+
+/* HKT_CPU_KERNELS's names: a narrower set than the CPU's best, or that best */
+static int cpu_kernels_known(const char *want) {
+    return strcmp(want, "default") == 0 || strcmp(want, "avx2") == 0 || strcmp(want, "avx512f") == 0;
+}
 
 static const hkt_isa_table *pick_isa(void) {
 #if HKT_ISA_BUILDS
@@ -117,6 +123,27 @@ int hkt_cpu_bf16_preferred(void) {
 #else
     return 1;
 #endif
+}
+
+int hkt_settings_problem(char *buf, size_t n) {
+    const char *kernels = getenv("HKT_CPU_KERNELS"), *bf16 = getenv("HKT_BF16");
+    if (kernels && *kernels && !cpu_kernels_known(kernels)) {
+        snprintf(buf, n, "HKT_CPU_KERNELS=%.40s is not one of default, avx2, avx512f; running the '%s' kernels",
+                 kernels, hkt_cpu_kernels());
+        return 1;
+    }
+    if (kernels && *kernels && strcmp(kernels, "default") != 0 && strcmp(kernels, hkt_cpu_kernels()) != 0) {
+        snprintf(buf, n, "HKT_CPU_KERNELS=%.40s: this CPU (or build) cannot run them; running the '%s' kernels",
+                 kernels, hkt_cpu_kernels());
+        return 1;
+    }
+    if (bf16 && *bf16 && strcmp(bf16, "native") != 0 && strcmp(bf16, "avx512bf16") != 0 &&
+        strcmp(bf16, "upcast") != 0) {
+        snprintf(buf, n, "HKT_BF16=%.40s is not one of native, avx512bf16, upcast; bfloat16 runs %s", bf16,
+                 hkt_cpu_bf16_preferred() ? "natively" : "in float32");
+        return 1;
+    }
+    return 0;
 }
 
 int hkt_default_threads(void) {

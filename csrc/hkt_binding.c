@@ -2073,6 +2073,9 @@ static int exec_module(PyObject *m) {
     if (PyModule_AddIntConstant(m, "max_levels", HKT_MAX_LEVELS) < 0) return -1;
     if (PyModule_AddIntConstant(m, "cpu_tile", HKT_CPU_TILE) < 0) return -1;
     if (PyModule_AddIntConstant(m, "max_threads", HKT_MAX_THREADS) < 0) return -1;
+    char problem[256];
+    if (hkt_settings_problem(problem, sizeof problem) && PyErr_WarnEx(PyExc_RuntimeWarning, problem, 1) < 0)
+        return -1; /* warnings turned into errors */
     static int atfork_registered = 0;
     if (!atfork_registered && pthread_atfork(NULL, NULL, after_fork_in_child) == 0) atfork_registered = 1;
     return 0;

@@ -76,6 +76,29 @@ def test_unknown_choice_falls_back_to_the_widest():
     assert run_with("no-such-set")["kernels"] == hkt._C.cpu_kernels()
 
 
+@pytest.mark.parametrize("setting, warned", [
+    ("HKT_CPU_KERNELS=AVX2", "HKT_CPU_KERNELS=AVX2 is not one of default, avx2, avx512f; running the "),
+    ("HKT_CPU_KERNELS=avx-2", "HKT_CPU_KERNELS=avx-2 is not one of"),
+    ("HKT_BF16=Upcast", "HKT_BF16=Upcast is not one of native, avx512bf16, upcast; bfloat16 runs "),
+    ("HKT_CPU_KERNELS=default", None), ("HKT_CPU_KERNELS=", None), ("HKT_BF16=upcast", None),
+    ("HKT_BF16=native", None)])
+def test_a_misspelt_setting_is_warned_of(setting, warned):
+    """A value neither variable knows ran the default choice in silence: an
+    'AVX2' benchmark ran the AVX-512 kernels unnoticed.  Now the import warns
+    (RuntimeWarning, as torch warns of an ATEN_CPU_CAPABILITY it does not know)
+    and says what runs instead; a known value warns of nothing, unless the CPU
+    cannot run it."""
+    name, value = setting.split("=")
+    env = {k: v for k, v in os.environ.items() if k not in ("HKT_CPU_KERNELS", "HKT_BF16")}
+    env[name] = value
+    out = subprocess.run([sys.executable, "-c", "import hkt"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if warned is None:
+        assert "RuntimeWarning" not in out.stderr, out.stderr
+    else:
+        assert f"RuntimeWarning: {warned}" in out.stderr, out.stderr
+
+
 def bf16_choice(setting):
     env = {k: v for k, v in os.environ.items() if k != "HKT_BF16"}
     if setting is not None:
