@@ -186,6 +186,13 @@ static inline const char *hkt_cuda_tc_backward_refusal(const hkt_params *p) {
 
 /* Threads OpenMP would use by default (1 without OpenMP). */
 int hkt_default_threads(void);
+/* The stack an OpenMP worker thread gets, in bytes (SIZE_MAX without OpenMP
+ * or where it cannot be read); runs a parallel region of two threads the first
+ * time.  The kernels' deepest frames (the backward's) take about 16 KiB, so
+ * workers with less than HKT_MIN_WORKER_STACK must not run them: a small
+ * OMP_STACKSIZE would crash the process. */
+size_t hkt_worker_stack(void);
+#define HKT_MIN_WORKER_STACK ((size_t)64 << 10)
 /* Which instruction-set build of the CPU kernels runs: "avx512f", "avx2" or
  * "default" (hkt_cpu.h, hkt_isa). */
 const char *hkt_cpu_kernels(void);

@@ -4,8 +4,12 @@
  * float64 kernels, which are one body (hkt_attention_body.h) compiled per type
  * (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set (hkt_isa).
  */
+#define _GNU_SOURCE /* pthread_getattr_np */
 #include "hkt_cpu.h"
 #include "hkt_dropout.h"
+
+#include <pthread.h>
+#include <stdint.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -144,6 +148,35 @@ int hkt_settings_problem(char *buf, size_t n) {
         return 1;
     }
     return 0;
+}
+
+/* The least stack of an OpenMP worker thread (OMP_STACKSIZE sets it), read
+ * off one worker: SIZE_MAX where there is none or it cannot be read. */
+static size_t worker_stack_bytes(void) {
+    size_t least = SIZE_MAX;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(2)
+    if (omp_get_thread_num() != 0) {
+        pthread_attr_t a;
+        size_t size = SIZE_MAX;
+        if (pthread_getattr_np(pthread_self(), &a) == 0) {
+            if (pthread_attr_getstacksize(&a, &size) != 0) size = SIZE_MAX;
+            pthread_attr_destroy(&a);
+        }
+#pragma omp critical(hkt_worker_stack)
+        if (size < least) least = size;
+    }
+#endif
+    return least;
+}
+
+size_t hkt_worker_stack(void) {
+    /* OpenMP fixes the workers' stack size when it starts: asked once (a race
+     * here only asks twice, and both get the same answer) */
+    static volatile size_t known = 0;
+    size_t k = known;
+    if (k == 0) known = k = worker_stack_bytes();
+    return k;
 }
 
 int hkt_default_threads(void) {

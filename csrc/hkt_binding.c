@@ -586,6 +586,20 @@ static int parse_threads(PyObject *obj, int *out) {
     *out = n > 0 ? (int)n : hkt_default_threads(); /* <= 0 (or a huge negative): OpenMP's default */
     if (*out > HKT_MAX_THREADS) *out = HKT_MAX_THREADS;
     if (forked_child) *out = 1;
+    if (*out > 1 && hkt_worker_stack() < HKT_MIN_WORKER_STACK) {
+        /* OMP_STACKSIZE too small for the kernels' frames: their results do not
+         * depend on the thread count, so one thread computes the same, slower */
+        static int warned = 0;
+        if (!warned) {
+            warned = 1;
+            if (PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                 "OpenMP's worker threads have %zu KiB of stack (OMP_STACKSIZE), less than the %zu "
+                                 "KiB hkt's kernels need: they run on one thread",
+                                 hkt_worker_stack() >> 10, HKT_MIN_WORKER_STACK >> 10) < 0)
+                return -1;
+        }
+        *out = 1;
+    }
     return 0;
 }
 

@@ -296,3 +296,36 @@ def test_more_torch_threads_than_the_extension_takes():
     want = run()
     got = with_threads(hkt._C.max_threads + 1, run)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+STACK_SCRIPT = """
+import hashlib, torch, hkt
+torch.set_num_threads(2)
+torch.manual_seed(0)
+B, H, T, D, L = 2, 4, 300, 64, 3  # over the one-thread size: the backward runs on two threads
+q = [torch.randn(B, H, -(-T // 2**l), D, dtype=torch.float64, requires_grad=True) for l in range(L)]
+k = [torch.randn(B, H, -(-T // 2**l), D, dtype=torch.float64, requires_grad=True) for l in range(L)]
+v = torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True)
+out = hkt.hkt_attention(q, k, v, torch.full((L,), 1 / L, dtype=torch.float64), is_causal=True)
+out.sum().backward()
+print(hashlib.sha256(b"".join(x.detach().numpy().tobytes() for x in [out] + [y.grad for y in q + k + [v]])).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("stack", ["16K", "48K"])
+def test_small_openmp_stacks_run_on_one_thread(stack):
+    """OMP_STACKSIZE=16K gave OpenMP's workers less stack than the backward's
+    frames take (about 16 KiB): the process died of SIGSEGV, where torch's own
+    ops run.  With less than 64 KiB the kernels now run on one thread (same
+    bits, a warning says why)."""
+    def run(size):
+        env = dict(child_env(), OMP_STACKSIZE=size) if size else child_env()
+        res = subprocess.run([sys.executable, "-c", STACK_SCRIPT], capture_output=True, text=True, timeout=300,
+                             env=env)
+        assert res.returncode == 0, (size, res.returncode, res.stderr[-3000:])
+        return res.stdout.split()[-1], res.stderr
+
+    small, warned = run(stack)
+    assert "RuntimeWarning: OpenMP's worker threads have" in warned and "they run on one thread" in warned, warned
+    usual, quiet = run(None)
+    assert small == usual and "RuntimeWarning" not in quiet, quiet
