@@ -34,8 +34,12 @@ def upsample_level(g: Tensor, level: int, T: int, S: int) -> Tensor:
     (..., T, S): entry (i, j) takes block (i >> l, j >> l)."""
     if level == 0:
         return g
-    f = 1 << level
-    return g.repeat_interleave(f, dim=-2)[..., :T, :].repeat_interleave(f, dim=-1)[..., :S]
+    # gathered by index, (T, S) directly: a repeat cut back to T (or S) has
+    # torch.compile guard on whether 2^l * ceil(T / 2^l) == T, one more
+    # compiled graph for each length class
+    rows = torch.div(torch.arange(T, device=g.device), 1 << level, rounding_mode="floor")
+    cols = torch.div(torch.arange(S, device=g.device), 1 << level, rounding_mode="floor")
+    return g.index_select(-2, rows).index_select(-1, cols)
 
 
 def level_terms(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[float] = None) -> List[Tensor]:

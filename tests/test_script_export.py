@@ -198,6 +198,17 @@ class _Wrapped(nn.Module):
         return self.model(x, mask=mask, src_key_padding_mask=pad, is_causal=True)
 
 
+class _CausalSelfAttention(nn.Module):
+    """m(x, x, x) under is_causal: the output, and with need_weights the weights too."""
+    def __init__(self, m, need_weights):
+        super().__init__()
+        self.m, self.need_weights = m, need_weights
+
+    def forward(self, x):
+        out, weights = self.m(x, x, x, need_weights=self.need_weights, is_causal=True)
+        return (out, weights) if self.need_weights else out
+
+
 def _export_inputs():
     x = torch.randn(2, 10, 16)
     mask = torch.ones(10, 10, dtype=torch.bool).triu(1)  # True = hidden, as the padding mask
@@ -237,20 +248,40 @@ def test_export_with_dynamic_sequence_length():
     torch.manual_seed(0)
     m = _randomize(hkt.MultiheadHKT(16, 2, batch_first=True, levels=3)).eval()
 
-    class SelfAttn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = m
-
-        def forward(self, x):
-            return self.m(x, x, x, need_weights=False, is_causal=True)[0]
-
-    wrapped = SelfAttn()
+    wrapped = _CausalSelfAttention(m, need_weights=False)
     blocks = torch.export.Dim("blocks", min=2, max=16)
     ep = torch.export.export(wrapped, (torch.randn(2, 12, 16),), dynamic_shapes={"x": {1: 4 * blocks}})
     for T in (8, 12, 36):
         x = torch.randn(2, T, 16)
         torch.testing.assert_close(ep.module()(x), wrapped(x), rtol=0, atol=0)
+
+
+def test_returned_weights_stay_dynamic_in_length():
+    """The returned weights' coarse levels were upsampled by a repeat cut back
+    to T, on which export and compile put a guard (2^l ceil(T / 2^l) == T):
+    an exported program with need_weights failed at any other length class,
+    and compile made one more graph per class (4 graphs for 13 lengths where
+    MHA makes 2; 8, its limit, with inductor).  A gather by index has no such
+    guard."""
+    torch.manual_seed(0)
+    m = _randomize(hkt.MultiheadHKT(16, 2, batch_first=True, levels=3)).eval()
+
+    wrapped = _CausalSelfAttention(m, need_weights=True)
+    ep = torch.export.export(wrapped, (torch.randn(2, 12, 16),), dynamic_shapes={"x": {1: torch.export.Dim.AUTO}})
+    for T in (5, 13, 31):
+        x = torch.randn(2, T, 16)
+        for got, want in zip(ep.module()(x), wrapped(x)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch._dynamo.reset()
+    graphs = []
+
+    def count(gm, inputs):
+        graphs.append(gm)
+        return gm
+    compiled = torch.compile(wrapped, backend=count)
+    for T in (8, 12, 13, 17, 21, 30, 31, 33):
+        compiled(torch.randn(2, T, 16))
+    assert len(graphs) <= 2, len(graphs)  # static at the first length, then dynamic
 
 
 def test_compiled_swapped_encoder_matches_eager():
