@@ -228,10 +228,10 @@ def test_lm_run_resume_matches_uninterrupted(tmp_path, corpus):
     part = lm_run.new_run(cfg, "L3", 0, corpus.train)
     lm_run.train_steps(part, cfg, val, 3)
     path = str(tmp_path / "ck.pt")
-    lm_run.save_run(part, path, cfg)
+    lm_run.save_run(part, path, cfg, corpus)
     del part
     torch.manual_seed(12345)  # disturb the global RNG: the checkpoint restores it
-    resumed = lm_run.load_run(path, cfg, "L3", 0, corpus.train)
+    resumed = lm_run.load_run(path, cfg, "L3", 0, corpus)
     lm_run.train_steps(resumed, cfg, val, 10)
     assert resumed["step"] == full["step"] == 6
     for k, v in full["model"].state_dict().items():
@@ -241,7 +241,7 @@ def test_lm_run_resume_matches_uninterrupted(tmp_path, corpus):
     assert resumed["final"] == full["final"]
     assert bytelm.load_checkpoint(path).levels == 3  # a run's checkpoint is a ByteLM checkpoint
     with pytest.raises(ValueError, match="another configuration"):
-        lm_run.load_run(path, {**cfg, "lr": 0.5}, "L3", 0, corpus.train)
+        lm_run.load_run(path, {**cfg, "lr": 0.5}, "L3", 0, corpus)
 
 
 def test_lm_run_command_resumes_and_writes_results(tmp_path):
@@ -293,3 +293,103 @@ def test_lm_run_command_resumes_and_writes_results(tmp_path):
         assert by_run[(fast, s)]["history"] == next(r for r in saved["runs"] if (r["arm"], r["seed"]) == (fast, s))[
             "history"]  # the same run, read back
         assert by_run[(slow, s)]["step"] == steps[slow] and by_run[(slow, s)]["finished"]
+
+
+def test_lm_run_dropout_resumed_in_pieces_is_bitwise_the_uninterrupted_one(tmp_path, corpus):
+    from hkt.experiments import lm_run
+    cfg = {**LM_CFG, "seeds": [0], "dropout": 0.1}
+    lm_run.run_all(cfg, str(tmp_path / "full"), None, progress=False, corpus=corpus)
+    for _ in range(5):  # stops mid-chunk: 3 steps of 2-step chunks a call
+        lm_run.run_all(cfg, str(tmp_path / "part"), None, progress=False, corpus=corpus, max_steps=3)
+    for arm in ("L1", "L3"):
+        a = torch.load(tmp_path / "full" / f"{arm}_seed0.pt", weights_only=False)
+        b = torch.load(tmp_path / "part" / f"{arm}_seed0.pt", weights_only=False)
+        assert a["step"] == b["step"] == 6
+        for k, v in a["model"].items():
+            assert torch.equal(b["model"][k], v), (arm, k)
+        assert [h["val_bpb"] for h in a["history"]] == [h["val_bpb"] for h in b["history"]]
+
+
+def _small_root(tmp_path):
+    root = tmp_path / "src"
+    for i in range(12):
+        (root / f"m{i}").mkdir(parents=True)
+        (root / f"m{i}" / "a.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * 20)
+    return str(root)
+
+
+def test_lm_run_refuses_a_checkpoint_of_another_corpus(tmp_path, corpus, capsys):
+    from hkt.experiments import lm_run
+    argv = ["--seq-len", "32", "--seeds", "0", "--levels", "1", "--steps", "4", "--warmup", "1", "--batch-size", "2",
+            "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-every", "2", "--eval-windows", "2",
+            "--chunk", "2", "--no-progress", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "r.json")]
+    lm_run.main(argv + ["--max-steps", "2"])  # the standard library
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        lm_run.main(argv + ["--data-root", _small_root(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--ckpt-dir" in err and "corpus" in err and "data_root" in err
+    # a checkpoint from before the corpus was recorded (the committed ones) is read as the standard library's ...
+    path = tmp_path / "ck" / "L1_seed0.pt"
+    state = torch.load(path, weights_only=False)
+    del state["corpus"]
+    torch.save(state, path)
+    cfg = {**lm_run.LM_DEFAULTS, **LM_CFG, "levels": [1], "steps": 4, "warmup": 1}
+    assert lm_run.load_run(str(path), cfg, "L1", 0, corpus)["step"] == 2
+    # ... and refused for another corpus
+    other = stdlib_bytes.load_corpus(_small_root(tmp_path / "b"))
+    with pytest.raises(ValueError, match="corpus"):
+        lm_run.load_run(str(path), cfg, "L1", 0, other)
+
+
+def test_equal_time_from_needs_every_arm_from_an_lm_run_file(tmp_path, capsys):
+    from hkt.experiments import lm_run
+    lm_like = {"corpus": {}, "time_per_step": {"L1": 0.5, "L3": 0.6, "L3_over_L1": 1.2}}
+    (tmp_path / "lm.json").write_text(json.dumps(lm_like))
+    (tmp_path / "long.json").write_text(json.dumps({"config": {}, "time_per_step": {"hkt": 0.5, "standard": 0.4}}))
+    assert lm_run.equal_time_steps(str(tmp_path / "lm.json"), 100, arms=["L1", "L3"]) == {"L1": 120, "L3": 100}
+    with pytest.raises(ValueError, match=r"\['L2'\]"):
+        lm_run.equal_time_steps(str(tmp_path / "lm.json"), 100, arms=["L1", "L2", "L3"])
+    with pytest.raises(ValueError, match="not an hkt.experiments.lm_run results file"):
+        lm_run.equal_time_steps(str(tmp_path / "long.json"), 100)
+    base = ["--seq-len", "32", "--seeds", "0", "--levels", "1", "2", "3", "--steps", "4", "--d-model", "16",
+            "--layers", "1", "--heads", "2", "--eval-windows", "2", "--batch-size", "2", "--no-progress",
+            "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o.json"), "--equal-time-from"]
+    for name, needle in (("lm.json", "L2"), ("long.json", "not an hkt.experiments.lm_run"), ("none.json", "cannot read")):
+        with pytest.raises(SystemExit) as e:
+            lm_run.main(base + [str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--equal-time-from" in err and needle in err, err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_generate_cli_takes_the_prompt_bytes_and_prints_the_cached_text(tmp_path, capsys, monkeypatch):
+    model = build_bytelm(0, d_model=16, n_layers=1, n_heads=2, levels=2, max_len=64)
+    ck = str(tmp_path / "lm.pt")
+    torch.save({"model": model.state_dict(), "model_config": model.config}, ck)
+    # a byte that is not UTF-8, as the shell passes it (Python holds it as a surrogate)
+    prompt = os.fsdecode(b"def \xff")
+    out = bytelm.main(["generate", "--checkpoint", ck, "--prompt", prompt, "--max-new-tokens", "6"])
+    assert out["prompt"] == b"def \xff"
+    assert bytelm.main(["generate", "--checkpoint", ck, "--prompt", r"a\xff\n", "--escapes",
+                        "--max-new-tokens", "1"])["prompt"] == b"a\xff\n"
+    if not bytelm.has_decode_api():
+        return
+    # the text printed is the cached run's: make the two runs differ to see which one is shown
+    monkeypatch.setattr(bytelm, "generate", lambda m, p, n, use_cache, **kw:
+                        (b"C" if use_cache else b"R") * n)
+    capsys.readouterr()
+    bytelm.main(["generate", "--checkpoint", ck, "--prompt", "x", "--max-new-tokens", "3"])
+    text = capsys.readouterr().out
+    assert "xCCC" in text and "xRRR" not in text
+
+
+def test_load_checkpoint_names_a_damaged_file(tmp_path):
+    for name, content in (("empty.pt", b""), ("random.pt", bytes(range(256)) * 4)):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match="not a readable checkpoint") as e:
+            bytelm.load_checkpoint(str(tmp_path / name))
+        assert str(tmp_path / name) in str(e.value) and e.value.__cause__ is not None
+    torch.save({"config": {}}, tmp_path / "other.pt")
+    with pytest.raises(ValueError, match=r"other\.pt.*not a checkpoint"):
+        bytelm.load_checkpoint(str(tmp_path / "other.pt"))

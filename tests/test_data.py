@@ -154,3 +154,55 @@ def test_imdb_limit_and_missing(tmp_path):
         load_imdb(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="split"):
         load_imdb(str(tmp_path), "dev")
+
+
+def test_listops_shortest_expression_is_four_tokens():
+    with pytest.raises(ValueError, match=">= 4"):
+        generate_listops(5000, 3)  # used to draw 5 million trees (~30 s) before failing
+    x, y = generate_listops(20, 4, seed=0)
+    assert ((x != 0).sum(1) == 4).all()
+    for row, label in zip(x, y):
+        assert evaluate_listops(row) == label
+
+
+def _write_batches(root, content):
+    """Every batch file of root/cifar-10-batches-py: ``content`` pickled, or as is if bytes; returns data_batch_1's path."""
+    import pickle
+    d = os.path.join(root, "cifar-10-batches-py")
+    os.makedirs(d, exist_ok=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(content if isinstance(content, bytes) else pickle.dumps(content))
+    return os.path.join(d, "data_batch_1")
+
+
+_DATA = np.random.default_rng(0).integers(0, 256, (20, 3072), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ({b"data": _DATA, b"labels": [1] * 7}, "(7,) labels for 20 images"),  # used to pair labels with other images
+    ({b"data": _DATA, b"labels": [11] * 10 + [-1] * 10}, "0..9"),
+    ({b"data": _DATA[:, :1000], b"labels": [0] * 20}, "(N, 3072)"),
+    ({b"data": _DATA}, "'labels'"),
+    ([_DATA], "expected a dict"),
+    (b"not a pickle at all", "not a readable pickle"),
+], ids=["short_labels", "label_range", "shape", "no_labels", "not_a_dict", "garbage"])
+def test_cifar_bad_batches_name_the_file(tmp_path, content, needle):
+    path = _write_batches(str(tmp_path), content)
+    with pytest.raises(ValueError, match="CIFAR-10 batch") as e:
+        load_cifar10(str(tmp_path), "train", limit=10)
+    assert path in str(e.value) and needle in str(e.value)
+
+
+def test_cifar_str_keys_read_like_bytes_keys(tmp_path):
+    written = write_fake_cifar(str(tmp_path / "a"))
+    d = tmp_path / "b" / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    import pickle
+    for name, (data, labels) in written.items():
+        with open(d / name, "wb") as f:
+            pickle.dump({"data": data, "labels": labels}, f)
+    for split in ("train", "test"):
+        xa, ya = load_cifar10(str(tmp_path / "a"), split)
+        xb, yb = load_cifar10(str(tmp_path / "b"), split)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

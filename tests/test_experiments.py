@@ -118,3 +118,33 @@ def test_demo_prints_table(capsys):
     assert set(res) == {"standard", "hkt"}
     overhead = res["hkt"]["time_per_step"] / res["standard"]["time_per_step"]
     assert f"{overhead:.2f}x" in out
+
+
+def test_no_steps_no_nan_in_json(tmp_path):
+    with pytest.raises(ValueError, match="steps"):
+        train_classifier("listops", "hkt", steps=0, n_train=16, n_test=8, **TINY_KW)
+    with pytest.raises(ValueError):  # NaN is not JSON: refused, never written
+        train_cli.write_json({"x": float("nan")}, str(tmp_path / "nan.json"))
+    res = train_classifier("listops", "hkt", steps=1, n_train=16, n_test=8, **TINY_KW)
+    assert math.isfinite(res["time_per_step"])
+
+
+def test_theory_one_level_writes_null_rate(tmp_path, monkeypatch):
+    from hkt import analysis
+    from hkt.experiments import theory
+    monkeypatch.setattr(analysis, "measured_cost_ratio", lambda *a, **k: 1.0)  # the kernel count: not tested here
+    theory.main(["--out", str(tmp_path), "--T", "16", "--max-levels", "1"])
+    text = (tmp_path / "theory.json").read_text()
+    assert "NaN" not in text
+    curves = json.loads(text)["approximation_error"]
+    assert all(c["rate"] is None and len(c["error"]) == 1 for c in curves.values())
+
+
+def test_n_train_zero_is_refused_and_imdb_counts_are_exact(tmp_path):
+    for kw in (dict(n_train=0), dict(n_test=0)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            load_task("listops", seq_len=32, **kw)
+    write_fake_imdb(str(tmp_path))  # train: 3 positive, 2 negative reviews
+    for n, labels in ((1, [0]), (3, [0, 0, 1]), (4, [0, 0, 1, 1])):
+        xtr, ytr, _, _ = load_task("imdb", seq_len=16, n_train=n, data_dir=str(tmp_path))
+        assert ytr.tolist() == labels and len(xtr) == n

@@ -116,3 +116,64 @@ def test_standard_arm_is_mha():
         fast.train(mode)
         mha.train(mode)
         torch.testing.assert_close(fast(x), mha(x), rtol=1e-4, atol=1e-5)
+
+
+def _final_weights(ckpt_dir):
+    return {f.name: torch.load(f, weights_only=False) for f in sorted(ckpt_dir.glob("*.pt"))}
+
+
+def test_dropout_run_resumed_in_pieces_is_bitwise_the_uninterrupted_one(tmp_path):
+    # dropout draws from torch's global RNG; the runs take turns, and a resumed call's turns differ
+    cfg = _cfg(seeds=[0], dropout=0.1, n_train=32)
+    long_run.run_all(cfg, str(tmp_path / "full"), None, progress=False)
+    for _ in range(6):  # stops mid-chunk (3 of 2-step chunks), as --max-steps 3 six times
+        long_run.run_all(cfg, str(tmp_path / "part"), None, progress=False, max_steps=3)
+    full, part = _final_weights(tmp_path / "full"), _final_weights(tmp_path / "part")
+    assert sorted(full) == sorted(part) and len(full) == 3
+    for name in full:
+        assert part[name]["step"] == full[name]["step"] == 6
+        for k, v in full[name]["model"].items():
+            assert torch.equal(part[name]["model"][k], v), (name, k)
+        assert part[name]["history"] == full[name]["history"]
+
+
+def test_damaged_or_foreign_checkpoints_name_the_file(tmp_path):
+    cfg = _cfg(seeds=[0])
+    good = tmp_path / "good.pt"
+    long_run.save_run(long_run.new_run(cfg, "hkt", 0, 20), str(good), cfg)
+    blob = good.read_bytes()
+    cases = {"truncated.pt": blob[:len(blob) // 2], "empty.pt": b"", "random.pt": bytes(range(256)) * 8}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+    torch.save({"model": {}, "model_config": {}}, tmp_path / "bytelm.pt")  # another tool's checkpoint
+    for name in [*cases, "bytelm.pt"]:
+        path = str(tmp_path / name)
+        with pytest.raises(ValueError, match="checkpoint of hkt.experiments.long_run") as e:
+            long_run.load_run(path, cfg, "hkt", 0, 20)
+        assert path in str(e.value)
+        assert name == "bytelm.pt" or e.value.__cause__ is not None  # the original error kept
+    # in the command: a parser error naming --ckpt-dir and the file, before any training
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "hkt_seed0.pt").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        long_run.main(["--seq-len", "32", "--seeds", "0", "--steps", "2", "--d-model", "16", "--heads", "2",
+                       "--layers", "1", "--ff", "16", "--n-train", "16", "--n-test", "8", "--no-progress",
+                       "--ckpt-dir", str(ck), "--out", str(tmp_path / "o.json")])
+    assert e.value.code == 2
+
+
+def test_long_run_reads_cifar_from_data_dir(tmp_path):
+    from data_fixtures import write_fake_cifar
+    write_fake_cifar(str(tmp_path / "data"), per_batch=2, n_test=2)
+    argv = ["--task", "cifar", "--data-dir", str(tmp_path / "data"), "--seeds", "0", "--steps", "1",
+            "--batch-size", "2", "--d-model", "8", "--heads", "2", "--layers", "1", "--ff", "8", "--matched-ff", "12",
+            "--levels", "2", "--no-progress", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o.json")]
+    res = long_run.main(argv)  # --seq-len defaults to CIFAR's 1024
+    assert res["config"]["seq_len"] == 1024 and res["config"]["data_dir"] == str(tmp_path / "data")
+    assert res["progress"]["runs_finished"] == 3
+    # the checkpoints are of that folder: another one is refused, naming it
+    write_fake_cifar(str(tmp_path / "other"), per_batch=2, n_test=2, seed=1)
+    with pytest.raises(SystemExit) as e:
+        long_run.main([a if a != str(tmp_path / "data") else str(tmp_path / "other") for a in argv])
+    assert e.value.code == 2

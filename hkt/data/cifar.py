@@ -28,6 +28,42 @@ def _find_dir(root: str) -> str:
                             + _HELP.format(where=repr(os.path.join(os.path.abspath(root), "cifar-10-batches-py"))))
 
 
+def _read_batch(path: str) -> Tuple[Tensor, Tensor]:
+    """(data (N, 3, 1024) uint8, labels (N,) int64) of one batch file;
+    ValueError naming the file unless it is a CIFAR-10 python batch: a dict with
+    ``data`` (N, 3072) uint8-valued and ``labels`` (N values in 0..9) (bytes
+    keys as distributed, or str keys as a re-pickling leaves them).  Unchecked,
+    a short label list silently paired later images with other labels."""
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+    except OSError:
+        raise
+    except Exception as e:  # torn or foreign files fail in many ways (unpickling, EOF, missing classes)
+        raise ValueError(f"CIFAR-10 batch {path!r}: not a readable pickle ({type(e).__name__}: {e})") from e
+    if not isinstance(batch, dict):
+        raise ValueError(f"CIFAR-10 batch {path!r}: expected a dict, got {type(batch).__name__}")
+    entries = {}
+    for key in ("data", "labels"):
+        entries[key] = batch.get(key.encode(), batch.get(key))
+        if entries[key] is None:
+            raise ValueError(f"CIFAR-10 batch {path!r}: no {key!r} entry (keys {sorted(map(str, batch))})")
+    try:
+        data = torch.as_tensor(entries["data"])
+        labels = torch.as_tensor(entries["labels"])
+    except Exception as e:
+        raise ValueError(f"CIFAR-10 batch {path!r}: data or labels are not arrays of numbers ({e})") from e
+    if data.dim() != 2 or data.shape[1] != 3072:
+        raise ValueError(f"CIFAR-10 batch {path!r}: data has shape {tuple(data.shape)}, expected (N, 3072)")
+    if data.is_floating_point() or data.is_complex() or (data.numel() and (data.min() < 0 or data.max() > 255)):
+        raise ValueError(f"CIFAR-10 batch {path!r}: data must hold byte values 0..255")
+    if labels.dim() != 1 or len(labels) != len(data):
+        raise ValueError(f"CIFAR-10 batch {path!r}: {tuple(labels.shape)} labels for {len(data)} images")
+    if labels.is_floating_point() or labels.is_complex() or (labels.numel() and (labels.min() < 0 or labels.max() > 9)):
+        raise ValueError(f"CIFAR-10 batch {path!r}: labels must be integers in 0..9")
+    return data.to(torch.uint8).reshape(-1, 3, 1024), labels.to(torch.int64)
+
+
 def load_cifar10(root: str, split: str = "train", *, grayscale: bool = True, limit: int = None) -> Tuple[Tensor, Tensor]:
     """Loads sequential CIFAR-10 from ``root`` (or ``root/cifar-10-batches-py``).
 
@@ -44,10 +80,13 @@ def load_cifar10(root: str, split: str = "train", *, grayscale: bool = True, lim
         vocabulary 257) and labels (N,) int64 in 0..9.
 
     Raises:
-        FileNotFoundError saying where to put the files; ValueError for a bad split.
+        FileNotFoundError saying where to put the files; ValueError for a bad
+        split or ``limit`` < 1, or naming a file that is no CIFAR-10 batch.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split: must be 'train' or 'test', got {split!r}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit: expected None or an int >= 1, got {limit}")
     d = _find_dir(root)
     names = CIFAR_TRAIN_FILES if split == "train" else CIFAR_TEST_FILES
     datas, labels = [], []
@@ -55,10 +94,9 @@ def load_cifar10(root: str, split: str = "train", *, grayscale: bool = True, lim
         path = os.path.join(d, name)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"CIFAR-10 batch {path!r} is missing. " + _HELP.format(where=repr(d)))
-        with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-        datas.append(torch.as_tensor(batch[b"data"], dtype=torch.uint8).reshape(-1, 3, 1024))
-        labels.append(torch.as_tensor(batch[b"labels"], dtype=torch.int64))
+        data, lab = _read_batch(path)
+        datas.append(data)
+        labels.append(lab)
         if limit is not None and sum(len(x) for x in labels) >= limit:
             break
     x = torch.cat(datas)

@@ -44,7 +44,7 @@ def load_imdb(root: str, split: str = "train", *, max_len: int = 1024, limit: in
         root: folder holding train/ and test/ (each with pos/ and neg/).
         split: "train" or "test".
         max_len: sequence length (1024 in the paper).
-        limit: at most this many reviews per class.
+        limit: at most this many reviews per class (so up to ``2 * limit`` in all).
 
     Returns:
         tokens (N, max_len) int64 and labels (N,) int64, 0 negative, 1 positive.

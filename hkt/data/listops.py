@@ -18,7 +18,7 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["LISTOPS_VOCAB", "generate_listops", "evaluate_listops", "ListOps", "tokens_to_string"]
+__all__ = ["LISTOPS_VOCAB", "MIN_LEN", "generate_listops", "evaluate_listops", "ListOps", "tokens_to_string"]
 
 PAD = 0
 _OPS = ["[MAX", "[MIN", "[MED", "[SM"]
@@ -26,6 +26,8 @@ LISTOPS_VOCAB = {"<pad>": PAD, **{str(d): d + 1 for d in range(10)}, **{op: 11 +
                  "]": 15}
 _ID_TO_TOKEN = {i: t for t, i in LISTOPS_VOCAB.items()}
 _CLOSE = LISTOPS_VOCAB["]"]
+# The shortest expression, '[OP a b ]': the root is always an operator, an operator takes at least 2 arguments.
+MIN_LEN = 4
 
 
 def _apply(op: str, values: Sequence[int]) -> int:
@@ -85,10 +87,11 @@ def generate_listops(n: int, max_len: int = 128, *, min_len: int = None, seed: i
     """
     if n < 0:
         raise ValueError(f"n: must be >= 0, got {n}")
-    if max_len < 3:
-        raise ValueError(f"max_len: must be >= 3 (the shortest expression is '[OP a b ]'-sized), got {max_len}")
+    if max_len < MIN_LEN:
+        raise ValueError(f"max_len: must be >= {MIN_LEN} (the shortest expression, '[OP a b ]', has {MIN_LEN} "
+                         f"tokens), got {max_len}")
     if min_len is None:
-        min_len = max(3, max_len // 4)
+        min_len = max(MIN_LEN, max_len // 4)
     if not 1 <= min_len <= max_len:
         raise ValueError(f"min_len: must be in [1, max_len={max_len}], got {min_len}")
     shape = (10, 10, 0.25) if max_len >= 1000 else ((6, 5, 0.4) if max_len >= 256 else (5, 5, 0.5))

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..modules import MultiheadHKT
-from .resumable import lr_lambda, progress_bar
+from . import cli
+from .resumable import load_state, lr_lambda, progress_bar
 
 __all__ = ["ByteLM", "build_bytelm", "bits_per_byte", "evaluate_bpb", "generate", "has_decode_api",
            "load_checkpoint", "main"]
@@ -290,10 +291,10 @@ def generate(model: ByteLM, prompt_bytes: Union[bytes, bytearray, str], max_new_
 def load_checkpoint(path: str, *, max_len: Optional[int] = None) -> ByteLM:
     """The :class:`ByteLM` saved at ``path`` (by ``train``, or a finished
     ``hkt.experiments.lm_run`` run), in eval mode; ``max_len`` overrides the
-    saved one (positions are not parameters, so any length loads)."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if "model_config" not in state or "model" not in state:
-        raise ValueError(f"path: {path!r} holds no ByteLM checkpoint (keys {sorted(state)})")
+    saved one (positions are not parameters, so any length loads).
+    :class:`~hkt.experiments.resumable.CheckpointError` (a ValueError) naming
+    ``path`` for a file that is no such checkpoint (damaged, another program's)."""
+    state = load_state(path, "hkt.experiments.bytelm (or a run of hkt.experiments.lm_run)", ("model", "model_config"))
     cfg = dict(state["model_config"])
     if max_len is not None:
         cfg["max_len"] = max_len
@@ -353,11 +354,12 @@ def train_bytelm(*, steps: int = 1500, seq_len: int = 256, batch_size: int = 16,
 
 
 def _model_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--levels", type=int, default=3, help="HKT levels (1 = standard attention)")
-    ap.add_argument("--max-len", type=int, default=4096, help="longest sequence the model accepts (generation)")
+    ap.add_argument("--d-model", type=cli.positive_int, default=128)
+    ap.add_argument("--layers", type=cli.positive_int, default=2)
+    ap.add_argument("--heads", type=cli.positive_int, default=4)
+    ap.add_argument("--levels", type=cli.positive_int, default=3, help="HKT levels (1 = standard attention)")
+    ap.add_argument("--max-len", type=cli.positive_int, default=4096,
+                    help="longest sequence the model accepts (generation)")
 
 
 def _timed_generate(model: ByteLM, prompt: bytes, n: int, use_cache: bool, **kw):
@@ -383,10 +385,35 @@ def _cmd_train(args) -> Dict:
     return ckpt
 
 
-def _cmd_generate(args) -> Dict[str, object]:
-    model = load_checkpoint(args.checkpoint)
-    prompt = args.prompt.encode("utf-8").decode("unicode_escape").encode("latin-1") if args.escapes \
-        else args.prompt.encode("utf-8")
+def _prompt_bytes(ap: argparse.ArgumentParser, prompt: str, escapes: bool) -> bytes:
+    """The bytes of ``--prompt`` as the command line gave them: os.fsencode
+    gives back a byte that is not UTF-8 (Python holds it as a surrogate),
+    where str.encode would fail.  With ``--escapes``, backslash escapes stand
+    for bytes (``\\n``, ``\\xff``); one for a character beyond a byte
+    (``\\u20ac``) or a malformed one is a parser error."""
+    raw = os.fsencode(prompt)
+    if not escapes:
+        return raw
+    try:
+        return raw.decode("unicode_escape").encode("latin-1")  # each byte (and \xNN) a code point below 256
+    except UnicodeDecodeError as e:
+        ap.error(f"--prompt: bad backslash escape with --escapes: {e.reason} at byte {e.start}")
+    except UnicodeEncodeError as e:
+        ap.error(f"--prompt: with --escapes, {e.object[e.start:e.end]!r} is not a byte; write its UTF-8 bytes "
+                 f"as \\xNN escapes")
+
+
+def _cmd_generate(ap: argparse.ArgumentParser, args) -> Dict[str, object]:
+    prompt = _prompt_bytes(ap, args.prompt, args.escapes)
+    if not prompt:
+        ap.error("--prompt: empty (the model needs at least one byte to condition on)")
+    try:
+        model = load_checkpoint(args.checkpoint)
+    except (OSError, ValueError) as e:
+        ap.error(f"--checkpoint: {e}")
+    if len(prompt) + args.max_new_tokens > model.max_len:
+        ap.error(f"--max-new-tokens: the prompt ({len(prompt)} bytes) + {args.max_new_tokens} exceeds the model's "
+                 f"max_len={model.max_len}")
     caches = [True, False] if has_decode_api() else [False]
     if args.no_cache:
         caches = [False]
@@ -403,7 +430,8 @@ def _cmd_generate(args) -> Dict[str, object]:
             out[(name.split()[0], c)] = text
         speed = ", ".join(f"{rates[c]:.0f} tokens/s {'with' if c else 'without'} cache" for c in caches)
         print(f"--- {name}: {speed}")
-        print((prompt + text).decode("utf-8", errors="replace"))
+        # the first run's text: the cached one where there is a cache (the other run's bytes are the same)
+        print((prompt + out[(name.split()[0], caches[0])]).decode("utf-8", errors="replace"))
     if len(caches) == 2:
         same = out[("greedy", True)] == out[("greedy", False)]
         print(f"--- greedy tokens identical with and without cache: {same}")
@@ -416,33 +444,38 @@ def main(argv: Optional[Sequence[str]] = None):
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a ByteLM on the standard library's sources and save a checkpoint")
     _model_args(tr)
-    tr.add_argument("--steps", type=int, default=1500)
-    tr.add_argument("--seq-len", type=int, default=256, help="training window (bytes)")
-    tr.add_argument("--batch-size", type=int, default=16)
-    tr.add_argument("--lr", type=float, default=2e-3)
-    tr.add_argument("--weight-decay", type=float, default=0.01)
-    tr.add_argument("--warmup", type=int, default=50)
+    tr.add_argument("--steps", type=cli.positive_int, default=1500)
+    tr.add_argument("--seq-len", type=cli.positive_int, default=256, help="training window (bytes)")
+    tr.add_argument("--batch-size", type=cli.positive_int, default=16)
+    tr.add_argument("--lr", type=cli.positive_float, default=2e-3)
+    tr.add_argument("--weight-decay", type=cli.non_negative_float, default=0.01)
+    tr.add_argument("--warmup", type=cli.non_negative_int, default=50)
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--eval-every", type=int, default=200)
-    tr.add_argument("--eval-windows", type=int, default=16, help="fixed validation windows of --seq-len")
+    tr.add_argument("--eval-every", type=cli.non_negative_int, default=200, help="0: only at the end")
+    tr.add_argument("--eval-windows", type=cli.positive_int, default=16, help="fixed validation windows of --seq-len")
     tr.add_argument("--data-root", default=None, help="read .py files here instead of the standard library")
     tr.add_argument("--out", default="results/bytelm.pt")
-    tr.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    tr.add_argument("--threads", type=cli.positive_int, default=None, help="torch intra-op threads")
     tr.add_argument("--no-progress", action="store_true")
     ge = sub.add_parser("generate", help="continue a prompt with a trained ByteLM")
     ge.add_argument("--checkpoint", default="results/bytelm.pt")
     ge.add_argument("--prompt", default="def ")
     ge.add_argument("--escapes", action="store_true", help=r"interpret backslash escapes in --prompt (\n, \t, \x..)")
-    ge.add_argument("--max-new-tokens", type=int, default=200)
-    ge.add_argument("--temperature", type=float, default=0.8)
-    ge.add_argument("--top-k", type=int, default=40)
+    ge.add_argument("--max-new-tokens", type=cli.non_negative_int, default=200)
+    # checked here, not by generate(): the sampled section runs after the greedy one
+    ge.add_argument("--temperature", type=cli.positive_float, default=0.8, help="of the sampled continuation")
+    ge.add_argument("--top-k", type=cli.positive_int, default=40, help="of the sampled continuation")
     ge.add_argument("--seed", type=int, default=0, help="the sampling generator's seed")
     ge.add_argument("--no-cache", action="store_true", help="only recompute the sequence for every byte")
-    ge.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ge.add_argument("--threads", type=cli.positive_int, default=None, help="torch intra-op threads")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return _cmd_train(args) if args.command == "train" else _cmd_generate(args)
+    if args.command == "train":
+        cli.check_heads(tr, args.d_model, args.heads)
+        if args.seq_len > args.max_len:
+            tr.error(f"--seq-len: {args.seq_len} exceeds --max-len {args.max_len}")
+        cli.check_writable(tr, args.out)
+    cli.set_threads(args.threads)
+    return _cmd_train(args) if args.command == "train" else _cmd_generate(ge, args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ import sys
 import torch
 
 from ..analysis import cost_ratio
-from .train import add_training_args, load_task, train_classifier, training_kwargs
+from . import cli
+from .train import add_training_args, check_model_args, load_task, train_classifier, training_kwargs
 
 __all__ = ["main", "format_table"]
 
@@ -38,8 +39,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.task != "listops":
         ap.error("this comparison runs ListOps only (use hkt.experiments.train for the other tasks)")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_model_args(ap, args)
+    cli.set_threads(args.threads)
     kw = training_kwargs(args)
     seq_len = args.seq_len or 128
     kw["seq_len"] = seq_len

@@ -18,10 +18,14 @@ weights wherever their shapes agree (:func:`~hkt.experiments.bytelm.build_bytelm
 and see the same batches (one sampler seeded by the seed).
 
 As in :mod:`hkt.experiments.long_run`: each run's full state (model, AdamW,
-LR schedule, sampler generator, global RNG, step, loss average, step times,
-curve) is saved to ``--ckpt-dir/<arm>_seed<s>.pt`` every ``--chunk`` steps and
-on SIGINT/SIGTERM; the same command again resumes every run (bitwise as if it
-had never stopped) and skips finished ones.  For each seed in turn the arms
+LR schedule, sampler generator, the run's own RNG state (dropout's), step,
+loss average, step times, curve) is saved to ``--ckpt-dir/<arm>_seed<s>.pt``
+every ``--chunk`` steps and on SIGINT/SIGTERM; the same command again resumes
+every run (bitwise as if it had never stopped) and skips finished ones.  A
+checkpoint resumes only under the same settings and corpus (``--data-root``, or
+for the standard library the Python version, and the byte counts of both
+splits); one written before the corpus was recorded is taken to be of the
+standard library's.  For each seed in turn the arms
 take turns in chunks.  ``--out`` is rewritten after every evaluation (every
 ``--eval-every`` steps, on ``--eval-windows`` fixed validation windows of
 ``--seq-len`` bytes): config, corpus, per-run curves (step, training and
@@ -40,23 +44,25 @@ longer); each arm's LR schedule spans its own steps.  With
 ``--equal-time-anchor fastest`` the fastest arm keeps ``--steps`` and the
 others get fewer: the fastest arm's runs are then those of the equal-steps
 comparison, and its finished checkpoints, copied into ``--ckpt-dir``, are
-resumed as finished rather than trained again.  Take the time per step from a
+resumed as finished rather than trained again.  The file must be an lm_run
+results file with a time per step for every arm of ``--levels``.  Take the time per step from a
 short run on an otherwise idle machine (``--steps 40 --seeds 0``): step times
 from runs that shared the machine are no guide.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 from typing import Dict, List, Optional
 
 import torch
 
-from . import resumable
+from . import cli, resumable
 from .bytelm import bits_per_byte, build_bytelm, evaluate_bpb
-from .resumable import (advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info, read_checkpoint,
-                        restore, save_atomic, time_per_step, train_in_turns, turn_groups)
-from .stdlib_bytes import BatchSampler, eval_windows, load_corpus
+from .resumable import (CheckpointError, advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info,
+                        read_checkpoint, restore, run_state, save_atomic, time_per_step, train_in_turns, turn_groups)
+from .stdlib_bytes import BatchSampler, Corpus, eval_windows, load_corpus, stdlib_dir
 from .train import training_step, write_json
 
 __all__ = ["LM_DEFAULTS", "arm_levels", "arm_steps", "new_run", "save_run", "load_run", "train_steps", "run_all",
@@ -96,28 +102,44 @@ def new_run(cfg: Dict, arm: str, seed: int, train_data: torch.Tensor) -> Dict:
             "loss_ema": None, "times": [], "train_time": 0.0, "history": [], "final": None}
 
 
+def corpus_id(corpus: Corpus) -> Dict:
+    """What a checkpoint's corpus must match: the folder read (None: the
+    standard library, then also the Python version, whose files it is) and
+    the bytes of each split (a folder whose files changed is another corpus)."""
+    info = corpus.info
+    root = None if _is_stdlib(corpus) else os.path.abspath(info["root"])
+    return {"data_root": root, **({"python_version": info["python_version"]} if root is None else {}),
+            "train_bytes": info["train_bytes"], "val_bytes": info["val_bytes"]}
+
+
+def _is_stdlib(corpus: Corpus) -> bool:
+    return os.path.abspath(corpus.info["root"]) == os.path.abspath(stdlib_dir())
+
+
 def _state_config(cfg: Dict, arm: str) -> Dict:
     return {**{k: cfg[k] for k in _STATE_KEYS}, "levels": arm_levels(cfg)[arm], "steps": arm_steps(cfg, arm)}
 
 
-def save_run(run: Dict, path: str, cfg: Dict) -> None:
+def save_run(run: Dict, path: str, cfg: Dict, corpus: Corpus) -> None:
     """Writes the run's state atomically (temporary file, then rename).  The
     file also loads with :func:`hkt.experiments.bytelm.load_checkpoint`."""
     state = {
-        "config": _state_config(cfg, run["arm"]), "arm": run["arm"], "seed": run["seed"],
-        "model": run["model"].state_dict(), "model_config": run["model"].config, "opt": run["opt"].state_dict(),
-        "sched": run["sched"].state_dict(), "sampler": run["sampler"].state_dict(),
-        "torch_rng": torch.get_rng_state(), "step": run["step"], "loss_ema": run["loss_ema"],
-        "times": torch.tensor(run["times"], dtype=torch.float64), "train_time": run["train_time"],
-        "history": run["history"], "final": run["final"],
+        "config": _state_config(cfg, run["arm"]), "arm": run["arm"], "seed": run["seed"], "corpus": corpus_id(corpus),
+        **run_state(run), "model_config": run["model"].config, "sampler": run["sampler"].state_dict(),
+        "train_time": run["train_time"],
     }
     save_atomic(state, path)
 
 
-def load_run(path: str, cfg: Dict, arm: str, seed: int, train_data: torch.Tensor) -> Dict:
-    """A run restored from ``path``; ValueError if it was made with another configuration."""
-    state = read_checkpoint(path, _state_config(cfg, arm), arm, seed)
-    run = restore(new_run(cfg, arm, seed, train_data), state)
+def load_run(path: str, cfg: Dict, arm: str, seed: int, corpus: Corpus) -> Dict:
+    """A run restored from ``path``; :class:`~hkt.experiments.resumable.CheckpointError`
+    (a ValueError) if it was made with another configuration or corpus, or is unreadable."""
+    this = corpus_id(corpus)
+    # checkpoints from before the corpus was recorded: all made on the standard library (the committed ones)
+    legacy = {"corpus": this} if _is_stdlib(corpus) else None
+    state = read_checkpoint(path, _state_config(cfg, arm), arm, seed, tool="hkt.experiments.lm_run", legacy=legacy,
+                            corpus=this)
+    run = restore(new_run(cfg, arm, seed, corpus.train), state)
     run["sampler"].load_state_dict(state["sampler"])
     run["train_time"] = state["train_time"]
     return run
@@ -173,17 +195,20 @@ def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int], corpus_i
 
 
 def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = True, max_steps: Optional[int] = None,
-            log=sys.stderr, data_root: Optional[str] = None) -> Dict:
+            log=sys.stderr, data_root: Optional[str] = None, corpus: Optional[Corpus] = None) -> Dict:
     """Trains (or resumes) every run of ``cfg``; returns the results dict.
 
     ``max_steps`` caps the training steps of this call (all runs together), for
-    tests and short sessions; the state is saved before returning.
+    tests and short sessions; the state is saved before returning.  ``corpus``:
+    already loaded (by :func:`~hkt.experiments.stdlib_bytes.load_corpus` with
+    ``cfg``'s split), else read from ``data_root``.
     """
     cfg = {**LM_DEFAULTS, **cfg}
-    corpus = load_corpus(data_root, val_fraction=cfg["val_fraction"], seed=cfg["split_seed"])
+    if corpus is None:
+        corpus = load_corpus(data_root, val_fraction=cfg["val_fraction"], seed=cfg["split_seed"])
     val = eval_windows(corpus.val, cfg["seq_len"], cfg["eval_windows"])
     arms = list(arm_levels(cfg))
-    runs, paths, params = open_runs(ckpt_dir, cfg["seeds"], arms, lambda p, a, s: load_run(p, cfg, a, s, corpus.train),
+    runs, paths, params = open_runs(ckpt_dir, cfg["seeds"], arms, lambda p, a, s: load_run(p, cfg, a, s, corpus),
                                     lambda a, s: new_run(cfg, a, s, corpus.train), log=log)
     ordered = list(runs.values())  # seed after seed, the arms in order
 
@@ -195,23 +220,38 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
                        initial=sum(r["step"] for r in ordered))
     train_in_turns(runs, paths, turn_groups(cfg["seeds"], arms), steps_of=lambda a: arm_steps(cfg, a),
                    train=lambda r, n, **kw: train_steps(r, cfg, val, n, **kw),
-                   save=lambda r, p: save_run(r, p, cfg), write=write, chunk=cfg["chunk"], max_steps=max_steps,
+                   save=lambda r, p: save_run(r, p, cfg, corpus), write=write, chunk=cfg["chunk"], max_steps=max_steps,
                    bar=bar, describe_final=lambda f: f"validation {f['val_bpb']:.4f} bits per byte", log=log)
     return summarise_runs(cfg, ordered, params, corpus.info)
 
 
-def equal_time_steps(results_path: str, steps: int, anchor: str = "slowest") -> Dict[str, int]:
+def equal_time_steps(results_path: str, steps: int, anchor: str = "slowest",
+                     arms: Optional[List[str]] = None) -> Dict[str, int]:
     """Per-arm steps for equal wall-clock budgets: the ``anchor`` arm (the
     slowest or the fastest per step, in ``results_path``) gets ``steps``, each
     other arm as many as fit in that time.  ``"fastest"`` keeps the fastest
     arm's run exactly as in an equal-steps run of ``steps``, so its finished
-    checkpoints can be reused and only the other arms train."""
+    checkpoints can be reused and only the other arms train.  ValueError
+    unless ``results_path`` is an lm_run results file (readable JSON) with a
+    time per step for each of ``arms`` (default: the arms it has): an arm
+    without one would silently train the equal-steps budget."""
     if anchor not in ("slowest", "fastest"):
         raise ValueError(f"anchor: 'slowest' or 'fastest', not {anchor!r}")
-    with open(results_path) as f:
-        tps = {a: t for a, t in json.load(f)["time_per_step"].items() if not a.endswith("_over_L1")}
-    if not tps:
-        raise ValueError(f"equal_time_from: {results_path} has no time per step yet")
+    try:
+        with open(results_path) as f:
+            res = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"equal_time_from: cannot read {results_path}: {e}") from e
+    if not isinstance(res, dict) or not isinstance(res.get("time_per_step"), dict) or "corpus" not in res:
+        raise ValueError(f"equal_time_from: {results_path} is not an hkt.experiments.lm_run results file "
+                         f"(no corpus and time_per_step entries)")
+    tps = {a: t for a, t in res["time_per_step"].items() if not a.endswith("_over_L1") and t is not None}
+    missing = sorted(set(arms or []) - set(tps))
+    if missing or not tps:
+        raise ValueError(f"equal_time_from: {results_path} has no time per step for arm(s) "
+                         f"{missing or arms or 'any'} (it has {sorted(tps)}); time them first")
+    if arms is not None:
+        tps = {a: tps[a] for a in arms}
     budget = steps * (max(tps.values()) if anchor == "slowest" else min(tps.values()))
     return {a: int(round(budget / t)) for a, t in tps.items()}
 
@@ -232,32 +272,55 @@ def main(argv=None) -> Dict:
     ap = argparse.ArgumentParser(prog="python -m hkt.experiments.lm_run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = LM_DEFAULTS
-    for name in ("seq_len", "steps", "warmup", "batch_size", "d_model", "layers", "heads", "split_seed",
-                 "eval_every", "eval_windows", "chunk"):
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=d[name])
-    for name in ("lr", "weight_decay", "dropout", "val_fraction"):
-        ap.add_argument("--" + name.replace("_", "-"), type=float, default=d[name])
+    # the ints a run needs at least one of; then those that may be 0 (warm-up, split seed, eval only at the end)
+    for name in ("seq_len", "steps", "batch_size", "d_model", "layers", "heads", "eval_windows", "chunk"):
+        ap.add_argument("--" + name.replace("_", "-"), type=cli.positive_int, default=d[name])
+    for name in ("warmup", "split_seed", "eval_every"):
+        ap.add_argument("--" + name.replace("_", "-"), type=cli.non_negative_int, default=d[name])
+    ap.add_argument("--lr", type=cli.positive_float, default=d["lr"])
+    ap.add_argument("--weight-decay", type=cli.non_negative_float, default=d["weight_decay"])
+    ap.add_argument("--dropout", type=cli.probability, default=d["dropout"])
+    ap.add_argument("--val-fraction", type=cli.open_fraction, default=d["val_fraction"])
     ap.add_argument("--seeds", type=int, nargs="+", default=d["seeds"])
-    ap.add_argument("--levels", type=int, nargs="+", default=d["levels"], help="one arm per value (1 = standard)")
+    ap.add_argument("--levels", type=cli.positive_int, nargs="+", default=d["levels"],
+                    help="one arm per value (1 = standard)")
     ap.add_argument("--equal-time-from", default=None,
                     help="a results JSON: give each arm the steps that fit in the anchor arm's --steps")
     ap.add_argument("--equal-time-anchor", choices=["slowest", "fastest"], default="slowest",
                     help="which arm (per step) keeps --steps under --equal-time-from")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop (saving) after this many steps in this call")
+    ap.add_argument("--max-steps", type=cli.non_negative_int, default=None,
+                    help="stop (saving) after this many steps in this call")
     ap.add_argument("--data-root", default=None, help="read .py files here instead of the standard library")
     ap.add_argument("--ckpt-dir", default="results/lm1024_ckpt")
     ap.add_argument("--out", default="results/lm1024.json")
     ap.add_argument("--plot", default=None, help="curves PNG (default: --out with .png)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--threads", type=cli.positive_int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cli.check_unique(ap, args.seeds, "--seeds")
+    cli.check_unique(ap, args.levels, "--levels")
+    cli.check_heads(ap, args.d_model, args.heads)
+    cli.check_writable(ap, args.out)
+    cli.set_threads(args.threads)
     cfg = {k: getattr(args, k) for k in LM_DEFAULTS if k != "arm_steps"}
     if args.equal_time_from:
-        cfg["arm_steps"] = equal_time_steps(args.equal_time_from, args.steps, args.equal_time_anchor)
-    res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps,
-                  data_root=args.data_root)
+        try:
+            cfg["arm_steps"] = equal_time_steps(args.equal_time_from, args.steps, args.equal_time_anchor,
+                                                arms=list(arm_levels(cfg)))
+        except ValueError as e:
+            ap.error(f"--equal-time-from: {e}")
+    try:
+        corpus = load_corpus(args.data_root, val_fraction=args.val_fraction, seed=args.split_seed)
+        # either split shorter than a window would fail later, after the other runs' work
+        eval_windows(corpus.val, args.seq_len, args.eval_windows)
+        BatchSampler(corpus.train, args.seq_len, args.batch_size)
+    except ValueError as e:
+        ap.error(f"--data-root: {e}")
+    try:
+        res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps,
+                      corpus=corpus)
+    except CheckpointError as e:
+        ap.error(f"--ckpt-dir: {e}")
     resumable.plot_beside(res, args.out, args.plot, plot_curves)
     p = res["progress"]
     print(f"{p['steps_done']}/{p['steps_total']} steps, {p['runs_finished']}/{p['runs']} runs finished", file=sys.stderr)

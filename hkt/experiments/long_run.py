@@ -3,11 +3,12 @@
     python -m hkt.experiments.long_run --threads 1      # ListOps T=512, 3 seeds x 3 arms
 
 One command trains every (seed, arm) pair.  Each run's full state (model,
-AdamW, LR schedule, batch-order generator and permutation, global RNG, step,
+AdamW, LR schedule, batch-order generator and permutation, its own RNG state, step,
 loss average, step times and the eval curve so far) is saved to
 ``--ckpt-dir/<arm>_seed<s>.pt`` every ``--chunk`` steps and on SIGINT/SIGTERM;
 the same command started again resumes every run from its checkpoint and skips
-finished ones.  A resumed run continues bitwise as if it had never stopped.
+finished ones.  A resumed run continues bitwise as if it had never stopped
+(dropout included: each run draws from its own RNG state, saved with it).
 
 Arms (all from the same seeded :func:`~hkt.experiments.train.build_model`, so a
 seed's arms share batches and, where shapes agree, initial weights):
@@ -26,8 +27,13 @@ results always cover every arm.  ``--out`` is rewritten after every
 evaluation (each ``--eval-every`` steps): config, arms, per-run eval curves,
 time per training step per arm, and a summary of finished runs; ``--plot``
 (default: ``--out`` with ``.png``) draws the test accuracy curves.
+
+``--task cifar`` and ``--task imdb`` read their data from ``--data-dir`` (as
+:mod:`hkt.experiments.train`; their ``--seq-len`` defaults to 1024, the
+length sequential CIFAR-10 has) and their checkpoints record that folder.
 """
 import argparse
+import os
 import statistics
 import sys
 from typing import Dict, List, Optional
@@ -35,10 +41,11 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from . import resumable
-from .resumable import (advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info, read_checkpoint,
-                        restore, save_atomic, time_per_step, train_in_turns, turn_groups)
-from .train import TASKS, build_model, evaluate, load_task, training_step, write_json
+from . import cli, resumable
+from .resumable import (CheckpointError, advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info,
+                        read_checkpoint, restore, run_state, save_atomic, time_per_step, train_in_turns, turn_groups)
+from .train import (TASKS, build_model, check_model_args, evaluate, load_task, load_task_or_exit, training_step,
+                    write_json)
 
 __all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", "train_steps", "run_all",
            "plot_curves", "main"]
@@ -46,10 +53,16 @@ __all__ = ["ARM_DEFAULTS", "make_arm_model", "new_run", "save_run", "load_run", 
 ARM_DEFAULTS = dict(task="listops", seq_len=512, seeds=[0, 1, 2], steps=5000, warmup=250, batch_size=32, lr=1e-3,
                     weight_decay=0.01, d_model=64, heads=4, layers=2, ff=128, matched_ff=260, dropout=0.0,
                     levels=3, n_train=20000, n_test=2000, eval_every=250, chunk=250, standard_impl="hkt1",
-                    order="seed")
+                    order="seed", data_dir="data")
 
 _STATE_KEYS = ("task", "seq_len", "steps", "warmup", "batch_size", "lr", "weight_decay", "d_model", "heads",
                "layers", "dropout", "levels", "n_train", "n_test", "standard_impl")
+
+
+def _data_id(cfg: Dict) -> Dict[str, str]:
+    """The data a checkpoint must have been trained on, beyond the config:
+    the folder read for CIFAR-10 or IMDB (ListOps is generated from the config)."""
+    return {} if cfg["task"] == "listops" else {"data_dir": os.path.abspath(cfg["data_dir"])}
 
 
 def arm_specs(cfg: Dict) -> Dict[str, Dict]:
@@ -90,18 +103,16 @@ def save_run(run: Dict, path: str, cfg: Dict) -> None:
     """Writes the run's state atomically (temporary file, then rename)."""
     state = {
         "config": {k: cfg[k] for k in _STATE_KEYS}, "arm": run["arm"], "seed": run["seed"],
-        "ff": arm_specs(cfg)[run["arm"]]["ff"],
-        "model": run["model"].state_dict(), "opt": run["opt"].state_dict(), "sched": run["sched"].state_dict(),
-        "gen": run["gen"].get_state(), "torch_rng": torch.get_rng_state(), "perm": run["perm"], "pos": run["pos"],
-        "step": run["step"], "loss_ema": run["loss_ema"], "times": torch.tensor(run["times"], dtype=torch.float64),
-        "history": run["history"], "final": run["final"],
+        "ff": arm_specs(cfg)[run["arm"]]["ff"], **_data_id(cfg), **run_state(run),
+        "gen": run["gen"].get_state(), "perm": run["perm"], "pos": run["pos"],
     }
     save_atomic(state, path)
 
 
 def load_run(path: str, cfg: Dict, arm: str, seed: int, n_train: int) -> Dict:
     """A run restored from ``path``; ValueError if it was made with another config."""
-    state = read_checkpoint(path, {k: cfg[k] for k in _STATE_KEYS}, arm, seed, ff=arm_specs(cfg)[arm]["ff"])
+    state = read_checkpoint(path, {k: cfg[k] for k in _STATE_KEYS}, arm, seed, tool="hkt.experiments.long_run",
+                            ff=arm_specs(cfg)[arm]["ff"], **_data_id(cfg))
     run = restore(new_run(cfg, arm, seed, n_train), state)
     run["gen"].set_state(state["gen"])
     run.update(perm=state["perm"], pos=state["pos"])
@@ -154,7 +165,8 @@ def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int]) -> Dict:
     standard_impl = ("MultiheadHKT(levels=1) via hkt.swap_attention: the same function as nn.MultiheadAttention, "
                      "on the HKT kernels") if cfg["standard_impl"] == "hkt1" else "nn.MultiheadAttention"
     return {
-        "config": {**{k: cfg[k] for k in _STATE_KEYS}, "seeds": list(cfg["seeds"]), "eval_every": cfg["eval_every"],
+        "config": {**{k: cfg[k] for k in _STATE_KEYS}, **_data_id(cfg), "seeds": list(cfg["seeds"]),
+                   "eval_every": cfg["eval_every"],
                    "chunk": cfg["chunk"], "order": cfg["order"], "torch_threads": torch.get_num_threads(),
                    "standard_attention": standard_impl},
         "arms": {a: {**s, "params": params.get(a)} for a, s in specs.items()},
@@ -166,14 +178,18 @@ def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int]) -> Dict:
 
 
 def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = True, max_steps: Optional[int] = None,
-            log=sys.stderr) -> Dict:
+            log=sys.stderr, data=None) -> Dict:
     """Trains (or resumes) every run of ``cfg``; returns the results dict.
 
     ``max_steps`` caps the training steps done by this call (all runs
-    together), for tests and short sessions; the state is saved before returning.
+    together), for tests and short sessions; the state is saved before
+    returning.  ``data``: the task's (train_x, train_y, test_x, test_y) if
+    already loaded (as :func:`~hkt.experiments.train.load_task` gives them).
     """
     cfg = {**ARM_DEFAULTS, **cfg}
-    data = load_task(cfg["task"], seq_len=cfg["seq_len"], n_train=cfg["n_train"], n_test=cfg["n_test"])
+    if data is None:
+        data = load_task(cfg["task"], seq_len=cfg["seq_len"], n_train=cfg["n_train"], n_test=cfg["n_test"],
+                         data_dir=cfg["data_dir"])
     n_train = len(data[0])
     arms = list(arm_specs(cfg))
     runs, paths, params = open_runs(ckpt_dir, cfg["seeds"], arms, lambda p, a, s: load_run(p, cfg, a, s, n_train),
@@ -213,39 +229,53 @@ def main(argv=None) -> Dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ARM_DEFAULTS
     ap.add_argument("--task", choices=sorted(TASKS), default=d["task"])
-    ap.add_argument("--seq-len", type=int, default=d["seq_len"])
+    ap.add_argument("--seq-len", type=cli.positive_int, default=None,
+                    help=f"default {d['seq_len']} for listops, 1024 for cifar and imdb")
     ap.add_argument("--seeds", type=int, nargs="+", default=d["seeds"])
-    ap.add_argument("--steps", type=int, default=d["steps"], help="training steps per run")
-    ap.add_argument("--warmup", type=int, default=d["warmup"])
-    ap.add_argument("--batch-size", type=int, default=d["batch_size"])
-    ap.add_argument("--lr", type=float, default=d["lr"])
-    ap.add_argument("--weight-decay", type=float, default=d["weight_decay"])
-    ap.add_argument("--d-model", type=int, default=d["d_model"])
-    ap.add_argument("--heads", type=int, default=d["heads"])
-    ap.add_argument("--layers", type=int, default=d["layers"])
-    ap.add_argument("--ff", type=int, default=d["ff"])
-    ap.add_argument("--matched-ff", type=int, default=d["matched_ff"], help="ff of the parameter-matched standard arm")
-    ap.add_argument("--dropout", type=float, default=d["dropout"])
-    ap.add_argument("--levels", type=int, default=d["levels"], help="HKT levels")
-    ap.add_argument("--n-train", type=int, default=d["n_train"])
-    ap.add_argument("--n-test", type=int, default=d["n_test"])
-    ap.add_argument("--eval-every", type=int, default=d["eval_every"])
-    ap.add_argument("--chunk", type=int, default=d["chunk"], help="steps per turn; a checkpoint after each")
+    ap.add_argument("--steps", type=cli.positive_int, default=d["steps"], help="training steps per run")
+    ap.add_argument("--warmup", type=cli.non_negative_int, default=d["warmup"])
+    ap.add_argument("--batch-size", type=cli.positive_int, default=d["batch_size"])
+    ap.add_argument("--lr", type=cli.positive_float, default=d["lr"])
+    ap.add_argument("--weight-decay", type=cli.non_negative_float, default=d["weight_decay"])
+    ap.add_argument("--d-model", type=cli.positive_int, default=d["d_model"])
+    ap.add_argument("--heads", type=cli.positive_int, default=d["heads"])
+    ap.add_argument("--layers", type=cli.positive_int, default=d["layers"])
+    ap.add_argument("--ff", type=cli.positive_int, default=d["ff"])
+    ap.add_argument("--matched-ff", type=cli.positive_int, default=d["matched_ff"],
+                    help="ff of the parameter-matched standard arm")
+    ap.add_argument("--dropout", type=cli.probability, default=d["dropout"])
+    ap.add_argument("--levels", type=cli.positive_int, default=d["levels"], help="HKT levels")
+    ap.add_argument("--n-train", type=cli.positive_int, default=d["n_train"])
+    ap.add_argument("--n-test", type=cli.positive_int, default=d["n_test"])
+    ap.add_argument("--data-dir", default=d["data_dir"], help="cifar, imdb: folder with cifar-10-batches-py/ or aclImdb/")
+    ap.add_argument("--eval-every", type=cli.non_negative_int, default=d["eval_every"],
+                    help="evaluate every N steps (0: only at the end)")
+    ap.add_argument("--chunk", type=cli.positive_int, default=d["chunk"], help="steps per turn; a checkpoint after each")
     ap.add_argument("--order", choices=["seed", "all"], default=d["order"],
                     help="seed: a seed's arms take turns, seed after seed; all: every run takes turns")
     ap.add_argument("--standard-impl", choices=["hkt1", "mha"], default=d["standard_impl"],
                     help="hkt1: MultiheadHKT(levels=1) (= nn.MultiheadAttention, fast kernels); mha: nn.MultiheadAttention")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop (saving) after this many steps in this call")
+    ap.add_argument("--max-steps", type=cli.non_negative_int, default=None,
+                    help="stop (saving) after this many steps in this call")
     ap.add_argument("--ckpt-dir", default="results/listops512_ckpt")
     ap.add_argument("--out", default="results/listops512.json")
     ap.add_argument("--plot", default=None, help="curves PNG (default: --out with .png)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--threads", type=cli.positive_int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.seq_len is None:
+        args.seq_len = d["seq_len"] if args.task == "listops" else TASKS[args.task]["seq_len"]
+    cli.check_unique(ap, args.seeds, "--seeds")
+    check_model_args(ap, args)
+    cli.check_writable(ap, args.out)
+    cli.set_threads(args.threads)
     cfg = {k: getattr(args, k) for k in ARM_DEFAULTS}
-    res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps)
+    data = load_task_or_exit(ap, args)
+    try:
+        res = run_all(cfg, args.ckpt_dir, args.out, progress=not args.no_progress, max_steps=args.max_steps,
+                      data=data)
+    except CheckpointError as e:
+        ap.error(f"--ckpt-dir: {e}")
     resumable.plot_beside(res, args.out, args.plot, plot_curves)
     p = res["progress"]
     print(f"{p['steps_done']}/{p['steps_total']} steps, {p['runs_finished']}/{p['runs']} runs finished",

@@ -12,9 +12,10 @@ import statistics
 import sys
 from typing import Dict, Sequence
 
-import torch
 
-from .train import add_training_args, load_task, train_classifier, training_kwargs, write_json
+from . import cli
+from .train import (add_training_args, check_model_args, load_task, load_task_or_exit, train_classifier,
+                    training_kwargs, write_json)
 
 __all__ = ["reproduce", "summarise", "main"]
 
@@ -41,10 +42,15 @@ def summarise(runs: Sequence[Dict]) -> Dict:
 
 
 def reproduce(task: str = "listops", seeds: Sequence[int] = (0, 1, 2), attentions=("standard", "hkt"),
-              **kw) -> Dict:
-    """Trains every (seed, attention) pair with :func:`train_classifier` and summarises."""
-    data = load_task(task, seq_len=kw.get("seq_len"), n_train=kw.get("n_train"), n_test=kw.get("n_test"),
-                     data_dir=kw.get("data_dir", "data"))
+              data=None, **kw) -> Dict:
+    """Trains every (seed, attention) pair with :func:`train_classifier` and
+    summarises; ``data`` as :func:`load_task` gives it, or None to load it.
+    ValueError for a repeated seed (one run would count twice)."""
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds: repeated values in {list(seeds)}")
+    if data is None:
+        data = load_task(task, seq_len=kw.get("seq_len"), n_train=kw.get("n_train"), n_test=kw.get("n_test"),
+                         data_dir=kw.get("data_dir", "data"))
     runs = []
     for seed in seeds:
         for att in attentions:
@@ -72,9 +78,13 @@ def main(argv=None) -> Dict:
                     help="e.g. only standard, for a parameter-matched control with a larger --ff")
     ap.add_argument("--out", required=True, help="summary JSON path")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    res = reproduce(args.task, args.seeds, attentions=args.attentions, **training_kwargs(args))
+    cli.check_unique(ap, args.seeds, "--seeds")
+    cli.check_unique(ap, args.attentions, "--attentions")
+    check_model_args(ap, args)
+    cli.check_writable(ap, args.out)
+    cli.set_threads(args.threads)
+    res = reproduce(args.task, args.seeds, attentions=args.attentions, data=load_task_or_exit(ap, args),
+                    **training_kwargs(args))
     write_json(res, args.out)
     for a, s in res["summary"].items():
         print(f"{a:8s} {100 * s['mean']:.2f} +- {100 * s['std']:.2f} (n={s['n']})", file=sys.stderr)

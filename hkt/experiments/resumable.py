@@ -21,8 +21,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["lr_lambda", "progress_bar", "Stop", "stop_on_signals", "save_atomic", "read_checkpoint", "restore",
-           "open_runs", "turn_groups", "advance", "train_in_turns", "time_per_step", "median_by_arm", "progress_info"]
+__all__ = ["lr_lambda", "progress_bar", "Stop", "stop_on_signals", "save_atomic", "CheckpointError",
+           "load_state", "read_checkpoint", "run_state", "restore", "own_rng", "open_runs", "turn_groups", "advance",
+           "train_in_turns", "time_per_step", "median_by_arm", "progress_info"]
 
 
 def lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
@@ -80,31 +81,87 @@ def save_atomic(state: Dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def read_checkpoint(path: str, config: Dict, arm: str, seed: int, **also) -> Dict:
-    """The state saved at ``path``; ValueError, naming the settings that
-    differ, unless it was written for ``config``, ``arm``, ``seed`` and the
-    further top-level entries ``also`` (a run resumed under other settings
-    would silently mix two experiments)."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    saved = {**state["config"], **{k: state.get(k) for k in also}}
-    if saved != {**config, **also} or state["arm"] != arm or state["seed"] != seed:
-        diff = {k: (saved.get(k), v) for k, v in {**config, **also}.items() if saved.get(k) != v}
-        raise ValueError(f"{path}: checkpoint written with another configuration (checkpoint, now): {diff}; use "
-                         f"another --ckpt-dir or the original options")
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed here: unreadable, or written for other settings."""
+
+
+def load_state(path: str, tool: str, keys: Sequence[str]) -> Dict:
+    """torch.load of the checkpoint dict at ``path``, which must hold ``keys``;
+    :class:`CheckpointError` naming ``path`` and ``tool`` (whose checkpoint it
+    should be) for a file that is none (torn, empty, random bytes, another
+    program's), the cause chained: the raw errors (EOFError, UnpicklingError,
+    a zip archive's RuntimeError, KeyError) name neither."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        missing = [k for k in keys if k not in state]
+    except (FileNotFoundError, PermissionError, IsADirectoryError):  # no file to read: these name the path
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint of {tool} ({type(e).__name__}: {e})") from e
+    if missing:
+        raise CheckpointError(f"{path}: not a checkpoint of {tool} (no {', '.join(missing)} entries)")
     return state
 
 
+def read_checkpoint(path: str, config: Dict, arm: str, seed: int, *, tool: str, legacy: Optional[Dict] = None,
+                    **also) -> Dict:
+    """The state saved at ``path``; :class:`CheckpointError`, naming the
+    settings that differ, unless it was written for ``config``, ``arm``,
+    ``seed`` and the further top-level entries ``also`` (a run resumed under
+    other settings would silently mix two experiments), or naming ``path`` and
+    ``tool`` (the driver) when it is no checkpoint of that driver (damaged,
+    empty, another program's), the cause chained.  ``legacy``: what an entry of
+    ``also`` that older checkpoints lack is taken to be (default None)."""
+    state = load_state(path, tool, ("config", "arm", "seed"))
+    saved = {**state["config"], **{k: state.get(k, (legacy or {}).get(k)) for k in also}}
+    if saved != {**config, **also} or state["arm"] != arm or state["seed"] != seed:
+        diff = {k: (saved.get(k), v) for k, v in {**config, **also}.items() if saved.get(k) != v}
+        raise CheckpointError(f"{path}: checkpoint written with another configuration (checkpoint, now): {diff}; "
+                              f"use another --ckpt-dir or the original options")
+    return state
+
+
+def run_state(run: Dict) -> Dict:
+    """The checkpoint entries every driver saves (what :func:`restore` puts
+    back): model, optimiser, LR schedule, the run's own RNG state, step, loss
+    average, step times, curve and final results."""
+    return {"model": run["model"].state_dict(), "opt": run["opt"].state_dict(), "sched": run["sched"].state_dict(),
+            # the run's own state, not torch.get_rng_state(): that is whichever run trained last's
+            "torch_rng": run.setdefault("rng", torch.get_rng_state()), "step": run["step"],
+            "loss_ema": run["loss_ema"], "times": torch.tensor(run["times"], dtype=torch.float64),
+            "history": run["history"], "final": run["final"]}
+
+
 def restore(run: Dict, state: Dict) -> Dict:
-    """Puts the saved model, optimiser, LR schedule, global RNG, step, loss
-    average, step times, curve and final results back into the fresh ``run``
-    (the driver restores its batch order itself); returns ``run``."""
+    """Puts the saved model, optimiser, LR schedule, the run's own RNG state
+    (``run["rng"]``, see :func:`own_rng`), step, loss average, step times,
+    curve and final results back into the fresh ``run`` (the driver restores
+    its batch order itself); returns ``run``."""
     run["model"].load_state_dict(state["model"])
     run["opt"].load_state_dict(state["opt"])
     run["sched"].load_state_dict(state["sched"])
-    torch.set_rng_state(state["torch_rng"])
-    run.update(step=state["step"], loss_ema=state["loss_ema"], times=state["times"].tolist(),
+    run.update(rng=state["torch_rng"], step=state["step"], loss_ema=state["loss_ema"], times=state["times"].tolist(),
                history=state["history"], final=state["final"])
     return run
+
+
+@contextlib.contextmanager
+def own_rng(run: Dict) -> Iterator[None]:
+    """Runs the block on the run's own CPU RNG state ``run["rng"]`` (taken
+    from the global one if the run has none yet), stores the state back into
+    the run afterwards and gives the global RNG back its state.  Dropout draws
+    its seeds from torch's global RNG, so runs that take turns on it would
+    hand each other their draws, and the turns of a resumed call (other chunk
+    boundaries, finished runs skipped) differ from those of an uninterrupted
+    one: with its own state, each run's draws do not depend on the others.
+    A run without dropout draws nothing, so it trains as it would without this."""
+    outer = torch.get_rng_state()
+    torch.set_rng_state(run.setdefault("rng", outer))
+    try:
+        yield
+    finally:
+        run["rng"] = torch.get_rng_state()
+        torch.set_rng_state(outer)
 
 
 Key = Tuple[str, int]  # (arm, seed)
@@ -114,8 +171,10 @@ def open_runs(ckpt_dir: str, seeds: Sequence[int], arms: Sequence[str], load: Ca
               new: Callable[[str, int], Dict],
               log=sys.stderr) -> Tuple[Dict[Key, Dict], Dict[Key, str], Dict[str, int]]:
     """Every (arm, seed) run, seed after seed: ``load(path, arm, seed)`` where
-    ``ckpt_dir/<arm>_seed<s>.pt`` exists, else ``new(arm, seed)``.  Returns
-    the runs, their checkpoint paths and the parameter count of each arm."""
+    ``ckpt_dir/<arm>_seed<s>.pt`` exists, else ``new(arm, seed)``, whose
+    RNG state (``run["rng"]``, see :func:`own_rng`) is the global one right
+    after it is built (the same whatever the other runs did).  Returns the
+    runs, their checkpoint paths and the parameter count of each arm."""
     runs, paths, params = {}, {}, {}
     for s in seeds:
         for a in arms:
@@ -125,6 +184,7 @@ def open_runs(ckpt_dir: str, seeds: Sequence[int], arms: Sequence[str], load: Ca
                 print(f"resumed {a} seed {s} at step {runs[a, s]['step']}", file=log, flush=True)
             else:
                 runs[a, s] = new(a, s)
+                runs[a, s]["rng"] = torch.get_rng_state()
             params[a] = sum(p.numel() for p in runs[a, s]["model"].parameters())
     return runs, paths, params
 
@@ -145,7 +205,13 @@ def advance(run: Dict, n: int, total: int, batch: Callable[[], tuple], step: Cal
     (timed; returns the loss, a tensor or a number), then the loss average
     and, every ``eval_every`` steps and at ``total``, ``evaluate()`` (which
     records the curve and, at ``total``, ``run["final"]``), then ``on_eval()``.
-    ``run["train_time"]``, where a driver keeps it, sums the step times."""
+    ``run["train_time"]``, where a driver keeps it, sums the step times.  The
+    steps draw from the run's own RNG state (:func:`own_rng`)."""
+    with own_rng(run):
+        _advance(run, n, total, batch, step, evaluate, eval_every, bar, on_eval, postfix)
+
+
+def _advance(run, n, total, batch, step, evaluate, eval_every, bar, on_eval, postfix) -> None:
     for _ in range(n):
         if run["step"] >= total or Stop.requested:
             break

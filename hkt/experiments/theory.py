@@ -13,7 +13,8 @@ import sys
 import torch
 
 from .. import analysis
-from .train import write_json
+from . import cli
+from .train import finite_or_none, write_json
 
 __all__ = ["theory", "main"]
 
@@ -31,6 +32,8 @@ def theory(out_dir: str, *, T: int = 128, rank: int = 4, max_levels: int = 6, se
                                                                    seeds=seeds, sweeps=sweeps),
     }
     png = analysis.plot_approximation_error(curves, os.path.join(out_dir, "approximation_error.png"))
+    for c in curves.values():  # one level has no rate per level: null, not NaN (which is not JSON)
+        c["rate"] = finite_or_none(c["rate"])
     res = {"cost_ratio": cost, "approximation_error": curves, "plot": png}
     write_json(res, os.path.join(out_dir, "theory.json"))
     return res
@@ -40,17 +43,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m hkt.experiments.theory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results")
-    ap.add_argument("--T", type=int, default=128)
-    ap.add_argument("--rank", type=int, default=4)
-    ap.add_argument("--max-levels", type=int, default=6)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--T", type=cli.positive_int, default=128)
+    ap.add_argument("--rank", type=cli.positive_int, default=4)
+    ap.add_argument("--max-levels", type=cli.positive_int, default=6)
+    ap.add_argument("--threads", type=cli.positive_int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     res = theory(args.out, T=args.T, rank=args.rank, max_levels=args.max_levels)
     for name, c in res["approximation_error"].items():
         errs = ", ".join(f"{e:.2e}" for e in c["error"])
-        print(f"{name}: error for L = 1..{len(c['error'])}: {errs} (rate {c['rate']:.2f} per level)",
-              file=sys.stderr)
+        rate = "undefined" if c["rate"] is None else f"{c['rate']:.2f}"
+        print(f"{name}: error for L = 1..{len(c['error'])}: {errs} (rate {rate} per level)", file=sys.stderr)
     print(f"wrote {res['plot']}", file=sys.stderr)
     return res
 

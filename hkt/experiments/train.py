@@ -11,13 +11,13 @@ initialisation, so the two runs of a seed start from the same weights and see
 the same batches.
 
 The JSON written to ``--out`` holds accuracy (test set), steps, the median
-time per training step and the full configuration.
+time per training step and the full configuration.  ``--out`` is tried for
+writing before training starts.
 """
 import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from typing import Dict, Optional
@@ -25,7 +25,11 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["TASKS", "Classifier", "build_model", "load_task", "evaluate", "training_step", "train_classifier", "main"]
+from . import cli
+from .resumable import lr_lambda, time_per_step
+
+__all__ = ["TASKS", "Classifier", "build_model", "load_task", "evaluate", "training_step", "train_classifier",
+           "finite_or_none", "write_json", "main"]
 
 # vocab (token ids, 0 = padding), classes, default sequence length
 TASKS = {
@@ -42,26 +46,43 @@ def load_task(task: str, *, seq_len: Optional[int] = None, n_train: Optional[int
     ListOps is generated (train from ``data_seed``, test from ``data_seed + 1``;
     defaults 5000 / 1000 examples); CIFAR-10 and IMDB are read from
     ``data_dir`` (FileNotFoundError saying where to put them if absent) and
-    optionally cut to ``n_train`` / ``n_test`` examples.
+    optionally cut to ``n_train`` / ``n_test`` examples (IMDB: the first
+    ``ceil(n / 2)`` negative and ``floor(n / 2)`` positive reviews, exactly
+    ``n`` when the folder has that many).  ValueError for ``n_train`` or
+    ``n_test`` < 1.
     """
     from .. import data
 
     if task not in TASKS:
         raise ValueError(f"task: expected one of {sorted(TASKS)}, got {task!r}")
+    for name, n in (("n_train", n_train), ("n_test", n_test)):
+        if n is not None and n < 1:  # 0 is no "use the default": a model cannot train or test on nothing
+            raise ValueError(f"{name}: expected None or an int >= 1, got {n}")
     seq_len = seq_len or TASKS[task]["seq_len"]
     if task == "listops":
-        tr = data.generate_listops(n_train or 5000, seq_len, seed=data_seed)
-        te = data.generate_listops(n_test or 1000, seq_len, seed=data_seed + 1)
+        tr = data.generate_listops(5000 if n_train is None else n_train, seq_len, seed=data_seed)
+        te = data.generate_listops(1000 if n_test is None else n_test, seq_len, seed=data_seed + 1)
     elif task == "cifar":
         if seq_len != 1024:
             raise ValueError(f"seq_len: sequential CIFAR-10 has 1024 pixels per image, got {seq_len}")
         tr = data.load_cifar10(data_dir, "train", limit=n_train)
         te = data.load_cifar10(data_dir, "test", limit=n_test)
     else:
-        # IMDB files are sorted neg then pos: take balanced prefixes per class
-        tr = data.load_imdb(data_dir, "train", max_len=seq_len, limit=None if n_train is None else -(-n_train // 2))
-        te = data.load_imdb(data_dir, "test", max_len=seq_len, limit=None if n_test is None else -(-n_test // 2))
+        tr = _balanced_imdb(data_dir, "train", seq_len, n_train)
+        te = _balanced_imdb(data_dir, "test", seq_len, n_test)
     return tr[0], tr[1], te[0], te[1]
+
+
+def _balanced_imdb(data_dir: str, split: str, seq_len: int, n: Optional[int]):
+    """IMDB's files come sorted, negatives then positives: ``n`` examples are
+    the first ceil(n / 2) negatives and floor(n / 2) positives."""
+    from .. import data
+
+    x, y = data.load_imdb(data_dir, split, max_len=seq_len, limit=None if n is None else -(-n // 2))
+    if n is not None:
+        keep = torch.cat([(y == 0).nonzero()[:, 0][:-(-n // 2)], (y == 1).nonzero()[:, 0][:n // 2]])
+        x, y = x[keep], y[keep]
+    return x, y
 
 
 class Classifier(nn.Module):
@@ -145,7 +166,12 @@ def train_classifier(task: str = "listops", attention: str = "standard", *, seed
         to 1000 training examples), "final_loss", "steps", "time_per_step"
         (median seconds of a training step), "train_time", "params", "history",
         "config"}.
+
+    Raises:
+        ValueError for ``steps`` < 1 (no step: no loss, no time per step).
     """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
     info = TASKS[task]
     seq_len = seq_len or info["seq_len"]
     if data is None:
@@ -157,12 +183,7 @@ def train_classifier(task: str = "listops", attention: str = "standard", *, seed
                         layers=layers, ff=ff, dropout=dropout)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
-    def lr_at(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup))
     g = torch.Generator().manual_seed(seed)
     loss_fn = nn.CrossEntropyLoss()
     bar = None
@@ -200,11 +221,10 @@ def train_classifier(task: str = "listops", attention: str = "standard", *, seed
     if bar is not None:
         bar.set_postfix(loss=f"{loss_ema:.3f}", acc=f"{acc:.3f}")
         bar.close()
-    steady = times[min(3, len(times) - 1):] if times else [float("nan")]  # skip warm-up steps
     return {
         "task": task, "attention": attention, "seed": seed, "accuracy": acc,
         "train_accuracy": evaluate(model, xtr[:1000], ytr[:1000]), "final_loss": loss_ema, "steps": steps,
-        "time_per_step": statistics.median(steady), "train_time": train_time,
+        "time_per_step": time_per_step(times), "train_time": train_time,
         "params": sum(p.numel() for p in model.parameters()), "history": history,
         "config": {"task": task, "attention": attention, "seed": seed, "steps": steps, "batch_size": batch_size,
                    "lr": lr, "weight_decay": weight_decay, "warmup": warmup, "seq_len": seq_len, "d_model": d_model,
@@ -215,26 +235,51 @@ def train_classifier(task: str = "listops", attention: str = "standard", *, seed
 
 
 def add_training_args(ap: argparse.ArgumentParser) -> None:
-    """The options shared by train, reproduce and demo."""
+    """The options shared by train, reproduce and listops_compare (check them with :func:`check_model_args`)."""
     ap.add_argument("--task", choices=sorted(TASKS), default="listops")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--weight-decay", type=float, default=0.01)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--seq-len", type=int, default=None, help="default: 128 for listops, 1024 otherwise")
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--ff", type=int, default=128)
-    ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--levels", type=int, default=3, help="HKT levels (ignored for standard attention)")
-    ap.add_argument("--n-train", type=int, default=None, help="listops: examples generated (default 5000)")
-    ap.add_argument("--n-test", type=int, default=None, help="listops: default 1000")
+    ap.add_argument("--steps", type=cli.positive_int, default=300)
+    ap.add_argument("--batch-size", type=cli.positive_int, default=32)
+    ap.add_argument("--lr", type=cli.positive_float, default=1e-3)
+    ap.add_argument("--weight-decay", type=cli.non_negative_float, default=0.01)
+    ap.add_argument("--warmup", type=cli.non_negative_int, default=20)
+    ap.add_argument("--seq-len", type=cli.positive_int, default=None, help="default: 128 for listops, 1024 otherwise")
+    ap.add_argument("--d-model", type=cli.positive_int, default=64)
+    ap.add_argument("--heads", type=cli.positive_int, default=4)
+    ap.add_argument("--layers", type=cli.positive_int, default=2)
+    ap.add_argument("--ff", type=cli.positive_int, default=128)
+    ap.add_argument("--dropout", type=cli.probability, default=0.0)
+    ap.add_argument("--levels", type=cli.positive_int, default=3, help="HKT levels (ignored for standard attention)")
+    ap.add_argument("--n-train", type=cli.positive_int, default=None, help="listops: examples generated (default 5000)")
+    ap.add_argument("--n-test", type=cli.positive_int, default=None, help="listops: default 1000")
     ap.add_argument("--data-dir", default="data", help="folder with cifar-10-batches-py/ or aclImdb/")
-    ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--eval-every", type=cli.non_negative_int, default=0,
+                    help="also evaluate every N steps (0: only at the end)")
+    ap.add_argument("--threads", type=cli.positive_int, default=None, help="torch intra-op threads")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+
+
+def check_model_args(ap: argparse.ArgumentParser, args) -> None:
+    """The checks of the classifier's options that need more than one value:
+    heads must divide d_model; the task fixes or bounds the sequence length."""
+    from ..data.listops import MIN_LEN
+
+    cli.check_heads(ap, args.d_model, args.heads)
+    if args.task == "cifar" and args.seq_len not in (None, 1024):
+        ap.error(f"--seq-len: sequential CIFAR-10 has 1024 pixels per image, got {args.seq_len}")
+    if args.task == "listops" and args.seq_len is not None and args.seq_len < MIN_LEN:
+        ap.error(f"--seq-len: the shortest ListOps expression has {MIN_LEN} tokens, got {args.seq_len}")
+
+
+def load_task_or_exit(ap: argparse.ArgumentParser, args):
+    """:func:`load_task` for the parsed options; a missing or malformed data
+    folder is a parser error naming --data-dir (before any training)."""
+    try:
+        return load_task(args.task, seq_len=args.seq_len, n_train=args.n_train, n_test=args.n_test,
+                         data_dir=args.data_dir)
+    except (FileNotFoundError, ValueError) as e:
+        if args.task == "listops":  # generated, no folder to blame: a bug, not bad input
+            raise
+        ap.error(f"--data-dir: {e}")
 
 
 def training_kwargs(args) -> Dict:
@@ -245,11 +290,17 @@ def training_kwargs(args) -> Dict:
                 progress=not args.no_progress)
 
 
+def finite_or_none(x: Optional[float]) -> Optional[float]:
+    """``x``, or None (null in JSON) where it is undefined (NaN or infinite)."""
+    return x if x is None or math.isfinite(x) else None
+
+
 def write_json(obj, path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
+        # no NaN or Infinity tokens (not JSON): an undefined value is None (null), a NaN here is a bug
+        json.dump(obj, f, indent=2, allow_nan=False)
         f.write("\n")
 
 
@@ -261,9 +312,11 @@ def main(argv=None) -> Dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results JSON here")
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    res = train_classifier(args.task, args.attention, seed=args.seed, **training_kwargs(args))
+    check_model_args(ap, args)
+    cli.check_writable(ap, args.out)
+    cli.set_threads(args.threads)
+    data = load_task_or_exit(ap, args)
+    res = train_classifier(args.task, args.attention, seed=args.seed, data=data, **training_kwargs(args))
     print(f"{args.task} {args.attention} seed {args.seed}: accuracy {res['accuracy']:.4f}, "
           f"{1e3 * res['time_per_step']:.1f} ms/step", file=sys.stderr)
     if args.out:

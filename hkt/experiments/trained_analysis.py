@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from .. import analysis as A
 from ..modules import MultiheadHKT
+from . import cli
 
 __all__ = ["load_trained", "validation_tokens", "capture_attention_inputs", "analyse_layer", "analyse", "main"]
 
@@ -418,7 +419,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     ap.add_argument("--out", required=True, help="folder for analysis.json and the plots")
     ap.add_argument("--examples", type=int, default=8, help="validation examples for the maps statistics")
     ap.add_argument("--curve-examples", type=int, default=4, help="of those, how many for the Thm 4.3 curve")
-    ap.add_argument("--max-levels", type=int, default=6, help="largest L of the Thm 4.3 curve")
+    # two levels at least: the summary's rate per level compares consecutive levels
+    ap.add_argument("--max-levels", type=cli.int_at_least(2), default=6, help="largest L of the Thm 4.3 curve")
     ap.add_argument("--sweeps", type=int, default=10, help="backfitting sweeps of best_level_fit")
     ap.add_argument("--seq-len", type=int, default=None, help="bytelm: window length (default: the training one)")
     ap.add_argument("--data-root", default=None, help="bytelm: read .py files here instead of the standard library")
