@@ -1,6 +1,6 @@
 """hkt: Hierarchical Kernel Transformer attention for PyTorch.
 
-    hkt.hkt_attention(q, k, v, w, *, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None)
+    hkt.hkt_attention(q, k, v, w, *, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, backend=None)
                                              (k, v may have fewer heads than q: grouped-query attention)
     hkt.hkt_attention_varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, ...)   packed variable-length batches
     hkt.hkt_attention_with_kvcache(q, k_cache, v_cache, w, cache_seqlens, k=None, v=None)   decoding with a KV cache

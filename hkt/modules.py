@@ -26,10 +26,11 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
 
         out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]    (x = 0 before the start)
 
-    On the CPU in float32/float64 the extension computes it (and its
-    gradients) in one pass, to the bits of the torch expression
-    (:func:`_downsample_expr`), which runs everywhere else (other devices and
-    dtypes, torch.compile, TorchScript).
+    On the CPU in float32/float64 the extension computes it in one pass, to
+    the bits of the torch expression (:func:`_downsample_expr`), which runs
+    everywhere else (other devices and dtypes, torch.compile, TorchScript),
+    and its gradients in one pass each, equal to the expression's within
+    rounding (the taps' sums are taken in another order).
 
     Args:
         x: (B, n, C).
@@ -173,7 +174,7 @@ class MultiheadHKT(nn.Module):
       ``v_proj_weight`` when ``kdim`` or ``vdim`` differ from ``embed_dim``),
       ``bias_k``, ``bias_v`` and ``out_proj`` carry MHA's names and shapes, so
       an MHA ``state_dict`` loads into ``levels=1`` with ``strict=True`` and
-      ``levels=1`` computes exactly what MHA computes;
+      ``levels=1`` computes MHA's function (equal within rounding);
     * level l >= 1 downsamples the previous level's input with
       :func:`causal_downsample` (separate taps for the query stream,
       ``q_downsample`` (L-1, K, E), and the key stream, ``k_downsample``
@@ -253,13 +254,15 @@ class MultiheadHKT(nn.Module):
         nor floating point.
 
       Under TorchScript the same checks raise ``torch.jit.Error`` with the
-      same message (TorchScript has one exception type).
+      same message (TorchScript has one exception type, and prints a dtype as
+      its number).
     * It is scriptable (``torch.jit.script``, alone or inside
       ``nn.TransformerEncoder`` / ``Decoder`` layers; a saved script needs
       ``import hkt`` before ``torch.jit.load`` to register the op) and
-      exportable (``torch.export.export``); for an exported program with a
-      dynamic sequence length, the length must be a multiple of
-      ``2 ** (levels - 1)``.  ``merge_masks`` exists only because a scripted
+      exportable (``torch.export.export``); an exported program with a
+      dynamic sequence length runs at any length above ``2 ** (levels - 1)``
+      with ``torch.export.Dim.AUTO``, and at multiples of ``2 ** (levels - 1)``
+      with an explicit ``Dim``.  ``merge_masks`` exists only because a scripted
       ``nn.TransformerEncoderLayer`` compiles a call to it.
     * ``_qkv_same_embed_dim`` is always False (the packed-projection flag is
       ``_packed_in_proj``): ``nn.TransformerEncoderLayer`` /
@@ -727,7 +730,8 @@ class MultiheadHKT(nn.Module):
             ValueError for malformed shapes (ranks, feature sizes, batch or
             length mismatches, mask shapes, nested tensors); TypeError for mask
             dtypes other than bool and floating point.  (In a TorchScript-compiled
-            module these arrive as ``torch.jit.Error`` carrying the same message.)
+            module these arrive as ``torch.jit.Error`` carrying the same message, a dtype
+            printed as its number.)
         """
         if not torch.jit.is_scripting():
             _refuse_fx_proxy(query)
