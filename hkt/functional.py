@@ -418,8 +418,8 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, L, Lk, is_causal, dropout_p, scale, seed, attn_mask, *qkvw):
         # Lk: k's own count, which the extension checks against q's and names
         q, k, v, w = list(qkvw[:L]), list(qkvw[L:L + Lk]), qkvw[L + Lk], qkvw[L + Lk + 1]
-        out = _save_forward(ctx, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
-        ctx.save_for_backward(*qkvw, *ctx.results)
+        out, results = _save_forward(ctx, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
+        ctx.save_for_backward(*qkvw, *results)
         return out
 
     @staticmethod
@@ -432,12 +432,14 @@ class _Attention(torch.autograd.Function):
 
 
 def _save_forward(ctx, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
-    """The eager forward's kernels, and what its backward needs (ctx.results:
-    out, lse and the mask, for save_for_backward after the inputs)."""
+    """The eager forward's kernels: (out, results), results what its backward
+    needs (out, lse and the mask) for save_for_backward after the inputs.  Never
+    kept on ctx itself: out's grad_fn is ctx, so ctx -> out -> ctx would be a
+    cycle, and each call's graph (with everything upstream that it saved) would
+    wait for Python's cycle collector, or, with gc off, never be freed."""
     out, lse = _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)
-    ctx.results = (out, lse, attn_mask)
     ctx.L, ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed = len(q), is_causal, dropout_p, scale, seed
-    return out
+    return out, (out, lse, attn_mask)
 
 
 def _run_backward(ctx, dout, q, k, v, w, results, mask_needs_grad, into=None):
@@ -475,10 +477,10 @@ class _QKVAttention(torch.autograd.Function):
         hd = qkv.shape[-1] // (H + 2 * H_kv)
         q0, k0, v = _qkv_heads(qkv, H, H_kv, hd)
         n = len(coarse) // 2
-        out = _save_forward(ctx, [q0, *coarse[:n]], [k0, *coarse[n:]], v, w, attn_mask, is_causal, dropout_p,
-                            scale, seed)
+        out, results = _save_forward(ctx, [q0, *coarse[:n]], [k0, *coarse[n:]], v, w, attn_mask, is_causal,
+                                     dropout_p, scale, seed)
         ctx.heads = (H, H_kv, hd)
-        ctx.save_for_backward(qkv, w, *coarse, *ctx.results)
+        ctx.save_for_backward(qkv, w, *coarse, *results)
         return out
 
     @staticmethod

@@ -834,3 +834,42 @@ def test_dropout_seed_comes_from_the_cpu_whatever_the_default_device():
         got = run()
     for a, b in zip(got, want):
         assert a.device.type == "cpu" and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", ["functional", "self", "cross", "packed"])
+def test_a_call_graph_is_freed_without_the_cycle_collector(call):
+    """The eager Functions kept (out, lse, mask) on ctx, and out's grad_fn is
+    that ctx: a reference cycle, so each call's graph, with the inputs it saved
+    and everything upstream, waited for Python's cycle collector (a training
+    loop of causal T=4096 calls held 0.5 GB more at its peak than SDPA's), or,
+    with gc off, was never freed.  Every hkt node of a call must die with its
+    output, gc off."""
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    m = hkt.MultiheadHKT(16, 2, batch_first=True, levels=3, pack_padding=(call == "packed"))
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    q = [torch.randn(1, 2, n, 8, requires_grad=True) for n in (10, 5, 3)]
+    run = {"functional": lambda: hkt.hkt_attention(q, q, q[0], torch.ones(3) / 3, is_causal=True),
+           "self": lambda: m(x, x, x)[0],
+           "cross": lambda: m(x, x[:, :7], x[:, :7])[0],
+           "packed": lambda: m(x, x, x, key_padding_mask=torch.arange(10)[None] >= torch.tensor([10, 6])[:, None])[0]}
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out = run[call]()
+        nodes, todo = [], [out.grad_fn]
+        while todo:  # the graph's Python-defined nodes: hkt's autograd Functions
+            f = todo.pop()
+            if f is not None:
+                if isinstance(f, torch.autograd.function.BackwardCFunction):
+                    nodes.append(weakref.ref(f))
+                todo.extend(n for n, _ in f.next_functions)
+        assert nodes
+        out.sum().backward()
+        del out, f
+        alive = [type(r()).__name__ for r in nodes if r() is not None]
+        assert not alive, alive
+    finally:
+        if was_enabled:
+            gc.enable()
