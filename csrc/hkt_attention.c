@@ -129,22 +129,33 @@ int hkt_cpu_bf16_preferred(void) {
 #endif
 }
 
+/* The first 40 bytes of an environment value for a message, printable ASCII
+ * only (others as '?'): the message becomes a Python str, decoded as UTF-8,
+ * which arbitrary bytes, or a character cut in two, would fail. */
+static const char *printable(const char *value, char out[41]) {
+    int i = 0;
+    for (; i < 40 && value[i]; i++) out[i] = value[i] >= 0x20 && value[i] < 0x7f ? value[i] : '?';
+    out[i] = 0;
+    return out;
+}
+
 int hkt_settings_problem(char *buf, size_t n) {
     const char *kernels = getenv("HKT_CPU_KERNELS"), *bf16 = getenv("HKT_BF16");
+    char shown[41];
     if (kernels && *kernels && !cpu_kernels_known(kernels)) {
-        snprintf(buf, n, "HKT_CPU_KERNELS=%.40s is not one of default, avx2, avx512f; running the '%s' kernels",
-                 kernels, hkt_cpu_kernels());
+        snprintf(buf, n, "HKT_CPU_KERNELS=%s is not one of default, avx2, avx512f; running the '%s' kernels",
+                 printable(kernels, shown), hkt_cpu_kernels());
         return 1;
     }
     if (kernels && *kernels && strcmp(kernels, "default") != 0 && strcmp(kernels, hkt_cpu_kernels()) != 0) {
-        snprintf(buf, n, "HKT_CPU_KERNELS=%.40s: this CPU (or build) cannot run them; running the '%s' kernels",
-                 kernels, hkt_cpu_kernels());
+        snprintf(buf, n, "HKT_CPU_KERNELS=%s: this CPU (or build) cannot run them; running the '%s' kernels",
+                 printable(kernels, shown), hkt_cpu_kernels());
         return 1;
     }
     if (bf16 && *bf16 && strcmp(bf16, "native") != 0 && strcmp(bf16, "avx512bf16") != 0 &&
         strcmp(bf16, "upcast") != 0) {
-        snprintf(buf, n, "HKT_BF16=%.40s is not one of native, avx512bf16, upcast; bfloat16 runs %s", bf16,
-                 hkt_cpu_bf16_preferred() ? "natively" : "in float32");
+        snprintf(buf, n, "HKT_BF16=%s is not one of native, avx512bf16, upcast; bfloat16 runs %s",
+                 printable(bf16, shown), hkt_cpu_bf16_preferred() ? "natively" : "in float32");
         return 1;
     }
     return 0;

@@ -81,9 +81,13 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
     full backward hook (each argument through an identity Function) hand the
     module such stand-ins for one tensor passed three times, and self-attention
     must stay self-attention there (pack_padding's zeros).  torch.compile and
-    torch.func cannot evaluate is_set_to: only the object counts under them."""
+    torch.func cannot evaluate is_set_to, and meta tensors have no kernel for
+    it: only the object counts there.  is_set_to ignores the dtype (a float16
+    tensor and its bfloat16 view), so that is compared too."""
     if a is b:
         return True
+    if a.is_meta or a.dtype != b.dtype:
+        return False
     if not torch.jit.is_scripting():
         if _recording() or torch._C._are_functorch_transforms_active():
             return False
@@ -210,7 +214,8 @@ class MultiheadHKT(nn.Module):
     ``pack_padding=True`` (also a settable attribute) skips the padding of
     right-padded batches: a self-attention call (``query is key is value``,
     or, outside torch.compile and torch.func, the three are the same memory
-    read alike, as a reentrant checkpoint or a backward hook passes them)
+    read alike, as a reentrant checkpoint or a backward hook passes them;
+    under those two a hooked call is taken as cross-attention)
     with a ``key_padding_mask`` whose padding is at the end of every sequence
     (bool True, or float -inf, after the last real token; otherwise
     ``ValueError`` naming ``key_padding_mask``) computes only the real tokens,
@@ -806,7 +811,10 @@ class MultiheadHKT(nn.Module):
                                         q0.dtype, q0.device)
         dropout_p = float(self.dropout) if self.training else 0.0
         vh = _heads(v, Hk, hd)
-        real = self._pack_padding_rows(key_padding_mask, _one_input(query, key) and _one_input(key, value), B, S)
+        # whether the call is self-attention matters only to pack_padding
+        packs = self.pack_padding and key_padding_mask is not None
+        real = self._pack_padding_rows(key_padding_mask, packs and _one_input(query, key) and _one_input(key, value),
+                                       B, S)
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0

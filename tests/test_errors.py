@@ -189,3 +189,11 @@ def test_meta_tensors_give_shapes():
         assert out.shape == (2, 9, 16) and weights.shape == (2, 9, 9)
         out.sum().backward()
         assert m.in_proj_weight.grad.shape == (48, 16)
+        # query, key and value not one object (cross-attention, or a view): whether
+        # they are one input was asked of is_set_to, which has no meta kernel
+        kv = torch.randn(2, 5, 16)
+        pad = torch.zeros(2, 5, dtype=torch.bool)
+        for module in (m, torch.jit.script(hkt.MultiheadHKT(16, 4, batch_first=True, levels=3))):
+            assert module(x, kv, kv)[0].shape == (2, 9, 16)
+            assert module(x, x.view_as(x), x)[0].shape == (2, 9, 16)
+        assert m(kv, kv.view_as(kv), kv, key_padding_mask=pad)[0].shape == (2, 5, 16)

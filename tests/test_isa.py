@@ -80,6 +80,10 @@ def test_unknown_choice_falls_back_to_the_widest():
     ("HKT_CPU_KERNELS=AVX2", "HKT_CPU_KERNELS=AVX2 is not one of default, avx2, avx512f; running the "),
     ("HKT_CPU_KERNELS=avx-2", "HKT_CPU_KERNELS=avx-2 is not one of"),
     ("HKT_BF16=Upcast", "HKT_BF16=Upcast is not one of native, avx512bf16, upcast; bfloat16 runs "),
+    # a byte that is no UTF-8, and a 40-byte cut through a character: the
+    # message is a Python str (both failed the import with UnicodeDecodeError)
+    ("HKT_CPU_KERNELS=\udcff", "HKT_CPU_KERNELS=? is not one of"),
+    ("HKT_BF16=a" + "\u00e9" * 30, "HKT_BF16=a" + "?" * 39 + " is not one of"),
     ("HKT_CPU_KERNELS=default", None), ("HKT_CPU_KERNELS=", None), ("HKT_BF16=upcast", None),
     ("HKT_BF16=native", None)])
 def test_a_misspelt_setting_is_warned_of(setting, warned):
