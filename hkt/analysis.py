@@ -50,12 +50,17 @@ KERNEL_TILE = _C.cpu_tile
 
 # --------------------------------------------------------------------------- cost
 
+def _check_int(name: str, value, low: int) -> None:
+    """ValueError naming ``name`` unless ``value`` is an int (not a bool) >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+
+
 def cost_ratio(levels: int) -> float:
     """Score cost of ``levels`` levels relative to standard attention:
     sum_{l < L} 4^-l (1, 1.25, 1.3125, ... < 4/3), since level l has
     (T / 2^l) x (S / 2^l) scores of the same head dim."""
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
+    _check_int("levels", levels, 1)
     return sum(4.0**-l for l in range(levels))
 
 
@@ -81,8 +86,7 @@ def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causa
             raise ValueError(f"{name}: must be >= 0, got {val}")
     if L < 1:
         raise ValueError(f"L: must be >= 1, got {L}")
-    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"tile: expected an int >= 1, got {tile!r}")
+    _check_int("tile", tile, 1)
     if T == 0 or S == 0:
         return 0
     i0 = torch.arange(0, T, tile, dtype=torch.int64)
@@ -501,10 +505,8 @@ def best_level_fit(A: Tensor, levels: int, rank: int, *, sweeps: int = 10) -> Te
     Returns:
         The approximation (T, T).
     """
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+    _check_int("levels", levels, 1)
+    _check_int("rank", rank, 0)
     if not isinstance(A, Tensor) or A.dim() != 2 or A.shape[0] != A.shape[1]:
         raise ValueError(f"A: expected a square (T, T) tensor, got "
                          f"{tuple(A.shape) if isinstance(A, Tensor) else type(A).__name__}")

@@ -74,6 +74,13 @@ def _refuse_fx_proxy(query) -> None:
                         "for it, as torch.fx does for nn.MultiheadAttention, or use torch.export")
 
 
+def _symbolic() -> bool:
+    """Whether this call is recorded (torch.compile, torch.jit.trace) or runs
+    under a torch.func transform: its tensors' values cannot be read here, nor
+    the extension called directly."""
+    return _recording() or torch._C._are_functorch_transforms_active()
+
+
 def _one_input(a: Tensor, b: Tensor) -> bool:
     """Whether a and b are the same input: the same object, or, in eager mode
     and TorchScript, the same memory read the same way (Tensor.is_set_to).  A
@@ -89,7 +96,7 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
     if a.is_meta or a.dtype != b.dtype:
         return False
     if not torch.jit.is_scripting():
-        if _recording() or torch._C._are_functorch_transforms_active():
+        if _symbolic():
             return False
     return a.is_set_to(b)
 
@@ -103,8 +110,7 @@ def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
     under torch.func transforms (the extension takes plain arrays)."""
     return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
             and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
-            and taps.shape[1] == x.shape[2] and not _recording()
-            and not torch._C._are_functorch_transforms_active())
+            and taps.shape[1] == x.shape[2] and not _symbolic())
 
 
 @torch.jit.unused
@@ -612,7 +618,7 @@ class MultiheadHKT(nn.Module):
         else:
             real = kpm != float("-inf")
         if not torch.jit.is_scripting():
-            if _recording() or kpm.is_meta or torch._C._are_functorch_transforms_active():
+            if _symbolic() or kpm.is_meta:
                 # recorded, shapes only, or under torch.func: no data-dependent checks (the padded path runs)
                 return real
         if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
@@ -818,8 +824,7 @@ class MultiheadHKT(nn.Module):
         if torch.jit.is_scripting():
             out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
-              and q0.device.type == "cpu" and not _recording()
-              and not torch._C._are_functorch_transforms_active()
+              and q0.device.type == "cpu" and not _symbolic()
               # the packed call never reads the mask: a float mask's gradient needs the padded one
               and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
             out = self._packed_attention(qs, ks, vh, w, real, causal)
