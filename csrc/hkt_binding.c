@@ -1235,6 +1235,16 @@ static PyObject *py_cuda_tc_refusal(PyObject *self, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LLid|pp:cuda_tc_refusal", kwlist, &D, &Dv, &L, &dropout_p,
                                      &backward, &mask_grad))
         return NULL;
+    /* the limits are asked of real calls' shapes: anything else is a caller's slip */
+    if (D < 1 || Dv < 1) {
+        PyErr_Format(PyExc_ValueError, "%s: must be at least 1, got %lld", D < 1 ? "D" : "Dv", D < 1 ? D : Dv);
+        return NULL;
+    }
+    if (L < 1 || L > HKT_MAX_LEVELS) {
+        PyErr_Format(PyExc_ValueError, "L: must be between 1 and %d, got %d", HKT_MAX_LEVELS, L);
+        return NULL;
+    }
+    if (check_dropout(dropout_p)) return NULL;
     hkt_params p;
     memset(&p, 0, sizeof p);
     p.D = D;

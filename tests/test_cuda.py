@@ -1262,6 +1262,16 @@ def test_tensor_core_limits_without_a_gpu():
         assert _C.cuda_tc_refusal(*args) is not None, args
 
 
+@pytest.mark.parametrize("args, name", [((0, 64, 3, 0.0), "D"), ((-16, 64, 3, 0.0), "D"), ((64, -8, 3, 0.0), "Dv"),
+                                        ((64, 64, 0, 0.0), "L"), ((64, 64, -1, 0.0), "L"), ((64, 64, 99, 0.0), "L"),
+                                        ((64, 64, 3, -0.5), "dropout_p"), ((64, 64, 3, float("nan")), "dropout_p")])
+def test_tensor_core_limits_refuse_impossible_calls(args, name):
+    """No call has these sizes: a ValueError naming the argument, not an answer about them (-16 is a
+    multiple of 16 below 128, which read as a call the kernels take)"""
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        _C.cuda_tc_refusal(*args)
+
+
 # --------------------------------------------------------------------------- stream and scratch arguments, no GPU
 
 def _small_call(dtype=torch.float64):
