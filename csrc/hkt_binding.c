@@ -626,11 +626,47 @@ static int check_cuda_tc(const hkt_params *p, int backward) {
     return -1;
 }
 
+/* Native bfloat16 on the CPU (hkt_attention's and the packed calls'): the
+ * CPU must have AVX512_BF16; the dot products take D, and the backward's dP
+ * products Dv, in pairs. */
+static int is_bf16(const DLTensor *t) {
+    return t->dtype.code == kDLBfloat && t->dtype.bits == 16 && t->dtype.lanes == 1;
+}
+static int check_cpu_bf16(void) {
+    if (hkt_cpu_has_bf16()) return 0;
+    PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 needs a CPU with AVX512_BF16 (and a build "
+                    "with GCC >= 11 on x86-64), which this is not; pass float32");
+    return -1;
+}
+static int check_bf16_d(int64_t D) {
+    if (D % 2 == 0) return 0;
+    PyErr_Format(PyExc_ValueError, "q[0]: native bfloat16 needs an even head dimension D, got %lld; pass "
+                 "float32", (long long)D);
+    return -1;
+}
+static int check_bf16_backward_dv(int64_t Dv) {
+    if (Dv % 2 == 0) return 0;
+    PyErr_Format(PyExc_ValueError, "v: the native bfloat16 backward needs an even value dimension Dv, got "
+                 "%lld; pass float32", (long long)Dv);
+    return -1;
+}
+
+/* What the arrays of the compute dtype (w, a float mask, lse, the gradients,
+ * the forward's out) are checked against: q[0] itself, or for bfloat16 q[0]
+ * as float32 (in *f32, the caller's). */
+static const DLTensor *compute_ref(const DLTensor *q0, DLTensor *f32) {
+    if (!is_bf16(q0)) return q0;
+    *f32 = *q0;
+    f32->dtype.code = kDLFloat;
+    f32->dtype.bits = 32;
+    return f32;
+}
+
 /* q[0]: the array every other one is checked against (dtype, device). */
 static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     const DLTensor *q0 = import_array(hd, obj, "q[0]");
     if (!q0) return NULL;
-    const int bf16 = q0->dtype.code == kDLBfloat && q0->dtype.bits == 16 && q0->dtype.lanes == 1;
+    const int bf16 = is_bf16(q0);
     if (bf16 && allow_bf16) {
         /* hkt.hkt_attention upcasts bfloat16 to float32 wherever this is refused;
          * on CUDA, the forward checks its limits once the shapes are known */
@@ -638,11 +674,7 @@ static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
             PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 runs on the CPU and CUDA only; pass float32");
             return NULL;
         }
-        if (!q0_on_cuda(q0) && !hkt_cpu_has_bf16()) {
-            PyErr_SetString(PyExc_TypeError, "q[0]: native bfloat16 needs a CPU with AVX512_BF16 (and a build "
-                            "with GCC >= 11 on x86-64), which this is not; pass float32");
-            return NULL;
-        }
+        if (!q0_on_cuda(q0) && check_cpu_bf16()) return NULL;
     } else if (q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
                q0->dtype.lanes != 1) {
         PyErr_Format(PyExc_TypeError, "q[0]: dtype must be float32 or float64%s, got %s",
@@ -674,12 +706,7 @@ static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
         PyErr_SetString(PyExc_ValueError, "q[0]: head dimension D must be at least 1");
         return NULL;
     }
-    if (bf16 && q0->shape[3] % 2) {
-        /* the dot products take D in pairs */
-        PyErr_Format(PyExc_ValueError, "q[0]: native bfloat16 needs an even head dimension D, got %lld; pass "
-                     "float32", (long long)q0->shape[3]);
-        return NULL;
-    }
+    if (bf16 && check_bf16_d(q0->shape[3])) return NULL;
     return q0;
 }
 
@@ -780,11 +807,9 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
      * forward's out are float32, checked against cref */
     const DLTensor *q0 = take_q0(hd, PyTuple_GetItem(qt, 0), 1);
     if (!q0) goto done;
-    DLTensor cref_f32 = *q0;
-    cref_f32.dtype.code = kDLFloat;
-    cref_f32.dtype.bits = 32;
-    const DLTensor *cref = q0->dtype.code == kDLBfloat ? &cref_f32 : q0;
-    p->dtype = q0->dtype.code == kDLBfloat ? HKT_BFLOAT16 : q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    DLTensor cref_f32;
+    const DLTensor *cref = compute_ref(q0, &cref_f32);
+    p->dtype = is_bf16(q0) ? HKT_BFLOAT16 : q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->B = q0->shape[0];
     p->H = q0->shape[1];
     p->T = q0->shape[2];
@@ -1094,17 +1119,10 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;
-    if (p.dtype == HKT_BFLOAT16 && !q0_on_cuda(q0) && p.Dv % 2) {
-        /* dP's products take Dv in pairs */
-        PyErr_Format(PyExc_ValueError, "v: the native bfloat16 backward needs an even value dimension Dv, got "
-                     "%lld; pass float32", (long long)p.Dv);
-        goto done;
-    }
+    if (p.dtype == HKT_BFLOAT16 && !q0_on_cuda(q0) && check_bf16_backward_dv(p.Dv)) goto done;
     /* the gradients (and dmask) are float32 when the inputs are bfloat16 */
-    DLTensor cref_f32 = *q0;
-    cref_f32.dtype.code = kDLFloat;
-    cref_f32.dtype.bits = 32;
-    const DLTensor *cref = p.dtype == HKT_BFLOAT16 ? &cref_f32 : q0;
+    DLTensor cref_f32;
+    const DLTensor *cref = compute_ref(q0, &cref_f32);
     {
         int64_t want[4] = {p.B, p.H, p.T, p.Dv};
         t = import_array(&hd, dout, "dout");
@@ -1268,13 +1286,16 @@ static PyObject *py_default_threads(PyObject *self, PyObject *unused) {
  * and a head stride map onto hkt_params' (batch, head, row) strides as
  * {unused, head, row}. */
 
-/* q[0] or k[0] of a packed call: float32/float64 (q[0] only: the others must
- * match it), on the CPU, (rows, heads, D) with D >= 1. */
+/* q[0] of a packed call: float32/float64, or bfloat16 where the CPU runs it
+ * natively (the others must match it), on the CPU, (rows, heads, D) with D >= 1. */
 static const DLTensor *take_packed0(held *hd, PyObject *obj, const char *name, const char *dims) {
     const DLTensor *t = import_array(hd, obj, name);
     if (!t) return NULL;
-    if (t->dtype.code != kDLFloat || (t->dtype.bits != 32 && t->dtype.bits != 64) || t->dtype.lanes != 1) {
-        PyErr_Format(PyExc_TypeError, "%s: dtype must be float32 or float64, got %s", name, dtype_name(t->dtype));
+    if (is_bf16(t)) {
+        if (check_cpu_bf16()) return NULL;
+    } else if (t->dtype.code != kDLFloat || (t->dtype.bits != 32 && t->dtype.bits != 64) || t->dtype.lanes != 1) {
+        PyErr_Format(PyExc_TypeError, "%s: dtype must be float32 or float64 (or bfloat16 on a CPU with "
+                     "AVX512_BF16), got %s", name, dtype_name(t->dtype));
         return NULL;
     }
     if (t->device.device_type != kDLCPU) {
@@ -1290,6 +1311,7 @@ static const DLTensor *take_packed0(held *hd, PyObject *obj, const char *name, c
         PyErr_Format(PyExc_ValueError, "%s: head dimension D must be at least 1", name);
         return NULL;
     }
+    if (is_bf16(t) && check_bf16_d(t->shape[2])) return NULL;
     return t;
 }
 
@@ -1410,7 +1432,7 @@ static int fill_varlen_qk(hkt_varlen_params *vp, held *hd, PyObject *qt, PyObjec
     hkt_params *p = &vp->p;
     const DLTensor *q0 = take_packed0(hd, PyTuple_GetItem(qt, 0), "q[0]", "(total_q, H, D)");
     if (!q0) return -1;
-    p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    p->dtype = is_bf16(q0) ? HKT_BFLOAT16 : q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->H = q0->shape[1];
     p->D = q0->shape[2];
     const DLTensor *k0 = import_array(hd, PyTuple_GetItem(kt, 0), "k[0]");
@@ -1471,19 +1493,24 @@ static int fill_varlen(hkt_varlen_params *vp, held *hd, PyObject *qs, PyObject *
             goto done;
         note_span(hd, t, "v", 0);
     }
-    if (take_weights(p, hd, w, q0)) goto done;
+    /* bfloat16 q, k and v compute in float32: w, lse and the forward's out are float32 */
+    DLTensor cref_f32;
+    const DLTensor *cref = compute_ref(q0, &cref_f32);
+    if (take_weights(p, hd, w, cref)) goto done;
     if (!(t = import_array(hd, out, "out"))) goto done;
     {
         int64_t want[3] = {p->T, p->H, p->Dv};
         const void *ptr;
-        if (take_3d(t, "out", q0, want, "= (total_q, H, Dv)", 0, output, &ptr, p->out_stride)) goto done;
+        /* the forward writes float32; the backward reads the bfloat16 result */
+        if (take_3d(t, "out", output ? cref : q0, want, "= (total_q, H, Dv)", 0, output, &ptr, p->out_stride))
+            goto done;
         p->out = (void *)ptr;
         note_span(hd, t, "out", output);
     }
     if (!(t = import_array(hd, lse, "lse"))) goto done;
     {
         int64_t want[1] = {p->H * p->T};
-        if (check_real(t, "lse", q0) || check_shape(t, "lse", want, 1, "= (H * total_q,)", 0) ||
+        if (check_real(t, "lse", cref) || check_shape(t, "lse", want, 1, "= (H * total_q,)", 0) ||
             check_contiguous(t, "lse"))
             goto done;
         p->lse = data_of(t);
@@ -1531,7 +1558,8 @@ PyDoc_STRVAR(varlen_forward_doc,
 "another; v (total_k, H_kv, Dv); w (L,) or (H, L).  Writes out (total_q, H, Dv)\n"
 "and lse (H * total_q,), C-contiguous, of q's dtype, sharing memory with no\n"
 "other argument.  Each sequence is computed as it would be alone.  max_seqlen_*:\n"
-"None or at least the longest sequence.");
+"None or at least the longest sequence.  bfloat16 q, k and v (where\n"
+"cpu_has_bf16(), even D) run natively, as for forward: w, out and lse float32.");
 
 static PyObject *py_varlen_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
@@ -1577,22 +1605,26 @@ static int take_varlen_grads(hkt_varlen_params *vp, held *hd, const DLTensor *q0
     const DLTensor *t;
     const void *ptr;
     int64_t want[3] = {p->T, p->H, p->Dv};
+    if (p->dtype == HKT_BFLOAT16 && check_bf16_backward_dv(p->Dv)) return -1;
+    /* the gradients are float32 when the inputs are bfloat16 */
+    DLTensor cref_f32;
+    const DLTensor *cref = compute_ref(q0, &cref_f32);
     if (!(t = import_array(hd, dout, "dout")) ||
         take_3d(t, "dout", q0, want, "= (total_q, H, Dv)", 0, 0, &p->dout, p->dout_stride))
         return -1;
     note_span(hd, t, "dout", 0);
-    if (take_packed_grads(hd, dq, "dq", vp, q0, 1, p->dq, p->dq_stride) ||
-        take_packed_grads(hd, dk, "dk", vp, q0, 0, p->dk, p->dk_stride))
+    if (take_packed_grads(hd, dq, "dq", vp, cref, 1, p->dq, p->dq_stride) ||
+        take_packed_grads(hd, dk, "dk", vp, cref, 0, p->dk, p->dk_stride))
         return -1;
     want[0] = p->S;
     want[1] = p->H_kv;
-    if (!(t = import_array(hd, dv, "dv")) || take_3d(t, "dv", q0, want, "like v", 0, 1, &ptr, p->dv_stride))
+    if (!(t = import_array(hd, dv, "dv")) || take_3d(t, "dv", cref, want, "like v", 0, 1, &ptr, p->dv_stride))
         return -1;
     p->dv = (void *)ptr;
     note_span(hd, t, "dv", 1);
     want[0] = p->H;
     want[1] = p->L;
-    if (!(t = import_array(hd, dw, "dw")) || check_real(t, "dw", q0) ||
+    if (!(t = import_array(hd, dw, "dw")) || check_real(t, "dw", cref) ||
         (p->w_per_head ? check_shape(t, "dw", want, 2, "= (H, L) like w", 0)
                        : check_shape(t, "dw", want + 1, 1, "= (L,) like w", 0)) ||
         check_contiguous(t, "dw"))
@@ -1609,7 +1641,9 @@ PyDoc_STRVAR(varlen_backward_doc,
 "Backward of varlen_forward.  Takes its inputs, out and lse, and dout\n"
 "(total_q, H, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv (like v) and\n"
 "dw (like w; summed over sequences in index order), all C-contiguous and\n"
-"sharing memory with no other argument.");
+"sharing memory with no other argument.  bfloat16 q, k, v, dout and out (where\n"
+"cpu_has_bf16(), D and Dv even) run natively, with lse, w and the gradients\n"
+"float32.");
 
 static PyObject *py_varlen_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw", "cu_seqlens_q",

@@ -39,7 +39,15 @@ int64_t hkt_varlen_level_rows(const int64_t *cu, int64_t nseq, int l) {
 
 static int64_t seq_T(const hkt_varlen_params *vp, int64_t s) { return vp->cu_q[s + 1] - vp->cu_q[s]; }
 static int64_t seq_S(const hkt_varlen_params *vp, int64_t s) { return vp->cu_k[s + 1] - vp->cu_k[s]; }
+/* Element sizes: vl_elem of the compute dtype (w, lse, the gradients, the
+ * forward's out), vl_in_elem of the inputs q, k, v, dout and the backward's out
+ * (bfloat16 inputs run natively: 2 bytes, computed in float32). */
 static size_t vl_elem(const hkt_varlen_params *vp) { return vp->p.dtype == HKT_FLOAT64 ? 8 : 4; }
+static size_t vl_in_elem(const hkt_varlen_params *vp) { return vp->p.dtype == HKT_BFLOAT16 ? 2 : vl_elem(vp); }
+/* out is the forward's float32 result, the backward's bfloat16 input */
+static size_t vl_out_elem(const hkt_varlen_params *vp, int backward) {
+    return backward ? vl_in_elem(vp) : vl_elem(vp);
+}
 /* query heads per kv head: the heads of one task */
 static int64_t vl_group(const hkt_varlen_params *vp) { return vp->p.H_kv > 0 ? vp->p.H / vp->p.H_kv : 0; }
 
@@ -97,9 +105,9 @@ static void *elems_at(const void *ptr, int64_t n, size_t elem) {
 /* The problem of sequence s alone, all heads (offq, offk: fill_offsets' tables,
  * or NULL when only sizes are wanted). */
 static void seq_params(const hkt_varlen_params *vp, const int64_t *offq, const int64_t *offk, int64_t s,
-                       hkt_params *ps) {
+                       int backward, hkt_params *ps) {
     const hkt_params *p = &vp->p;
-    const size_t elem = vl_elem(vp), n1 = (size_t)(vp->nseq + 1);
+    const size_t elem = vl_elem(vp), in = vl_in_elem(vp), n1 = (size_t)(vp->nseq + 1);
     *ps = *p;
     ps->B = 1;
     ps->T = seq_T(vp, s);
@@ -113,34 +121,34 @@ static void seq_params(const hkt_varlen_params *vp, const int64_t *offq, const i
     if (!offq) return;
     for (int l = 0; l < p->L; l++) {
         const int64_t rq = offq[l * n1 + s], rk = offk[l * n1 + s];
-        ps->q[l] = elems_at(p->q[l], rq * p->q_stride[l][2], elem);
-        ps->k[l] = elems_at(p->k[l], rk * p->k_stride[l][2], elem);
+        ps->q[l] = elems_at(p->q[l], rq * p->q_stride[l][2], in);
+        ps->k[l] = elems_at(p->k[l], rk * p->k_stride[l][2], in);
         ps->dq[l] = elems_at(p->dq[l], rq * p->dq_stride[l][2], elem);
         ps->dk[l] = elems_at(p->dk[l], rk * p->dk_stride[l][2], elem);
     }
-    ps->v = elems_at(p->v, vp->cu_k[s] * p->v_stride[2], elem);
+    ps->v = elems_at(p->v, vp->cu_k[s] * p->v_stride[2], in);
     ps->dv = elems_at(p->dv, vp->cu_k[s] * p->dv_stride[2], elem);
-    ps->out = elems_at(p->out, vp->cu_q[s] * p->out_stride[2], elem);
-    ps->dout = elems_at(p->dout, vp->cu_q[s] * p->dout_stride[2], elem);
+    ps->out = elems_at(p->out, vp->cu_q[s] * p->out_stride[2], vl_out_elem(vp, backward));
+    ps->dout = elems_at(p->dout, vp->cu_q[s] * p->dout_stride[2], in);
     ps->lse = elems_at(p->lse, vp->cu_q[s] * p->H, elem); /* (H, T_s) blocks back to back */
 }
 
 /* ps (sequence s, all heads) narrowed to the query heads of kv head g. */
-static void group_params(const hkt_varlen_params *vp, int64_t g, hkt_params *ps) {
-    const size_t elem = vl_elem(vp);
+static void group_params(const hkt_varlen_params *vp, int64_t g, int backward, hkt_params *ps) {
+    const size_t elem = vl_elem(vp), in = vl_in_elem(vp);
     const int64_t G = vl_group(vp), h0 = g * G;
     ps->H = G;
     ps->H_kv = 1;
     for (int l = 0; l < ps->L; l++) {
-        ps->q[l] = elems_at(ps->q[l], h0 * ps->q_stride[l][1], elem);
-        ps->k[l] = elems_at(ps->k[l], g * ps->k_stride[l][1], elem);
+        ps->q[l] = elems_at(ps->q[l], h0 * ps->q_stride[l][1], in);
+        ps->k[l] = elems_at(ps->k[l], g * ps->k_stride[l][1], in);
         ps->dq[l] = elems_at(ps->dq[l], h0 * ps->dq_stride[l][1], elem);
         ps->dk[l] = elems_at(ps->dk[l], g * ps->dk_stride[l][1], elem);
     }
-    ps->v = elems_at(ps->v, g * ps->v_stride[1], elem);
+    ps->v = elems_at(ps->v, g * ps->v_stride[1], in);
     ps->dv = elems_at(ps->dv, g * ps->dv_stride[1], elem);
-    ps->out = elems_at(ps->out, h0 * ps->out_stride[1], elem);
-    ps->dout = elems_at(ps->dout, h0 * ps->dout_stride[1], elem);
+    ps->out = elems_at(ps->out, h0 * ps->out_stride[1], vl_out_elem(vp, backward));
+    ps->dout = elems_at(ps->dout, h0 * ps->dout_stride[1], in);
     ps->lse = elems_at(ps->lse, h0 * ps->T, elem);
     ps->w = elems_at(ps->w, h0 * ps->w_stride[0], elem);
     ps->dw = elems_at(ps->dw, h0 * ps->L, elem);
@@ -154,10 +162,10 @@ static vl_layout layout_of(const hkt_varlen_params *vp, int backward) {
     for (int64_t s = 0; s < vp->nseq; s++) {
         if (task_cost(vp, s, backward) == 0) continue;
         hkt_params ps;
-        seq_params(vp, NULL, NULL, s, &ps);
+        seq_params(vp, NULL, NULL, s, backward, &ps);
         ps.num_threads = nt;
         if (!runs_whole(vp, s, backward, total)) {
-            group_params(vp, 0, &ps);
+            group_params(vp, 0, backward, &ps);
             ps.num_threads = 1;
         }
         /* a sequence on every thread lays out nt blocks of its size back to back
@@ -213,7 +221,7 @@ static void run_all(const hkt_varlen_params *vp, int backward, void (*run)(const
             continue;
         }
         hkt_params ps;
-        seq_params(vp, offq, offk, s, &ps);
+        seq_params(vp, offq, offk, s, backward, &ps);
         ps.num_threads = nt;
         ps.workspace = base + y.ws;
         ps.dw_partial = backward ? base + y.dwp : NULL;
@@ -226,9 +234,9 @@ static void run_all(const hkt_varlen_params *vp, int backward, void (*run)(const
     for (int64_t x = 0; x < ntask; x++) {
         hkt_params ps;
         const size_t t = (size_t)thread_id();
-        seq_params(vp, offq, offk, tasks[x].s, &ps);
+        seq_params(vp, offq, offk, tasks[x].s, backward, &ps);
         ps.dw = backward ? base + y.dws + (size_t)tasks[x].s * seq_dw : NULL;
-        group_params(vp, tasks[x].g, &ps);
+        group_params(vp, tasks[x].g, backward, &ps);
         /* the kernel's own parallel region is nested in this one: a team of one,
          * whose thread 0 uses the first block at ps.workspace */
         ps.num_threads = 1;

@@ -4,7 +4,7 @@ Private _forward / _backward take torch tensors, allocate the outputs the
 destination-passing kernels expect, and hand everything over through DLPack.
 """
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -102,8 +102,10 @@ def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.d
 native_bf16 = bool(_C.cpu_bf16_preferred())
 
 
-def _native_bf16(q0: Tensor, dv: int = 0) -> bool:
-    return (q0.dtype == torch.bfloat16 and native_bf16 and q0.device.type == "cpu" and q0.dim() == 4
+def _native_bf16(q0: Tensor, dv: int = 0, ndim: int = 4) -> bool:
+    """Whether bfloat16 q0 runs natively: ndim 4 for hkt_attention's (B, H, T, D),
+    3 for the packed calls' (rows, H, D); dv: the backward's value dimension."""
+    return (q0.dtype == torch.bfloat16 and native_bf16 and q0.device.type == "cpu" and q0.dim() == ndim
             and q0.shape[-1] % 2 == 0 and dv % 2 == 0)
 
 
@@ -173,13 +175,8 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
-    # native: q, k, v, dout and out as they are; w, mask, lse and the gradients float32
-    as_they_are = dout.dtype == out.dtype == in_dtype and (in_dtype != _BF16 or _native_bf16(
+    qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: _native_bf16(
         q[0], v.shape[-1] if v.dim() else 1) or _cuda_tc(q, v, dropout_p, True, mask_grad))
-    if as_they_are:
-        qs, ks, vs, dos, outs = _feats(q), _feats(k), _feat(v), _feat(dout), _feat(out)
-    else:
-        qs, ks, vs, dos, outs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(dout), _arg(out)
     _C.backward(dos, qs, ks, vs, _arg(w), outs,
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
                 is_causal, scale, dropout_p, seed, _threads(), _dl(dmask), _stream(q[0]),
@@ -188,6 +185,17 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dw, dmask
+
+
+def _backward_arrays(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, out: Tensor,
+                     native: Callable[[], bool]):
+    """q, k, v, dout and out as a backward's kernels take them: as they are
+    (float32, float64, or bfloat16 where native() says it runs natively, with w,
+    a mask, lse and the gradients float32), else all upcast to float32."""
+    in_dtype = q[0].dtype
+    if dout.dtype == out.dtype == in_dtype and (in_dtype != _BF16 or native()):
+        return _feats(q), _feats(k), _feat(v), _feat(dout), _feat(out)
+    return [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(dout), _arg(out)
 
 
 def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype,
@@ -298,7 +306,11 @@ def _varlen_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tens
     lead = q0.shape[:2]  # (total_q, H); a wrong rank is the extension's to name
     out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
     lse = torch.empty((lead[0] * lead[1] if len(lead) == 2 else 0,), dtype=dtype, device=q0.device)
-    _C.varlen_forward([_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _dl(out), _dl(lse),
+    if _native_bf16(q0, ndim=3):  # q, k, v as they are; w, out and lse float32
+        qs, ks, vs = _feats(q), _feats(k), _feat(v)
+    else:
+        qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
+    _C.varlen_forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
                       _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
                       _threads())
     return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
@@ -312,7 +324,9 @@ def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
     in_dtype = q[0].dtype
     dtype = compute_dtype(in_dtype)
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
-    _C.varlen_backward(_arg(dout), [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(w), _arg(out),
+    qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: _native_bf16(
+        q[0], v.shape[-1] if v.dim() else 1, ndim=3))
+    _C.varlen_backward(dos, qs, ks, vs, _arg(w), outs,
                        _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _dl(cu_seqlens_q), _dl(cu_seqlens_k),
                        max_seqlen_q, max_seqlen_k, is_causal, scale, _threads())
     return _in_dtype(dq, dk, dv, dw, in_dtype)

@@ -103,8 +103,8 @@ def hkt_attention_varlen(
         ``create_graph=True`` differentiates the plain-PyTorch reference,
         sequence by sequence (O(T_s S_s) memory).
 
-    CPU only; float32, float64 (own precision) and bfloat16 (computed in
-    float32); eager mode (no TorchScript, no custom op for torch.compile yet).
+    CPU only; float32, float64 (own precision) and bfloat16 (natively, or
+    computed in float32, where :func:`hkt.hkt_attention` runs it so); eager mode (no TorchScript, no custom op for torch.compile yet).
     No attention mask and no dropout.  Under ``torch.autocast`` the inputs
     are cast as :func:`hkt.hkt_attention` casts them.
 
@@ -132,7 +132,7 @@ def hkt_attention_varlen(
 
 
 def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
-    if q[0].dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
+    if q[0].dtype == torch.bfloat16:  # w (and q, k, v off the native path) upcast first: a mix would pass unnoticed
         _check_inputs(q, k, v, w)
     _, scale = _check_scalars(is_causal, 0.0, scale)
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or

@@ -387,3 +387,59 @@ def test_concurrent_calls_give_the_serial_bits(native_path):
     assert len(results) == 4 * 3 * len(jobs)
     for (t, r, j), got in results.items():
         assert all(torch.equal(a, b) for a, b in zip(got, serial[j])), (t, r, j)
+
+
+# ---- packed variable-length calls (hkt_attention_varlen, MultiheadHKT's pack_padding) ----
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("H_kv", [2, 1])
+@pytest.mark.parametrize("D,Dv", [(8, 6), (8, 5), (5, 6)])
+def test_packed_calls_are_each_sequence_alone(D, Dv, H_kv, is_causal):
+    """The packed kernels run on views of the packed arrays, so bfloat16 goes the way
+    hkt_attention takes it: natively (an odd D: upcast; an odd Dv: a native forward, an
+    upcast backward), and every row and gradient is bitwise what that sequence gets
+    alone; dw sums the same terms in another order."""
+    from test_varlen import LENS, grads_of, packed_inputs, run_alone, varlen
+    q, k, v, w = packed_inputs(LENS, LENS, 2, D, Dv, 3, H_kv=H_kv, dtype=BF, seed=4, requires_grad=True)
+    leaves = [*q, *k, v, w]
+    dout = torch.randn(sum(LENS), 2, Dv, generator=torch.Generator().manual_seed(5)).to(BF)
+    with torch.no_grad():
+        got = varlen(q, k, v, w, LENS, LENS, is_causal)
+        assert got.dtype == BF
+        assert torch.equal(got, run_alone(q, k, v, w, LENS, LENS, is_causal))
+    got = grads_of(lambda: varlen(q, k, v, w, LENS, LENS, is_causal), leaves, dout)
+    want = grads_of(lambda: run_alone(q, k, v, w, LENS, LENS, is_causal), leaves, dout)
+    for g, r in zip(got[:-1], want[:-1]):
+        assert g.dtype == BF and torch.equal(g, r)
+    # dw: each sequence's term, as hkt_attention gives it (rounded to bfloat16 once),
+    # summed in float32; the packed call sums the float32 terms and rounds once
+    terms = []
+    for s, n in enumerate(LENS):
+        ws = w.detach().clone().requires_grad_()
+        rows = slice(sum(LENS[:s]), sum(LENS[:s + 1]))
+        (run_alone(q, k, v, ws, LENS, LENS, is_causal)[rows] * dout[rows]).sum().backward()
+        terms.append(ws.grad.float())
+    want_dw = torch.stack(terms).sum(0)
+    bound = (torch.stack(terms).abs().sum(0) + want_dw.abs()) * torch.finfo(BF).eps
+    assert ((got[-1].float() - want_dw).abs() <= bound).all(), (got[-1], want_dw)
+
+
+def test_module_packed_padding_as_padded():
+    """MultiheadHKT(pack_padding=True) in bfloat16: the packed call and the padded one
+    compute each real row with the same native kernels, so they agree to the last bit
+    but where float32 sums ordered differently round to neighbouring bfloat16 numbers
+    (computed in float32, the packed call differed in a third of them, by a bfloat16 ulp
+    or more)."""
+    from test_varlen import padded_batch, randomized
+    E, lens = 64, [5, 40, 1, 33, 64]
+    m = randomized(hkt.MultiheadHKT(E, 4, batch_first=True, levels=3, pack_padding=True)).to(BF)
+    x, kpm = padded_batch(E, lens, dtype=BF, seed=2)
+    real = ~kpm
+    with torch.no_grad():
+        packed = m(x, x, x, key_padding_mask=kpm, is_causal=True, need_weights=False)[0][real].float()
+        m.pack_padding = False
+        padded = m(x, x, x, key_padding_mask=kpm, is_causal=True, need_weights=False)[0][real].float()
+    differ = packed != padded
+    assert differ.float().mean() <= 0.01, differ.float().mean()
+    ulp = torch.finfo(BF).eps * padded.abs().clamp_min(torch.finfo(BF).tiny)
+    assert ((packed - padded).abs() <= ulp).all()
