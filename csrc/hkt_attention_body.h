@@ -544,7 +544,7 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         int64_t ld;
         const real *qr = query_rows(p, ws, base, b, h, 0, i0, &ld);
         /* what gemm_diag leaves out, the masks hide */
-        gemm_diag(diag, DIAG_SCORES, i1 - i0, j1 - j0, p->D, level_factor((real)p->scale, weight(p, h, 0)),
+        gemm_diag(diag, DIAG_SCORES, i1 - i0, j1 - j0, p->D, level_factor(p->scale, weight(p, h, 0)),
                   qr, ld, kt[0], ktld[0], base + ws->scores, BK, 0);
         tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
         return;
@@ -566,7 +566,6 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
                       int64_t i1, int64_t j0, int64_t j1) {
     const int L = p->L;
     real *S = base + ws->scores;
-    const real scale = (real)p->scale;
     const real *up = NULL; /* E_{l+1}, row length up_cl */
     int64_t up_cl = 0;
     for (int l = L - 1; l >= 0; l--) {
@@ -574,7 +573,7 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
         const real *G = base + ws->gram + ws->gram_off[l];
         real *E = l ? base + ws->folded + ws->gram_off[l] : S;
         const int64_t lde = l ? sp.cl : BK;
-        const real wl = level_factor(scale, weight(p, h, l));
+        const real wl = level_factor(p->scale, weight(p, h, l));
         for (int64_t a = 0; a < sp.rl; a++) {
             const real *g = G + a * sp.cl;
             real *e = E + a * lde;
@@ -956,7 +955,7 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
         ld_prev = ldsl;
         rl_prev = sp.rl;
         cl_prev = sp.cl;
-        const real wl = level_factor(scale, weight(p, h, l));
+        const real wl = level_factor(p->scale, weight(p, h, l));
         if (want & WANT_Q) {
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))

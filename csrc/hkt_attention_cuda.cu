@@ -148,7 +148,6 @@ __device__ static inline real dot(const real *x, const real *y, int64_t n) {
  * is stored when g is not null (the backward's dw needs it). */
 template <typename real>
 __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64_t i, int64_t j, real *g) {
-    const real scale = (real)p.scale;
     real s = 0;
     for (int l = p.L - 1; l >= 0; l--) {
         const real *qr = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1] + (i >> l) * p.q_stride[l][2];
@@ -156,7 +155,7 @@ __device__ static real score_of(const hkt_params &p, int64_t b, int64_t h, int64
                          (j >> l) * p.k_stride[l][2];
         const real gl = dot(qr, kr, p.D);
         if (g) g[l] = gl;
-        const real wl = hkt_level_factor(scale, weight<real>(p, h, l));
+        const real wl = hkt_level_factor(p.scale, weight<real>(p, h, l));
         s = l == p.L - 1 ? wl * gl : wl * gl + s;
     }
     /* float mask first, then hiding, so a NaN in a hidden entry of a float mask
@@ -321,7 +320,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dq_kernel(const __grid_co
                 __syncwarp();
                 const int64_t nk = jend - j0 < 32 ? jend - j0 : 32;
                 for (int l = 0; l < L; l++) {
-                    const real wl = hkt_level_factor(scale, weight<real>(p, h, l));
+                    const real wl = hkt_level_factor(p.scale, weight<real>(p, h, l));
                     const real *kb = (const real *)p.k[l] + b * p.k_stride[l][0] + kv_head(p, h) * p.k_stride[l][1];
                     real *dqrow = (real *)p.dq[l] + b * p.dq_stride[l][0] + h * p.dq_stride[l][1] +
                                   (i >> l) * p.dq_stride[l][2];
@@ -354,7 +353,6 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_c
     const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
     const int L = p.L;
     const int64_t T = p.T, S = p.S, D = p.D, Dv = p.Dv;
-    const real scale = (real)p.scale;
     const int64_t group = p.H / p.H_kv;
     for (int64_t task = warp_index(); task < p.B * p.H_kv * a.nkb; task += warp_count()) {
         const int64_t bk = task / a.nkb, blk = task % a.nkb, b = bk / p.H_kv, hk = bk % p.H_kv;
@@ -387,7 +385,7 @@ __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) dkv_kernel(const __grid_c
                     dvrow[e] += acc;
                 }
                 for (int l = 0; l < L; l++) {
-                    const real wl = hkt_level_factor(scale, weight<real>(p, h, l));
+                    const real wl = hkt_level_factor(p.scale, weight<real>(p, h, l));
                     const real *qb = (const real *)p.q[l] + b * p.q_stride[l][0] + h * p.q_stride[l][1];
                     real *dkrow = (real *)p.dk[l] + b * p.dk_stride[l][0] + hk * p.dk_stride[l][1] +
                                   (j >> l) * p.dk_stride[l][2];
@@ -839,7 +837,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_
     for (int64_t task = blockIdx.x; task < p.B * p.H * nqt; task += gridDim.x) {
         const int64_t bh = task / nqt, i0 = task % nqt * TC_BM, b = bh / p.H, h = bh % p.H, hk = kv_head(p, h);
 #pragma unroll
-        for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? hkt_level_factor((float)p.scale, weight<float>(p, h, l)) : 0.f;
+        for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? hkt_level_factor(p.scale, weight<float>(p, h, l)) : 0.f;
         __syncthreads(); /* the previous task's reads of shared memory are done */
         tc_load_block(sm.sc, p, p.q, p.q_stride, b, h, i0, T);
         /* this warp's level-0 query rows as A fragments, for every 16 of D */
@@ -1018,7 +1016,7 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_backward_kernel(const __grid
             const int64_t hh = it / ntile, c0 = c_lo + it % ntile * TC_BN;
             const int64_t h = DKV ? hx * group + hh : hx, hk = DKV ? hx : kv_head(p, h);
 #pragma unroll
-            for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? hkt_level_factor((float)p.scale, weight<float>(p, h, l)) : 0.f;
+            for (int l = 0; l < HKT_TC_LMAX; l++) wl[l] = l < L ? hkt_level_factor(p.scale, weight<float>(p, h, l)) : 0.f;
             __syncthreads();
             /* 1. the tile's columns of every level, its value rows (v, or dO), and (dk/dv) its queries' lse and delta */
             if (DKV) {

@@ -94,7 +94,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const hkt_decode_
     for (int l = 1; l + 1 < p->L; l++) off[l + 1] = off[l] + ((C - 1) >> l) + 1;
     const real *prev = NULL;
     for (int l = p->L - 1; l >= 0; l--) {
-        const real wl = level_factor((real)p->scale, ((const real *)p->w)[h * p->w_stride[0] + l * p->w_stride[1]]);
+        const real wl = level_factor(p->scale, ((const real *)p->w)[h * p->w_stride[0] + l * p->w_stride[1]]);
         const real *q = (const real *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] + i * p->q_stride[l][2];
         for (int64_t d = 0; d < D; d++) qs[d] = wl * q[d];
         const int64_t c0 = j0 >> l, n = ((j1 - 1) >> l) + 1 - c0;

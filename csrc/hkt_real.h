@@ -196,8 +196,9 @@ static inline double exp_nonpos(double x) { return exp(x); }
 #define HKT_EXPV (HKT_AVX512_F32 || HKT_AVX2_F32)
 
 /* scale * w_l, the factor a level's dot products are multiplied by, in this
- * real type: hkt_level.h's rule, which the CUDA kernels share. */
-static inline real level_factor(real scale, real w) {
+ * real type: hkt_level.h's rule, which the CUDA kernels share (scale: the
+ * caller's double, p->scale). */
+static inline real level_factor(double scale, real w) {
 #if REAL_IS_FLOAT
     return hkt_level_factor_f(scale, w);
 #else

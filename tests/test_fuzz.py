@@ -403,15 +403,23 @@ def test_inf_key_is_nan_or_hidden_by_the_sign_of_its_score():
                                           (torch.float64, "attention"), (torch.float64, "decode"),
                                           (torch.bfloat16, "attention")],
                          ids=["float32", "float32-decode", "float64", "float64-decode", "bfloat16"])
-def test_inf_key_with_a_level_factor_below_the_subnormals(kernel, dtype):
+@pytest.mark.parametrize("below", [False, True], ids=["scale-subnormal", "scale-rounds-to-0"])
+def test_inf_key_with_a_level_factor_below_the_subnormals(kernel, dtype, below):
     # scale the dtype's smallest subnormal and |w| < 1/2: scale * w rounds to 0,
     # and the kernels multiply each level's dot products by that one factor.  An
     # inf in a key must still give +-inf scores (NaN rows, or the key hidden), as
     # the exact factor does, not 0 * inf = NaN in every row; the reference takes
     # the same factor (hkt.reference.level_factor), the float32 case's in float64.
-    # bfloat16 computes in float32 (natively or upcast), with the scale in float32
+    # bfloat16 computes in float32 (natively or upcast), with the scale in float32.
+    # below: a scale that itself rounds to 0 in float32 (a quarter of its smallest
+    # subnormal), still a nonzero number as given, so the same rule holds.
     fdt = torch.float32 if dtype == torch.bfloat16 else dtype
     tiny = float(torch.finfo(fdt).smallest_normal * torch.finfo(fdt).eps)
+    if below:
+        if fdt == torch.float64:
+            pytest.skip("a Python float scale cannot be below float64's subnormals")
+        tiny /= 4
+        assert tiny > 0 and torch.tensor(tiny, dtype=fdt) == 0
     T = S = 6
     g = torch.Generator().manual_seed(3)
     q = [torch.randn(1, 1, level_len(T, l), 2, generator=g, dtype=dtype) for l in range(2)]
