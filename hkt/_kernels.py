@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from . import _C
+from .reference import float_mask_in
 
 __all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
            "_downsample_backward", "dropout_keep_mask", "has_cuda"]
@@ -70,8 +71,8 @@ def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     # a float mask in the compute dtype; any other dtype goes as it is, for the
     # extension to accept (bool) or refuse
     if mask is not None and mask.is_floating_point() and mask.dtype != dtype:
-        mask = mask.to(dtype)
-    return _dl(mask)
+        mask = float_mask_in(mask, dtype)
+    return None if mask is None else _read(mask)
 
 
 def _stream(x: Tensor) -> Optional[int]:
@@ -269,7 +270,11 @@ def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: in
 def _feat(x: Tensor):
     """A read-only input with unit stride along features (any other strides are
     fine), through DLPack, never upcast: the decoding kernels take float32 and
-    float64 only, and a bfloat16 query next to a float32 cache must be refused."""
+    float64 only, and a bfloat16 query next to a float32 cache must be refused.
+    A negated view (Tensor.is_neg(): x.conj().imag of a complex x, say) is
+    resolved first: DLPack carries the memory, not the sign bit."""
+    if x.is_neg():
+        x = x.resolve_neg()
     if x.is_contiguous() or x.stride(-1) == 1 or x.size(-1) <= 1:
         return to_dlpack(x)
     return to_dlpack(x.contiguous())
@@ -278,7 +283,22 @@ def _feat(x: Tensor):
 def _feats(xs: Sequence[Tensor]) -> List:
     """[_feat(x) for x in xs] with the contiguous case inline: a Python call per
     array is a fair part of a small call's time (0.2 us of _feat's 0.45)."""
-    return [to_dlpack(x) if x.is_contiguous() else _feat(x) for x in xs]
+    return [to_dlpack(x) if x.is_contiguous() and not x.is_neg() else _feat(x) for x in xs]
+
+
+def _read(x: Tensor):
+    """A read-only input of any layout (offsets, lengths) through DLPack, a
+    negated view resolved first (see _feat)."""
+    return to_dlpack(x.resolve_neg() if x.is_neg() else x)
+
+
+def _written(x: Tensor, name: str):
+    """An array the kernels write in place (the decoding caches): as it is; a
+    negated view cannot be (its memory holds -x, a copy would take the writes)."""
+    if x.is_neg():
+        raise ValueError(f"{name}: a negated view (Tensor.is_neg()) cannot be written in place; pass "
+                         f"{name}.resolve_neg() and keep using that")
+    return to_dlpack(x)
 
 
 def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: Tensor, cache_seqlens,
@@ -288,8 +308,12 @@ def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: 
     caches go over exactly as they are (a copy would take the writes)."""
     q0 = q[0]
     out = torch.empty((*q0.shape[:3], v_cache.shape[-1] if v_cache.dim() else 0), dtype=q0.dtype, device=q0.device)
-    lens = _dl(cache_seqlens) if isinstance(cache_seqlens, Tensor) else cache_seqlens
-    _C.decode([_feat(x) for x in q], [_dl(x) for x in k_cache], _dl(v_cache), _feat(w), lens, _dl(out),
+    lens = _read(cache_seqlens) if isinstance(cache_seqlens, Tensor) else cache_seqlens
+    if k is None and v is None:  # only read
+        kc, vc = [_read(x) for x in k_cache], _read(v_cache)
+    else:
+        kc, vc = [_written(x, f"k_cache[{l}]") for l, x in enumerate(k_cache)], _written(v_cache, "v_cache")
+    _C.decode([_feat(x) for x in q], kc, vc, _feat(w), lens, _dl(out),
               None if k is None else [_feat(x) for x in k], None if v is None else _feat(v), scale,
               _threads())
     return out
@@ -311,7 +335,7 @@ def _varlen_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tens
     else:
         qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
     _C.varlen_forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
-                      _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
+                      _read(cu_seqlens_q), _read(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
                       _threads())
     return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
 
@@ -327,7 +351,7 @@ def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
     qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: _native_bf16(
         q[0], v.shape[-1] if v.dim() else 1, ndim=3))
     _C.varlen_backward(dos, qs, ks, vs, _arg(w), outs,
-                       _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _dl(cu_seqlens_q), _dl(cu_seqlens_k),
+                       _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _read(cu_seqlens_q), _read(cu_seqlens_k),
                        max_seqlen_q, max_seqlen_k, is_causal, scale, _threads())
     return _in_dtype(dq, dk, dv, dw, in_dtype)
 

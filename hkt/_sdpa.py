@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .reference import float_mask_in
+
 __all__ = ["sdpa_attention", "concat_levels"]
 
 _MAX_LEVELS = 24
@@ -168,7 +170,7 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         empty = ~visible.any(dim=-1, keepdim=True)
         mask = visible | empty
     else:
-        mask = attn_mask.to(qt.dtype)
+        mask = float_mask_in(attn_mask, qt.dtype)
         if causal is not None:
             mask = mask.masked_fill(~causal, float("-inf"))
         # NaN is visible (it makes its row NaN, as in the kernels)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels, _sdpa, ops
+from .reference import float_mask_in
 
 __all__ = ["hkt_attention"]
 
@@ -52,7 +53,7 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
     dtype is q[0]'s (dtype None: any).  Returns x.requires_grad.  The
     argument's name is name[level] (name alone when level is None), built only
     for a message."""
-    if isinstance(x, Tensor) and x.layout == torch.strided and x.device == device and (
+    if isinstance(x, Tensor) and x.layout == torch.strided and not x.is_nested and x.device == device and (
             x.dtype == dtype or dtype is None or (dtype != torch.bfloat16 and x.dtype != torch.bfloat16)):
         return x.requires_grad
     if level is not None:
@@ -61,6 +62,9 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.layout != torch.strided:
         raise TypeError(f"{name}: only dense (strided) tensors are supported, got layout {x.layout}")
+    if x.is_nested:  # strided layout, but no sizes or strides of its own
+        raise TypeError(f"{name}: nested tensors are not supported; pad them (with a mask) or pack them "
+                        "(hkt.hkt_attention_varlen)")
     if x.device != device:
         raise ValueError(f"{name}: is on {x.device} but q[0] is on {device}")
     if dtype is not None and x.dtype != dtype:
@@ -264,6 +268,16 @@ def _name_the_argument(q, k, v, w, attn_mask):
     was (else return, and the caller re-raises the original)."""
     _check_inputs(q, k, v, w)
     _check_mask(attn_mask, q[0].device)
+    if attn_mask is not None and attn_mask.dim() <= 4 and q[0].dim() == 4 and k[0].dim() == 4:
+        # the extension sees the mask made 4-D: name the shape the caller passed
+        full = (q[0].shape[0], q[0].shape[1], q[0].shape[2], k[0].shape[2])
+        try:
+            fits = torch.broadcast_shapes(attn_mask.shape, full) == full
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to (B, H, T, S) = "
+                             f"{full}")
 
 
 def _kernel_args(attn_mask, is_causal, dropout_p, scale, dtype):
@@ -273,7 +287,7 @@ def _kernel_args(attn_mask, is_causal, dropout_p, scale, dtype):
     dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
     if attn_mask is not None:
         if attn_mask.is_floating_point():
-            attn_mask = attn_mask.to(_kernels.compute_dtype(dtype))
+            attn_mask = float_mask_in(attn_mask, _kernels.compute_dtype(dtype))
         attn_mask = _as_4d(attn_mask)
     return attn_mask, dropout_p, scale
 
@@ -496,7 +510,9 @@ class _QKVAttention(torch.autograd.Function):
             B, T = qkv.shape[0], qkv.shape[1]
             dqkv = torch.cat([x.transpose(1, 2).reshape(B, T, -1) for x in (dq[0], dk[0], dv)], dim=-1)
         else:
-            dqkv = torch.empty_like(qkv)
+            # contiguous, whatever layout a saved-tensors hook handed qkv back in: the
+            # kernels write the heads of dq, dk, dv with unit feature stride
+            dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
             dq, dk, dv, dw, dmask = _run_backward(ctx, dout, q, k, v, w, results, ctx.needs_input_grad[6],
                                                   into=_qkv_heads(dqkv, *ctx.heads))
         return (None, None, None, None, None, None, dmask, dqkv, dw, *dq[1:], *dk[1:])

@@ -84,6 +84,21 @@ def attention_probs(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, *, attn
     return masked_probs(list(q), list(k), w, attn_mask, is_causal, scale)
 
 
+def float_mask_in(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float mask in the dtype its scores are computed in (every path's one
+    conversion: the kernels', backend="sdpa"'s and this reference's).  Rounded,
+    but a finite value beyond dtype's range becomes dtype's largest finite number
+    of its sign, not +-inf: a conversion must not hide an entry.  (A float64 mask
+    of torch.finfo(torch.float64).min, as padding masks are made, would be -inf
+    in a float32 call: a row of them the uniform average in float64 and zeros in
+    float32.)"""
+    out = mask.to(dtype)
+    if mask.element_size() < out.element_size():  # a wider type holds every value
+        return out
+    over = out.isinf() & mask.isfinite()
+    return torch.where(over, torch.nextafter(out, torch.zeros_like(out)), out)
+
+
 def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
                  scale: Optional[float]) -> Tensor:
     """:func:`attention_probs` with positional arguments only, so that TorchScript
@@ -97,7 +112,7 @@ def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optiona
         if attn_mask.dtype == torch.bool:
             visible = visible & attn_mask
         else:
-            score = score + attn_mask
+            score = score + float_mask_in(attn_mask, score.dtype)
     score = score.masked_fill(~visible, float("-inf"))
     # A hidden entry (score -inf: masked, causal, or -inf in a float mask) weighs
     # nothing and passes no gradient, even in a row that holds NaN (where the
