@@ -216,7 +216,7 @@ def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -
     """:meth:`hkt.MultiheadHKT.init_cache`."""
     _check_decodable(mha)
     batch_size, max_len = _positive_int(batch_size, "batch_size"), _positive_int(max_len, "max_len")
-    ref = mha.out_proj.weight
+    ref = mha._stored_weight()
     device = ref.device if device is None else torch.device(device)
     dtype = ref.dtype if dtype is None else dtype
     if dtype not in (torch.float32, torch.float64):
@@ -277,7 +277,7 @@ def _check_step(mha, x, cache) -> Tensor:
             or any(s.shape[2:] != (mha.downsample_kernel, mha.embed_dim) for s in cache.inputs)):
         raise ValueError("cache: was made by another module (levels, kv heads, head size, embed_dim or "
                          "downsample_kernel differ)")
-    own = mha.out_proj.weight.dtype
+    own = mha._stored_weight().dtype
     if own != cache.v.dtype and not torch.is_autocast_enabled(x.device.type):
         # the projections run in the module's dtype: only autocast reconciles the two
         raise TypeError(f"cache: is {cache.v.dtype} but the module's parameters are {own}; make the cache in "
@@ -395,7 +395,8 @@ def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     # the state moves on only once the step went through
     cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
     cache.length = t + 1
-    return F.linear(out.view(B, 1, -1), mha.out_proj.weight, mha.out_proj.bias)
+    # the module, not F.linear of its weight, as forward: its hooks (an adapter, prune's mask) run
+    return mha.out_proj(out.view(B, 1, -1))
 
 
 def _decode_many(mha, x: Tensor, cache: DecodeCache) -> Tensor:

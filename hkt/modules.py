@@ -5,12 +5,16 @@ Shapes below: B batch, T query length, S key length, E embed_dim, H heads,
 hd = E / H, L levels, K downsample_kernel.
 """
 import math
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.utils import parametrize, prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from . import _kernels
 from . import kvcache as _kvcache
@@ -139,6 +143,55 @@ class _Downsample(torch.autograd.Function):
             return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
         gx, gt = _kernels._downsample_backward(grad, x, taps, bool(ctx.needs_input_grad[0]))
         return gx, (gt if ctx.needs_input_grad[1] else None)
+
+
+# torch.nn.utils' forward pre-hooks that recompute a module's tensor, on every
+# call, from parameters they keep beside it (prune and spectral_norm: <name>_orig;
+# the old weight_norm: <name>_g and <name>_v)
+_RECOMPUTING_HOOKS = (prune.BasePruningMethod, WeightNorm, SpectralNorm)
+
+
+@torch.jit.unused
+def _computed_from(owner: nn.Module, name: str) -> Optional[Tuple[str, List[Tensor]]]:
+    """How ``owner.<name>`` is computed when the module does not store it as a
+    parameter: (what computes it, the tensors it is computed from, which are
+    what trains).  A parametrization (torch.nn.utils.parametrize: weight_norm,
+    spectral_norm, orthogonal, torch.ao's pruning masks) computes it from its
+    originals whenever it is read; a forward pre-hook of torch.nn.utils
+    (prune, the old weight_norm and spectral_norm) from the module's parameters
+    named ``<name>_...``, on every call of the module.  None for a stored
+    parameter."""
+    if parametrize.is_parametrized(owner, name):
+        plist = owner.parametrizations[name]
+        return "its parametrization " + ", ".join(type(p).__name__ for p in plist), _originals(owner, name)
+    if name in owner._parameters:
+        return None
+    for hook in owner._forward_pre_hooks.values():
+        if isinstance(hook, _RECOMPUTING_HOOKS) and getattr(hook, "_tensor_name", getattr(hook, "name", None)) == name:
+            sources = [p for n, p in owner._parameters.items() if p is not None and n.startswith(name + "_")]
+            return f"the forward pre-hook {type(hook).__name__}", sources
+    return None
+
+
+@torch.jit.unused
+def _originals(owner: nn.Module, name: str) -> List[Tensor]:
+    """The tensors the parametrization of ``owner.<name>`` computes it from."""
+    plist = owner.parametrizations[name]
+    if plist.is_tensor:
+        return [plist.original]
+    return [getattr(plist, f"original{i}") for i in range(plist.ntensors)]
+
+
+@torch.jit.unused
+def _stored(owner: nn.Module, name: str) -> Tensor:
+    """``owner.<name>``, or for a parametrized one its (first) original, which
+    reading does not compute: for its dtype and device.  Computing a
+    parametrization more than once per call costs, and changes what a stateful
+    one gives (spectral_norm advances its power iteration on every read in
+    training)."""
+    if parametrize.is_parametrized(owner, name):
+        return _originals(owner, name)[0]
+    return getattr(owner, name)
 
 
 def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -420,19 +473,34 @@ class MultiheadHKT(nn.Module):
         """The convex level weights w = softmax(level_logits), (num_heads, levels)."""
         logits = self.level_logits
         if logits is None:
-            w = self.out_proj.weight
+            if torch.jit.is_scripting():
+                w = self.out_proj.weight
+            else:
+                w = self._stored_weight()
             return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
         return torch.softmax(logits, dim=-1)
+
+    @torch.jit.unused
+    def _stored_weight(self) -> Tensor:
+        """A parameter in the module's dtype and on its device: ``out_proj.weight``
+        as stored, read without computing a parametrization on it (forward
+        computes it once, in ``out_proj``, as nn.MultiheadAttention does)."""
+        return _stored(self.out_proj, "weight")
 
     def in_projections(self) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         """Level 0's ``(W_q, W_k, W_v, b_q, b_k, b_v)``: views of
         ``in_proj_weight`` / ``in_proj_bias`` (or the separate
         ``q/k/v_proj_weight``), so writing into them sets the parameters;
         biases None without ``bias``."""
-        # written with `is None` tests on the attributes (not _packed_in_proj) so
-        # that TorchScript drops the branch for the parameters this module lacks
+        return self._split_in_proj(self.in_proj_weight, self.in_proj_bias)
+
+    def _split_in_proj(self, packed: Optional[Tensor], bias: Optional[Tensor]
+                       ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """in_projections() of ``in_proj_weight`` and ``in_proj_bias`` read once
+        by the caller (a parametrization computes them on every read)."""
+        # written with `is None` tests (not _packed_in_proj) so that TorchScript
+        # refines the Optional parameters and drops the branch for those this module lacks
         E, Ekv = self.embed_dim, self.kv_dim
-        packed = self.in_proj_weight
         if packed is not None:
             wq, wk, wv = packed[:E], packed[E:E + Ekv], packed[E + Ekv:]
         else:
@@ -440,7 +508,6 @@ class MultiheadHKT(nn.Module):
             if q_w is None or k_w is None or v_w is None:
                 raise RuntimeError("MultiheadHKT has neither in_proj_weight nor q/k/v_proj_weight")
             wq, wk, wv = q_w, k_w, v_w
-        bias = self.in_proj_bias
         bq: Optional[Tensor] = None
         bk: Optional[Tensor] = None
         bv: Optional[Tensor] = None
@@ -457,6 +524,11 @@ class MultiheadHKT(nn.Module):
         ``bias``.  The one place that says which parameter serves which level:
         ``forward``, incremental decoding and :mod:`hkt.analysis` read it."""
         wq, wk, _, bq, bk, _ = self.in_projections()
+        return self._with_coarse(wq, bq, wk, bk)
+
+    def _with_coarse(self, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor]
+                     ) -> List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]]:
+        """level_projections() with level 0's as given (read once by forward)."""
         out: List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = [(wq, bq, wk, bk)]
         cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
         cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
@@ -489,7 +561,15 @@ class MultiheadHKT(nn.Module):
         copy of ``mha``'s parameters, each requiring grad as its source does;
         the parameters hkt adds (coarse projections, taps, level weights)
         require grad if any of ``mha``'s does (a frozen attention stays
-        frozen).  The coarse levels start switched off but trainable:
+        frozen).  A weight that ``mha`` computes (a parametrization of
+        torch.nn.utils.parametrize: weight_norm, spectral_norm, orthogonal,
+        torch.ao's pruning; or torch.nn.utils' pre-hooks: prune, the old
+        weight_norm) is copied as its current value into a plain parameter that
+        requires grad as what it is computed from does; the parametrization or
+        hook does not carry over (nor do any other hooks of ``mha``), so its
+        constraint (a weight norm, orthogonality, a pruning mask) no longer
+        holds in training: a ``UserWarning`` names each such weight.  The
+        coarse levels start switched off but trainable:
 
         * ``coarse_q_proj_weight`` and ``coarse_q_proj_bias`` are zero, so every
           coarse score is 0.  They still get gradients at once (the gradient of
@@ -511,48 +591,76 @@ class MultiheadHKT(nn.Module):
 
         With ``levels=1`` the result is an exact copy of ``mha``.
 
+        Load a pretrained ``nn.MultiheadAttention`` state_dict into ``mha``
+        before: loaded into the result (``strict=False`` for ``levels > 1``) it
+        would undo the 1/w0 scaling and leave the coarse keys copied from the
+        old key projection, another function than the checkpoint's
+        (``levels=1`` takes it unchanged).
+
         Args:
             mha: the source ``nn.MultiheadAttention`` (not modified).
             levels, downsample_kernel: as in the constructor.
             level0_weight: w0 in (0, 1), default 0.5; ignored when levels == 1.
 
         Raises:
-            TypeError if ``mha`` is not an ``nn.MultiheadAttention``;
-            ValueError for ``level0_weight`` outside (0, 1).
+            TypeError if ``mha`` is not an ``nn.MultiheadAttention``, or is a
+            subclass with its own ``forward``, which may compute with other
+            weights than those copied (torch.ao's quantizable
+            MultiheadAttention, which ``torch.ao.quantization.prepare`` makes,
+            computes with ``linear_Q/K/V``); ValueError for ``level0_weight``
+            outside (0, 1).
         """
         if not isinstance(mha, nn.MultiheadAttention):
             raise TypeError(f"mha: expected an nn.MultiheadAttention, got {type(mha).__name__}")
+        if type(mha).forward is not nn.MultiheadAttention.forward:
+            # it may compute with other weights: torch.ao's quantizable MultiheadAttention (which
+            # torch.ao.quantization.prepare makes) uses linear_Q/K/V, and its in_proj_weight is unused
+            kind = type(mha)
+            raise TypeError(f"mha: {kind.__module__}.{kind.__qualname__} has its own forward, which from_mha cannot "
+                            "copy (it may compute with other weights than nn.MultiheadAttention's, as torch.ao's "
+                            "quantizable MultiheadAttention does); swap a plain nn.MultiheadAttention, e.g. before "
+                            "torch.ao.quantization.prepare")
         if not 0.0 < level0_weight < 1.0:
             raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight}")
-        ref = mha.out_proj.weight
+        ref = _stored(mha.out_proj, "weight")
         new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
                   add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
                   vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
                   levels=levels, downsample_kernel=downsample_kernel)
         copied = set()
 
-        def take(dst: Tensor, src: Tensor) -> None:  # a copy that trains only if its source did
+        def take(dst: Tensor, owner: nn.Module, name: str) -> None:
+            """dst = owner.<name>, a copy that trains only if its source did: for a
+            computed weight, if what it is computed from does (read under no_grad,
+            the computed value itself never requires grad)."""
+            src, how = getattr(owner, name), _computed_from(owner, name)
+            trains = src.requires_grad if how is None else any(t.requires_grad for t in how[1])
+            if how is not None:
+                path = name if owner is mha else "out_proj." + name
+                warnings.warn(f"mha.{path}: is computed by {how[0]}, which does not carry over: the copy holds its "
+                              "current value and trains without it, so its constraint (a weight norm, "
+                              "orthogonality, a pruning mask) no longer holds", UserWarning, stacklevel=3)
             dst.copy_(src)
-            dst.requires_grad_(src.requires_grad)
+            dst.requires_grad_(trains)
             copied.add(id(dst))
         with torch.no_grad():
             if mha._qkv_same_embed_dim:
                 if new._packed_in_proj:
-                    take(new.in_proj_weight, mha.in_proj_weight)
+                    take(new.in_proj_weight, mha, "in_proj_weight")
                 else:  # cannot happen: same kdim/vdim; kept for safety
                     raise AssertionError("packed MHA but unpacked MultiheadHKT")
             else:
-                take(new.q_proj_weight, mha.q_proj_weight)
-                take(new.k_proj_weight, mha.k_proj_weight)
-                take(new.v_proj_weight, mha.v_proj_weight)
+                take(new.q_proj_weight, mha, "q_proj_weight")
+                take(new.k_proj_weight, mha, "k_proj_weight")
+                take(new.v_proj_weight, mha, "v_proj_weight")
             if mha.in_proj_bias is not None:
-                take(new.in_proj_bias, mha.in_proj_bias)
-            take(new.out_proj.weight, mha.out_proj.weight)
+                take(new.in_proj_bias, mha, "in_proj_bias")
+            take(new.out_proj.weight, mha.out_proj, "weight")
             if mha.out_proj.bias is not None:
-                take(new.out_proj.bias, mha.out_proj.bias)
+                take(new.out_proj.bias, mha.out_proj, "bias")
             if mha.bias_k is not None:
-                take(new.bias_k, mha.bias_k)
-                take(new.bias_v, mha.bias_v)
+                take(new.bias_k, mha, "bias_k")
+                take(new.bias_v, mha, "bias_v")
             if levels > 1:
                 # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives softmax weight w0 to level 0.
                 new.level_logits.zero_()
@@ -781,12 +889,13 @@ class MultiheadHKT(nn.Module):
                              f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
         H, hd = self.num_heads, self.head_dim
 
-        wq, wk, wv, bq, bk, bv = self.in_projections()
-        packed = self.in_proj_weight
+        # each parameter read once: a parametrization on it is computed once per call
+        packed, in_bias = self.in_proj_weight, self.in_proj_bias
+        wq, wk, wv, bq, bk, bv = self._split_in_proj(packed, in_bias)
         Hk, Ekv = self.num_kv_heads, self.kv_dim
         qkv: Optional[Tensor] = None
         if packed is not None and query is key and key is value:
-            qkv = F.linear(query, packed, self.in_proj_bias)
+            qkv = F.linear(query, packed, in_bias)
             q0, k0, v = qkv.split([E, Ekv, Ekv], dim=-1)
         else:
             q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
@@ -806,7 +915,7 @@ class MultiheadHKT(nn.Module):
         if self.levels > 1:
             # appended slots: zero inputs of the key stream
             xqs, xks = self.level_inputs(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
-            projs = self.level_projections()
+            projs = self._with_coarse(wq, bq, wk, bk)
             for l in range(1, self.levels):
                 cwq, cbq, cwk, cbk = projs[l]
                 qs.append(_heads(F.linear(xqs[l], cwq, cbq), H, hd))
@@ -898,7 +1007,22 @@ class MultiheadHKT(nn.Module):
         (Between steps, an in-place change that autograd's version counter
         sees is picked up for the next tokens; a fused optimiser's step or an
         edit through ``.data`` is not.)
+
+        Hooks: ``decode`` is not the module's ``__call__``, so the module's own
+        forward hooks and pre-hooks do not run (they take ``forward``'s
+        arguments and output, which a decoding step does not have), except
+        torch.nn.utils' pre-hooks that recompute a weight before every call
+        (``prune``, the old ``weight_norm`` and ``spectral_norm``): it runs
+        those first, so it reads the weights ``forward`` would.  ``out_proj``
+        is called as a module, as in ``forward``, so its hooks run (an adapter,
+        a pruning mask); a parametrization is computed where the weight is
+        read, as in ``forward``.
         """
+        # the weights forward would read: a recomputing pre-hook may not have run
+        # since they changed (prune's <name>_orig after an optimiser step)
+        for hook in list(self._forward_pre_hooks.values()):
+            if isinstance(hook, _RECOMPUTING_HOOKS):
+                hook(self, ())
         return _kvcache.decode(self, x, cache)
 
 
@@ -910,9 +1034,14 @@ def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
     Device, dtype, training mode and which parameters require grad are kept
     (see :meth:`MultiheadHKT.from_mha`); a module shared at several places (in
     one parent or several) is replaced by one shared MultiheadHKT.  The new
-    modules are new objects: hooks registered on the old ones, an optimizer
-    built over their parameters, and a subclass's own ``forward`` do not carry
-    over (build the optimizer after the swap).  Every
+    modules are new objects: hooks registered on the old ones, parametrizations
+    of their weights (copied as their current values, with a ``UserWarning``)
+    and an optimizer built over their parameters do not carry over (build the
+    optimizer after the swap).  A subclass with its own ``forward`` (torch.ao's
+    quantizable MultiheadAttention) raises from_mha's ``TypeError``, before
+    anything is replaced.  Load a pretrained ``nn.MultiheadAttention``
+    checkpoint before swapping, not into the swapped model (see
+    :meth:`MultiheadHKT.from_mha`).  Every
     ``nn.TransformerEncoder`` that now holds a MultiheadHKT gets
     ``use_nested_tensor = False``: it chose its nested-tensor fast path at
     construction, from the old attention, and that path would hand nested
@@ -931,13 +1060,17 @@ def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
     if isinstance(model, nn.MultiheadAttention):
         return MultiheadHKT.from_mha(model, levels, **kw)
     done = {}
+    slots = []
     for parent in list(model.modules()):
         # _modules, not named_children(), which skips a module's second slot in one parent
         for name, child in list(parent._modules.items()):
             if isinstance(child, nn.MultiheadAttention):
                 if id(child) not in done:
                     done[id(child)] = MultiheadHKT.from_mha(child, levels, **kw)
-                setattr(parent, name, done[id(child)])
+                slots.append((parent, name, done[id(child)]))
+    # only once every from_mha went through: one that raises leaves the model as it was
+    for parent, name, new in slots:
+        setattr(parent, name, new)
     for m in model.modules():
         if isinstance(m, nn.TransformerEncoder) and any(isinstance(x, MultiheadHKT) for x in m.modules()):
             m.use_nested_tensor = False
