@@ -188,7 +188,8 @@ static inline const char *hkt_cuda_tc_backward_refusal(const hkt_params *p) {
 int hkt_default_threads(void);
 /* The stack an OpenMP worker thread gets, in bytes (SIZE_MAX without OpenMP
  * or where it cannot be read); runs a parallel region of two threads the first
- * time.  The kernels' deepest frames (the backward's) take about 16 KiB, so
+ * time.  The kernels' deepest frames (the backward's) take about 22 KiB (the
+ * packed backward's 30, measured by painting the stack), so
  * workers with less than HKT_MIN_WORKER_STACK must not run them: a small
  * OMP_STACKSIZE would crash the process. */
 size_t hkt_worker_stack(void);

@@ -42,9 +42,16 @@ static const char *type_name(PyObject *obj, char *buf, size_t n) {
 }
 
 /* ---- DLPack import ----
- * Capsules are held for the duration of a call and released afterwards; we
- * never rename them to "used_dltensor", so the exporter's capsule destructor
- * runs the deleter and the producer keeps ownership of the memory.
+ * Every capsule a call imports, bare or returned by __dlpack__(), is consumed
+ * as the DLPack protocol asks of a consumer: renamed "used_dltensor" (its
+ * producer's destructor then leaves it alone, and no other consumer can take
+ * it) and its DLManagedTensor kept, whose deleter release_all calls once the
+ * call is done with it, on every path, once.  Holding a bare capsule by
+ * reference only was not enough: Python code that runs later in the call (a
+ * later argument's __dlpack__, scale's __float__, another thread while the
+ * kernels run) could consume it (torch.from_dlpack) and free the memory the
+ * kernels then wrote into.  A capsule passed twice in one call is refused the
+ * second time (it is consumed by then).
  *
  * Streams.  An object is exported with __dlpack__(); a CUDA one (its
  * __dlpack_device__ says so, in a CUDA build) with __dlpack__(stream=s), s the
@@ -68,7 +75,7 @@ typedef struct {
 } span_t;
 
 typedef struct {
-    PyObject *caps[MAX_HELD];
+    DLManagedTensor *owned[MAX_HELD]; /* consumed capsules' tensors, for release_all to delete */
     int n;
     span_t spans[MAX_HELD];
     int nspans;
@@ -77,9 +84,17 @@ typedef struct {
     unsigned long long dl_stream;
 } held;
 
+/* Deletes every tensor the call consumed, once (hd->n is reset).  A deleter may
+ * run Python code (NumPy's drops its array), which must not find the call's
+ * exception set: it is put aside meanwhile. */
 static void release_all(held *hd) {
-    for (int x = 0; x < hd->n; x++) Py_DECREF(hd->caps[x]);
+    if (hd->n == 0) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    for (int x = 0; x < hd->n; x++)
+        if (hd->owned[x]->deleter) hd->owned[x]->deleter(hd->owned[x]);
     hd->n = 0;
+    PyErr_Restore(type, value, tb);
 }
 
 #ifdef HKT_WITH_CUDA
@@ -117,22 +132,53 @@ static PyObject *export_array(PyObject *obj, unsigned long long dl_stream) {
 #endif
 }
 
-static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
-    if (PyCapsule_CheckExact(obj)) {
-        /* an unconsumed capsule, e.g. from torch.utils.dlpack.to_dlpack: the
-         * cheapest way in; its creator still owns it */
-        if (!PyCapsule_IsValid(obj, "dltensor")) {
+static int is_empty(const DLTensor *t);
+
+/* Consumes the "dltensor" capsule cap for the call (renames it and keeps its
+ * tensor for release_all) and returns that tensor, or NULL with an exception
+ * set.  exported: cap came from obj.__dlpack__(), not passed as it is. */
+static const DLTensor *consume(held *hd, PyObject *cap, const char *name, int exported) {
+    if (!PyCapsule_IsValid(cap, "dltensor")) {
+        const int used = PyCapsule_IsValid(cap, "used_dltensor");
+        if (exported)
+            PyErr_Format(PyExc_TypeError, used ? "%s: __dlpack__ returned a DLPack capsule that was already "
+                         "consumed (renamed 'used_dltensor')" : "%s: __dlpack__ did not return a 'dltensor' capsule",
+                         name);
+        else if (used)
+            PyErr_Format(PyExc_TypeError, "%s: a DLPack capsule must be an unconsumed 'dltensor'; this one was "
+                         "already consumed (renamed 'used_dltensor', by another consumer or as an earlier argument "
+                         "of this call): pass a fresh capsule for each argument", name);
+        else
             PyErr_Format(PyExc_TypeError, "%s: a DLPack capsule must be an unconsumed 'dltensor'", name);
-            return NULL;
-        }
-        if (hd->n >= MAX_HELD) {
-            PyErr_SetString(PyExc_ValueError, "too many arrays in one call");
-            return NULL;
-        }
-        Py_INCREF(obj);
-        hd->caps[hd->n++] = obj;
-        return &((DLManagedTensor *)PyCapsule_GetPointer(obj, "dltensor"))->dl_tensor;
+        return NULL;
     }
+    if (hd->n >= MAX_HELD) { /* before consuming it: the caller keeps what it is refused */
+        PyErr_SetString(PyExc_ValueError, "too many arrays in one call");
+        return NULL;
+    }
+    DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(cap, "dltensor");
+    if (mt == NULL || PyCapsule_SetName(cap, "used_dltensor") != 0) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_TypeError, "%s: the DLPack capsule holds no tensor", name);
+        return NULL;
+    }
+    hd->owned[hd->n++] = mt; /* ours now, on every path: release_all deletes it */
+    const DLTensor *t = &mt->dl_tensor;
+    /* torch's to_dlpack exports a tensor without storage (a __torch_dispatch__
+     * wrapper subclass, a FakeTensor) as a CPU array at address 0: the kernels
+     * would read and write through a null pointer.  An empty array may have
+     * none (torch's empty tensors do): nothing of it is touched. */
+    if (t->data == NULL && !is_empty(t)) {
+        PyErr_Format(PyExc_ValueError, "%s: array has no data (a tensor without storage, e.g. a wrapper "
+                     "subclass or a FakeTensor)", name);
+        return NULL;
+    }
+    return t;
+}
+
+static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
+    if (PyCapsule_CheckExact(obj)) /* e.g. from torch.utils.dlpack.to_dlpack: the cheapest way in */
+        return consume(hd, obj, name, 0);
     if (obj == Py_None || !PyObject_HasAttrString(obj, "__dlpack__")) {
         char tn[128];
         PyErr_Format(PyExc_TypeError,
@@ -159,20 +205,11 @@ static const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
         Py_XDECREF(tb);
         return NULL;
     }
-    DLManagedTensor *mt = (DLManagedTensor *)PyCapsule_GetPointer(cap, "dltensor");
-    if (mt == NULL) {
-        Py_DECREF(cap);
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: __dlpack__ did not return a 'dltensor' capsule", name);
-        return NULL;
-    }
-    if (hd->n >= MAX_HELD) {
-        Py_DECREF(cap);
-        PyErr_SetString(PyExc_ValueError, "too many arrays in one call");
-        return NULL;
-    }
-    hd->caps[hd->n++] = cap;
-    return &mt->dl_tensor;
+    /* consumed like a bare one: __dlpack__ may hand out a capsule that someone
+     * else holds too */
+    const DLTensor *t = consume(hd, cap, name, 1);
+    Py_DECREF(cap); /* renamed: its destructor leaves the tensor to release_all */
+    return t;
 }
 
 /* ---- checks ---- */
@@ -603,6 +640,55 @@ static int parse_threads(PyObject *obj, int *out) {
     return 0;
 }
 
+/* ---- the calling thread's stack ----
+ * The kernels run on OpenMP's thread 0, the calling thread, too: their frames
+ * need its stack as much as a worker's (parse_threads checks the workers').
+ * Measured by painting the stack below the point where this check runs
+ * (x86-64, GCC 12, every entry point, float32/float64/bfloat16, 1 and 2
+ * threads): the packed backward takes up to 29 KiB, the backward 22, the
+ * forward 9, decoding 2, downsampling 1.  A signal delivered meanwhile pushes
+ * its frame on the same stack (3 KiB with AVX-512 state, 11 with AMX tiles),
+ * and another compiler may inline differently: HKT_MIN_WORKER_STACK (64 KiB),
+ * about twice the deepest, is asked of the caller too.  A Python thread made
+ * after threading.stack_size(32 KiB .. 64 KiB) has less left and died of
+ * SIGSEGV; the default (the platform's, 8 MiB with glibc) leaves megabytes. */
+#define HKT_MIN_CALLER_STACK HKT_MIN_WORKER_STACK
+
+/* 0 when the calling thread has HKT_MIN_CALLER_STACK of stack left below this
+ * frame, or when that cannot be known; else -1 with a RuntimeError.  Runs
+ * before every kernel, so it costs a thread-local read and a compare: the
+ * thread's stack bounds are asked once per thread (pthread_getattr_np reads
+ * /proc/self/maps for the main thread), and do not change for its life. */
+static int check_caller_stack(void) {
+#ifdef __linux__
+    static __thread uintptr_t lo, hi; /* the thread's stack; hi == 0: not asked yet; lo == hi: unknown */
+    if (hi == 0) {
+        pthread_attr_t a;
+        void *addr;
+        size_t size;
+        lo = hi = 1;
+        if (pthread_getattr_np(pthread_self(), &a) == 0) {
+            if (pthread_attr_getstack(&a, &addr, &size) == 0 && size > 0) {
+                lo = (uintptr_t)addr;
+                hi = lo + size;
+            }
+            pthread_attr_destroy(&a);
+        }
+    }
+    const uintptr_t sp = (uintptr_t)__builtin_frame_address(0);
+    /* outside the bounds asked (unknown, or a stack of its own: a coroutine's,
+     * a signal stack): not checked */
+    if (sp <= lo || sp >= hi || sp - lo >= HKT_MIN_CALLER_STACK) return 0;
+    PyErr_Format(PyExc_RuntimeError, "the calling thread has %zu KiB of stack left, less than the %zu KiB hkt's "
+                 "kernels need (they run on the calling thread too): call hkt from the main thread, or from a "
+                 "thread made with a larger stack (threading.stack_size(); 0 restores the default)",
+                 (size_t)(sp - lo) >> 10, HKT_MIN_CALLER_STACK >> 10);
+    return -1;
+#else
+    return 0; /* no pthread_getattr_np: not checked */
+#endif
+}
+
 /* ---- arrays ---- */
 
 /* 1 when q[0] (so every array of the call) is on a CUDA device: the CUDA
@@ -662,10 +748,8 @@ static const DLTensor *compute_ref(const DLTensor *q0, DLTensor *f32) {
     return f32;
 }
 
-/* q[0]: the array every other one is checked against (dtype, device). */
-static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
-    const DLTensor *q0 = import_array(hd, obj, "q[0]");
-    if (!q0) return NULL;
+/* q[0], imported: the array every other one is checked against (dtype, device). */
+static const DLTensor *check_q0(const DLTensor *q0, int allow_bf16) {
     const int bf16 = is_bf16(q0);
     if (bf16 && allow_bf16) {
         /* hkt.hkt_attention upcasts bfloat16 to float32 wherever this is refused;
@@ -708,6 +792,11 @@ static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     }
     if (bf16 && check_bf16_d(q0->shape[3])) return NULL;
     return q0;
+}
+
+static const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
+    const DLTensor *q0 = import_array(hd, obj, "q[0]");
+    return q0 ? check_q0(q0, allow_bf16) : NULL;
 }
 
 /* Every level of q and k: shapes (B, H, ceil(T / 2^l), D) and (B, H_kv,
@@ -913,6 +1002,7 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 #else
     (void)q0;
 #endif
+    if (check_caller_stack()) return -1;
     const size_t per = hkt_workspace_bytes(p, backward);
     const size_t extra = backward ? hkt_dw_partial_bytes(p) : 0;
     size_t total;
@@ -960,7 +1050,10 @@ PyDoc_STRVAR(forward_doc,
 "stream), and the call returns without waiting for them.  Arrays passed as\n"
 "objects are exported with __dlpack__(stream=...) so that their producer\n"
 "orders its writes before that stream; bare capsules must already be ready\n"
-"on it.");
+"on it.\n\n"
+"Every entry point consumes the DLPack capsules it imports (renamed\n"
+"'used_dltensor', deleted when the call returns): a capsule serves one\n"
+"argument of one call.");
 
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal",
@@ -1185,7 +1278,7 @@ static PyObject *py_dropout_mask(PyObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     if (check_contiguous(t, "keep")) goto done;
-    if (check_dropout(dp)) goto done;
+    if (check_dropout(dp) || check_caller_stack()) goto done;
     hkt_dropout_mask_cpu((unsigned char *)data_of(t), (uint64_t)seed, dp, t->shape[0], t->shape[1],
                          t->shape[2], t->shape[3]);
     rc = 0;
@@ -1529,6 +1622,7 @@ done:
 
 /* Runs the packed kernels with a freshly allocated workspace, GIL released. */
 static int run_varlen(hkt_varlen_params *vp, int backward) {
+    if (check_caller_stack()) return -1;
     const size_t need = hkt_varlen_workspace_bytes(vp, backward);
     char *mem = malloc(need);
     if (!mem) {
@@ -1734,11 +1828,11 @@ static int take_seqlens(held *hd, PyObject *obj, int64_t B, int64_t Tn, int64_t 
     return 0;
 }
 
-/* k_cache[0] and v_cache: H_kv (dividing H), S_max and Dv; written = the caches
- * are outputs (k and v given). */
+/* k_cache[0] (into *k0, for take_decode_levels) and v_cache: H_kv (dividing H),
+ * S_max and Dv; written = the caches are outputs (k and v given). */
 static int take_cache0(hkt_decode_params *p, held *hd, PyObject *kt, PyObject *vc, const DLTensor *q0,
-                       int written, int64_t *S_max) {
-    const DLTensor *k0 = import_array(hd, PyTuple_GetItem(kt, 0), "k_cache[0]");
+                       int written, int64_t *S_max, const DLTensor **k0_out) {
+    const DLTensor *k0 = *k0_out = import_array(hd, PyTuple_GetItem(kt, 0), "k_cache[0]");
     if (!k0) return -1;
     if (k0->ndim != 4) {
         PyErr_Format(PyExc_ValueError, "k_cache[0]: expected 4 dimensions (B, H_kv, S_max, D), got %d", k0->ndim);
@@ -1766,9 +1860,10 @@ static int take_cache0(hkt_decode_params *p, held *hd, PyObject *kt, PyObject *v
     return 0;
 }
 
-/* q[l] (B, H, Tn, D) and k_cache[l] (B, H_kv, >= ceil(S_max / 2^l), D). */
+/* q[l] (B, H, Tn, D) and k_cache[l] (B, H_kv, >= ceil(S_max / 2^l), D); level 0's
+ * imported already (each array is imported once: a capsule is consumed). */
 static int take_decode_levels(hkt_decode_params *p, held *hd, PyObject *qt, PyObject *kt, const DLTensor *q0,
-                              int64_t S_max, int written) {
+                              const DLTensor *k0, int64_t S_max, int written) {
     char name[32];
     for (int l = 0; l < p->L; l++) {
         const int64_t wq[4] = {p->B, p->H, p->Tn, p->D};
@@ -1778,7 +1873,7 @@ static int take_decode_levels(hkt_decode_params *p, held *hd, PyObject *qt, PyOb
         if (!t || take_4d(t, name, q0, wq, "= (B, H, Tn, D) like q[0]", 0, 0, &p->q[l], p->q_stride[l])) return -1;
         note_span(hd, t, name, 0);
         level_name(name, "k_cache", l);
-        t = import_array(hd, PyTuple_GetItem(kt, l), name);
+        t = l ? import_array(hd, PyTuple_GetItem(kt, l), name) : k0;
         if (!t) return -1;
         const int64_t need = level_len(S_max, l);
         const int64_t wk[4] = {p->B, p->H_kv, t->ndim == 4 && t->shape[2] > need ? t->shape[2] : need, p->D};
@@ -1846,6 +1941,7 @@ static int fill_decode(hkt_decode_params *p, held *hd, PyObject *qs, PyObject *k
                        PyObject *seqlens, PyObject *out, PyObject *ks, PyObject *v, PyObject *scale,
                        PyObject *nthreads, int64_t **lens) {
     PyObject *qt = NULL, *kt = NULL;
+    const DLTensor *k0 = NULL;
     int rc = -1;
     const int written = ks != Py_None || v != Py_None;
     int64_t S_max = 0;
@@ -1860,14 +1956,15 @@ static int fill_decode(hkt_decode_params *p, held *hd, PyObject *qs, PyObject *k
                      q0->device.device_type);
         goto done;
     }
-    if (!(q0 = take_q0(hd, PyTuple_GetItem(qt, 0), 0))) goto done;
+    if (!check_q0(q0, 0)) goto done;
     p->dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
     p->B = q0->shape[0];
     p->H = q0->shape[1];
     p->Tn = q0->shape[2];
     p->D = q0->shape[3];
     if (check_count("q[0]", "B x H x Tn x D", p->B, p->H, p->Tn, p->D) ||
-        take_cache0(p, hd, kt, vc, q0, written, &S_max) || take_decode_levels(p, hd, qt, kt, q0, S_max, written) ||
+        take_cache0(p, hd, kt, vc, q0, written, &S_max, &k0) ||
+        take_decode_levels(p, hd, qt, kt, q0, k0, S_max, written) ||
         take_decode_weights(p, hd, w, q0) || take_seqlens(hd, seqlens, p->B, p->Tn, S_max, lens) ||
         take_new_kv(p, hd, ks, v, q0))
         goto done;
@@ -1913,6 +2010,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kw) {
     int64_t *lens = NULL;
     int rc = fill_decode(&p, &hd, qs, kcs, vc, w, seqlens, out, ks, v, scale, nthreads, &lens);
     if (rc == 0) rc = check_overlaps(&hd);
+    if (rc == 0) rc = check_caller_stack();
     char *mem = NULL;
     if (rc == 0) {
         const size_t need = hkt_decode_workspace_bytes(&p);
@@ -2024,7 +2122,7 @@ static PyObject *py_downsample_forward(PyObject *self, PyObject *args, PyObject 
         rc = !(ot = take_ds_array(&hd, out, "out", xt, 3, want, "= (B, ceil(n / 2), C)", 1)) || check_overlaps(&hd);
         if (rc == 0) p.out = data_of(ot);
     }
-    if (rc == 0 && p.B * p.n * p.C > 0) {
+    if (rc == 0 && p.B * p.n * p.C > 0 && (rc = check_caller_stack()) == 0) {
         Py_BEGIN_ALLOW_THREADS
         hkt_downsample_forward_cpu(&p);
         Py_END_ALLOW_THREADS
@@ -2066,7 +2164,7 @@ static PyObject *py_downsample_backward(PyObject *self, PyObject *args, PyObject
         }
         if (!(t = take_ds_array(&hd, gt, "grad_taps", xt, 2, wt, "= (K, C)", 1))) goto done;
         p.grad_taps = data_of(t);
-        if (check_overlaps(&hd)) goto done;
+        if (check_overlaps(&hd) || check_caller_stack()) goto done;
         if (!(mem = malloc(hkt_downsample_workspace_bytes(&p) + 1))) {
             PyErr_NoMemory();
             goto done;

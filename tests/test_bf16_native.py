@@ -231,13 +231,15 @@ def test_backward_arrays_are_checked():
     with pytest.raises(ValueError, match=r"^v: the native bfloat16 backward needs an even value dimension"):
         raw_backward(q, k, v[..., :5], w, out[..., :5].contiguous(), lse, dout[..., :5])
     f = torch.empty
-    base = [to_dlpack(dout), [to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v), to_dlpack(w.float())]
+    # fresh capsules for each call: a call consumes those it is given
+    base = lambda: [to_dlpack(dout), [to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v),  # noqa: E731
+                    to_dlpack(w.float())]
     grads = lambda dt: [[to_dlpack(f(x.shape, dtype=dt)) for x in q], [to_dlpack(f(x.shape, dtype=dt)) for x in k],
                         to_dlpack(f(v.shape, dtype=dt)), to_dlpack(f(w.shape, dtype=dt))]
     with pytest.raises(TypeError, match=r"^out: "):
-        _C.backward(*base, to_dlpack(out), to_dlpack(lse), *grads(torch.float32))
+        _C.backward(*base(), to_dlpack(out), to_dlpack(lse), *grads(torch.float32))
     with pytest.raises(TypeError, match=r"^dq\[0\]: "):
-        _C.backward(*base, to_dlpack(out.to(BF)), to_dlpack(lse), *grads(BF))
+        _C.backward(*base(), to_dlpack(out.to(BF)), to_dlpack(lse), *grads(BF))
 
 
 def test_odd_value_dimension_backward_is_upcast():
@@ -277,13 +279,14 @@ def test_float32_arrays_are_checked():
     """w, out and lse of a native call are float32: a bfloat16 one is refused by name."""
     _, (q, k, v, w) = bf16_inputs(1, 2, 16, 16, 8, 8, 2)
     out, lse = torch.empty(1, 2, 16, 8), torch.empty(1, 2, 16)
-    args = [[to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v)]
+    # fresh capsules for each call: a call consumes those it is given
+    args = lambda: [[to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v)]  # noqa: E731
     with pytest.raises(TypeError, match=r"^w: dtype bfloat16"):
-        _C.forward(*args, to_dlpack(w), to_dlpack(out), to_dlpack(lse))
+        _C.forward(*args(), to_dlpack(w), to_dlpack(out), to_dlpack(lse))
     with pytest.raises(TypeError, match=r"^out: "):
-        _C.forward(*args, to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse))
+        _C.forward(*args(), to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse))
     with pytest.raises(TypeError, match=r"^v: "):
-        _C.forward(args[0], args[1], to_dlpack(v.float()), to_dlpack(w.float()), to_dlpack(out), to_dlpack(lse))
+        _C.forward(*args()[:2], to_dlpack(v.float()), to_dlpack(w.float()), to_dlpack(out), to_dlpack(lse))
 
 
 def test_module_in_bfloat16():
