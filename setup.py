@@ -6,9 +6,12 @@ CPython 3.10 and every later 3.x (not the free-threaded builds, which have no
 stable ABI).
 
 DEBUG=1 builds -O0 -g.  HKT_NO_OPENMP=1 builds single-threaded (for compilers
-without OpenMP).  CFLAGS=-DHKT_NO_CLONES builds the hot loops once, for the
-compiler's default target, instead of AVX-512/AVX2/baseline clones picked at
-load time (for toolchains without ifunc support).
+without OpenMP).  CFLAGS=-DHKT_NO_ISA_BUILDS builds the kernels once, for the
+compiler's default target, instead of the AVX-512, AVX2 and portable builds
+picked at import (GCC on x86-64 only makes those; other compilers, clang
+included, build the portable one).  A build with other options than the last
+one in this tree (these variables, CC, CFLAGS, LDFLAGS) recompiles everything:
+setuptools alone compares file dates only.
 
 HKT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
 (-fsanitize=address,undefined, frame pointers kept, any UB report fatal).  Such
@@ -24,6 +27,7 @@ needs only the NVIDIA driver (libcuda.so.1) where it is imported, not the
 toolkit nor a libcudart of one version, and it cannot clash with the libcudart
 torch loads: `ldd hkt/_C.abi3.so` lists no libcudart.
 """
+import hashlib
 import os
 import shutil
 import subprocess
@@ -99,6 +103,42 @@ class build_ext_cuda(build_ext):
 
     nvcc = None
 
+    def run(self):
+        # setuptools rebuilds by file dates only, so a build with other options
+        # over the objects of the last one (build/ stays in the tree) would link
+        # those: HKT_NO_OPENMP=1 once, a plain build after kept one thread
+        stamp = os.path.join(self.build_temp, "hkt-build-options")
+        try:
+            with open(stamp) as f:
+                if f.read() != BUILD_OPTIONS:
+                    self.force = True
+        except OSError:
+            self.force = True
+        super().run()
+        os.makedirs(self.build_temp, exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write(BUILD_OPTIONS)
+
+    def build_extensions(self):
+        if openmp:
+            self._check_openmp()
+        super().build_extensions()
+
+    def _check_openmp(self):
+        """A compiler without OpenMP fails on omp.h deep in the first file: say
+        so first, with the way out."""
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            src = os.path.join(d, "omp_probe.c")
+            with open(src, "w") as f:
+                f.write("#include <omp.h>\nint hkt_probe(void) { return omp_get_max_threads(); }\n")
+            try:
+                self.compiler.compile([src], output_dir=d, extra_postargs=["-fopenmp"])
+            except Exception as e:  # CompileError; its message is the compiler's
+                raise SystemExit(f"error: the C compiler ({' '.join(self.compiler.compiler)}) cannot build with "
+                                 f"OpenMP (-fopenmp, omp.h): install its OpenMP runtime (libgomp for GCC, libomp "
+                                 f"for clang), or build single-threaded with HKT_NO_OPENMP=1\n{e}") from None
+
     def _remove_other_abis(self, ext):
         # next to the binary just built (build/lib..., or hkt/ in place): a wheel
         # would pack both, and an import would pick the version-tagged one
@@ -129,7 +169,23 @@ class build_ext_cuda(build_ext):
 
 # the one place that says which stable ABI the binding is written against
 LIMITED_API = 0x030A0000  # CPython 3.10; wheel tag cp310-abi3
-define_macros, libraries, library_dirs = [("Py_LIMITED_API", hex(LIMITED_API))], [], []
+
+
+def source_hash(folder="csrc"):
+    """A digest of the C sources, built into the extension (hkt._C.source_hash):
+    hkt/__init__.py computes the same of the csrc/ beside it, where there is one,
+    and warns when they differ.  The same function is in hkt/__init__.py."""
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(folder)):
+        if name.endswith((".c", ".h", ".cu")):
+            with open(os.path.join(folder, name), "rb") as f:
+                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+# libm: exp, log, sqrt (a Python process has it loaded, but the extension says so itself)
+define_macros, libraries, library_dirs = [("Py_LIMITED_API", hex(LIMITED_API)),
+                                          ("HKT_SOURCE_HASH", f'"{source_hash()}"')], ["m"], []
 cmdclass = {"build_ext": build_ext_cuda}
 if os.environ.get("HKT_CUDA", "0") == "1":
     found = find_cuda()
@@ -146,6 +202,14 @@ if os.environ.get("HKT_CUDA", "0") == "1":
         libraries += ["cudart_static", "dl", "rt", "pthread", "stdc++"]
         library_dirs.append(cuda_lib_dir(home))
 
+# what a build depends on besides the sources (build_ext_cuda.run compares it
+# with the last build's)
+BUILD_OPTIONS = repr(sorted({
+    "cflags": cflags, "ldflags": ldflags, "nvcc": build_ext_cuda.nvcc, "macros": define_macros,
+    "archs": os.environ.get("HKT_CUDA_ARCHS", "") if build_ext_cuda.nvcc else "",
+    **{k: os.environ.get(k, "") for k in ("CC", "CFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED")},
+}.items()))
+
 setup(
     ext_modules=[
         Extension(
@@ -156,8 +220,8 @@ setup(
                      "csrc/hkt_binding.c"],
             include_dirs=["csrc"],
             depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h", "csrc/hkt_level.h", "csrc/hkt_cpu.h", "csrc/hkt_real.h",
-                     "csrc/hkt_attention_body.h", "csrc/hkt_decode_body.h", "csrc/hkt_bf16_body.h", "csrc/hkt_isa.h"]
-            + ([CUDA_SOURCE] if build_ext_cuda.nvcc else []),
+                     "csrc/hkt_attention_body.h", "csrc/hkt_decode_body.h", "csrc/hkt_bf16_body.h", "csrc/hkt_isa.h",
+                     CUDA_SOURCE],
             define_macros=define_macros,
             libraries=libraries,
             library_dirs=library_dirs,

@@ -254,8 +254,8 @@ static inline void fold_row(const real *restrict g, const real *restrict up, rea
     int64_t c = 0;
     for (; c + 2 * VL <= n; c += 2 * VL) {
         const vec s = vload(up + c / 2);
-        vstore(e + c, wl * vload(g + c) + __builtin_shuffle(s, dup_lo));
-        vstore(e + c + VL, wl * vload(g + c + VL) + __builtin_shuffle(s, dup_hi));
+        vstore(e + c, wl * vload(g + c) + vshuffle1(s, dup_lo));
+        vstore(e + c + VL, wl * vload(g + c + VL) + vshuffle1(s, dup_hi));
     }
     for (; c < n; c++) e[c] = wl * g[c] + up[c >> 1];
 }
@@ -272,7 +272,7 @@ static inline void pairsum(const real *restrict src, const real *restrict src2, 
             a += vload(src2 + 2 * c);
             b += vload(src2 + 2 * c + VL);
         }
-        vstore(dst + c, __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd));
+        vstore(dst + c, vshuffle2(a, b, even) + vshuffle2(a, b, odd));
     }
     for (; 2 * c < n; c++) {
         const real x0 = src2 ? src[2 * c] + src2[2 * c] : src[2 * c];

@@ -2229,6 +2229,11 @@ static int exec_module(PyObject *m) {
     if (PyModule_AddIntConstant(m, "max_levels", HKT_MAX_LEVELS) < 0) return -1;
     if (PyModule_AddIntConstant(m, "cpu_tile", HKT_CPU_TILE) < 0) return -1;
     if (PyModule_AddIntConstant(m, "max_threads", HKT_MAX_THREADS) < 0) return -1;
+#ifdef HKT_SOURCE_HASH
+    /* which C sources this was built from (setup.py): hkt/__init__.py warns when
+     * the csrc/ beside it has changed since (a checkout pulled, not rebuilt) */
+    if (PyModule_AddStringConstant(m, "source_hash", HKT_SOURCE_HASH) < 0) return -1;
+#endif
     char problem[256];
     if (hkt_settings_problem(problem, sizeof problem) && PyErr_WarnEx(PyExc_RuntimeWarning, problem, 1) < 0)
         return -1; /* warnings turned into errors */

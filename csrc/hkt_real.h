@@ -57,6 +57,26 @@ static const ivec even = {0, 2};
 static const ivec odd = {1, 3};
 #endif
 
+/* Lanes picked by those masks: GCC's __builtin_shuffle.  Clang has no shuffle
+ * by a mask vector (its __builtin_shufflevector takes the lanes as constants),
+ * so there the same lanes are picked one by one (the clang build has no ISA
+ * builds of its own either: a portable build, not a tuned one). */
+#if defined(__clang__)
+static inline vec vshuffle1(vec a, ivec m) {
+    vec r;
+    for (int i = 0; i < (int)VL; i++) r[i] = a[m[i]];
+    return r;
+}
+static inline vec vshuffle2(vec a, vec b, ivec m) {
+    vec r;
+    for (int i = 0; i < (int)VL; i++) r[i] = m[i] < VL ? a[m[i]] : b[m[i] - VL];
+    return r;
+}
+#else
+#define vshuffle1(a, m) __builtin_shuffle(a, m)
+#define vshuffle2(a, b, m) __builtin_shuffle(a, b, m)
+#endif
+
 static inline __attribute__((always_inline)) vec vload(const real *p) {
     vec v;
     memcpy(&v, p, sizeof v);

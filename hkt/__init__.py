@@ -14,11 +14,43 @@
 The exact contract (maths, masks, dropout, gradients, non-finite values, API):
 docs/contract.md in the source repository.
 """
-from . import analysis, data, reference
-from .functional import hkt_attention
-from .kvcache import hkt_attention_with_kvcache
-from .modules import MultiheadHKT, swap_attention
-from .varlen import hkt_attention_varlen, pack_levels, varlen_level_offsets
+def _load_extension():
+    """hkt._C, with the error a user can act on where it is not built here (the
+    bare one reads as a circular import), and a warning where it was built from
+    other C sources than the csrc/ beside the package (a source checkout pulled
+    or edited, not rebuilt: the Python layer and the kernels may not match)."""
+    import importlib.util
+    import os
+    try:
+        from . import _C
+    except ImportError as e:
+        if importlib.util.find_spec(__name__ + "._C") is not None:
+            raise  # there, but it does not load: its own error says why
+        raise ImportError("hkt's C extension (hkt/_C*.so) is not built: in the source tree run `pip install -e .` "
+                          "(or `make install`), or install hkt with pip") from e
+    csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "csrc")
+    built = getattr(_C, "source_hash", None)
+    if built is not None and os.path.isfile(os.path.join(csrc, "hkt.h")):
+        import hashlib
+        h = hashlib.sha256()  # as setup.py's source_hash
+        for name in sorted(os.listdir(csrc)):
+            if name.endswith((".c", ".h", ".cu")):
+                with open(os.path.join(csrc, name), "rb") as f:
+                    h.update(name.encode() + b"\0" + f.read() + b"\0")
+        if h.hexdigest()[:16] != built:
+            import warnings
+            warnings.warn(f"hkt._C was built from other C sources than those in {os.path.normpath(csrc)}: rebuild "
+                          "it (`pip install -e .` or `make install` there), or the Python layer and the kernels "
+                          "may not match", RuntimeWarning, stacklevel=3)
+
+
+_load_extension()
+
+from . import analysis, data, reference  # noqa: E402
+from .functional import hkt_attention  # noqa: E402
+from .kvcache import hkt_attention_with_kvcache  # noqa: E402
+from .modules import MultiheadHKT, swap_attention  # noqa: E402
+from .varlen import hkt_attention_varlen, pack_levels, varlen_level_offsets  # noqa: E402
 
 __all__ = ["hkt_attention", "hkt_attention_with_kvcache", "hkt_attention_varlen", "varlen_level_offsets", "pack_levels",
            "MultiheadHKT", "swap_attention", "reference", "analysis", "data"]

@@ -74,10 +74,16 @@ def isa_limits_text(info: Dict[str, object], quote: str = "") -> str:
 
 def _commit() -> Optional[str]:
     """The checkout's commit (with "+" when it has uncommitted changes), so a
-    figure says which code it measured; None outside a git checkout."""
+    figure says which code it measured; None outside a git checkout of hkt (an
+    installed package inside another project's checkout is not that project's
+    commit)."""
     import subprocess
     here = os.path.dirname(os.path.abspath(__file__))
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
+                             timeout=10)
+        if top.returncode != 0 or os.path.realpath(os.path.join(top.stdout.strip(), "hkt")) != os.path.realpath(here):
+            return None
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
                               timeout=10)
         if head.returncode != 0:
