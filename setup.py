@@ -177,8 +177,10 @@ def source_hash(folder="csrc"):
     and warns when they differ.  The same function is in hkt/__init__.py."""
     h = hashlib.sha256()
     for name in sorted(os.listdir(folder)):
-        if name.endswith((".c", ".h", ".cu")):
-            with open(os.path.join(folder, name), "rb") as f:
+        path = os.path.join(folder, name)
+        # files only: an editor's lock file (.#x.c, a dangling link) is no source
+        if name.endswith((".c", ".h", ".cu")) and not name.startswith(".") and os.path.isfile(path):
+            with open(path, "rb") as f:
                 h.update(name.encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()[:16]
 

@@ -33,10 +33,14 @@ def _load_extension():
     if built is not None and os.path.isfile(os.path.join(csrc, "hkt.h")):
         import hashlib
         h = hashlib.sha256()  # as setup.py's source_hash
-        for name in sorted(os.listdir(csrc)):
-            if name.endswith((".c", ".h", ".cu")):
-                with open(os.path.join(csrc, name), "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read() + b"\0")
+        try:
+            for name in sorted(os.listdir(csrc)):
+                path = os.path.join(csrc, name)
+                if name.endswith((".c", ".h", ".cu")) and not name.startswith(".") and os.path.isfile(path):
+                    with open(path, "rb") as f:
+                        h.update(name.encode() + b"\0" + f.read() + b"\0")
+        except OSError:  # a check that only warns never stops the import
+            return
         if h.hexdigest()[:16] != built:
             import warnings
             warnings.warn(f"hkt._C was built from other C sources than those in {os.path.normpath(csrc)}: rebuild "

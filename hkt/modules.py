@@ -19,7 +19,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from . import _kernels
 from . import kvcache as _kvcache
 from .functional import _heads, _recording, hkt_attention, qkv_attention
-from .reference import masked_probs
+from .reference import float_mask_in, masked_probs
 from .varlen import hkt_attention_varlen, pack_levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
@@ -801,7 +801,7 @@ class MultiheadHKT(nn.Module):
                 if use_float:
                     m = _to_float_mask(m, dtype)
             else:
-                m = m.to(dtype)
+                m = float_mask_in(m, dtype)  # finite stays finite: a conversion must not hide an entry
             if n_extra > 0:  # appended key slots are never masked (MHA pads with 0 / False)
                 m = _pad_keys(m, n_extra)
             conv.append(m)

@@ -132,8 +132,9 @@ def hkt_attention_varlen(
 
 
 def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
-    if q[0].dtype == torch.bfloat16:  # w (and q, k, v off the native path) upcast first: a mix would pass unnoticed
-        _check_inputs(q, k, v, w)
+    # every dtype checked here: bfloat16 arrays are upcast before the extension sees
+    # them (w always, q, k, v off the native path), so a mix would pass unnoticed
+    _check_inputs(q, k, v, w)
     _, scale = _check_scalars(is_causal, 0.0, scale)
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
                                     v.requires_grad or w.requires_grad):

@@ -63,6 +63,11 @@ def test_extension_built_from_other_sources_warns(tmp_path):
     shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
     code = "import warnings; warnings.simplefilter('error'); import hkt"
     assert _import(tmp_path, code).returncode == 0  # the sources it was built from: silent
+    # what an editor or a user leaves there is no source: an Emacs lock file (a
+    # dangling link), a folder named like one
+    os.symlink("user@host.1234:1", tmp_path / "csrc" / ".#hkt_binding.c")
+    (tmp_path / "csrc" / "old.c").mkdir()
+    assert _import(tmp_path, code).returncode == 0
     with open(tmp_path / "csrc" / "hkt.h", "a") as f:
         f.write("/* edited, not rebuilt */\n")
     r = _import(tmp_path, code)

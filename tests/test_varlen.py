@@ -170,6 +170,22 @@ def test_bfloat16_computes_in_float32_off_the_native_path(monkeypatch):
     assert torch.equal(got, want.bfloat16())
 
 
+@pytest.mark.parametrize("which", ["k", "v", "w"])
+def test_mixed_dtypes_named_with_float32_queries(which):
+    """bfloat16 next to float32 queries: refused by name, as hkt_attention refuses it
+    (the extension sees bfloat16 upcast, so it cannot tell)."""
+    q, k, v, w = packed_inputs(LENS, LENS, 2, 8, 4, 3, dtype=F32, seed=3)
+    name = {"k": "k[0]", "v": "v", "w": "w"}[which]
+    if which == "k":
+        k = [x.bfloat16() for x in k]
+    elif which == "v":
+        v = v.bfloat16()
+    else:
+        w = w.bfloat16()
+    with pytest.raises(TypeError, match="^" + name.replace("[", r"\[").replace("]", r"\]") + ": dtype torch.bfloat16"):
+        varlen(q, k, v, w, LENS, LENS, False)
+
+
 def test_int64_offsets_and_max_seqlen():
     q, k, v, w = packed_inputs(LENS, LENS, 2, 4, 4, 2, seed=2)
     cu = cu_of(LENS, torch.int64)

@@ -111,6 +111,34 @@ def test_wider_float_mask_keeps_finite_values_finite():
                                reference(q, k, v, w, attn_mask=mask), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("module_dtype,mask_dtype", [(torch.float32, F64), (torch.bfloat16, torch.float32)])
+def test_module_float_masks_of_another_dtype(module_dtype, mask_dtype):
+    """MultiheadHKT converts masks to its dtype itself: the same rule (attn_mask and
+    key_padding_mask); a row hidden by the most negative finite number stays visible."""
+    E = 8
+    g = torch.Generator().manual_seed(12)
+    m = hkt.MultiheadHKT(E, 2, batch_first=True, levels=2)
+    x = torch.randn(2, 5, E, generator=g)
+    mask = _padding_row_mask(mask_dtype, T=5)
+    kpm = torch.zeros(2, 5, dtype=mask_dtype)
+    kpm[1] = torch.finfo(mask_dtype).min  # batch element 1 sees no key but through the mask's values
+    with torch.no_grad():
+        want_a = m(x, x, x, attn_mask=mask.float(), need_weights=False)[0] if mask_dtype == torch.float32 else None
+        m64 = hkt.MultiheadHKT(E, 2, batch_first=True, levels=2)
+        m64.load_state_dict(m.state_dict())
+        m64.double()
+        ref_a = m64(x.double(), x.double(), x.double(), attn_mask=mask.double(), need_weights=False)[0]
+        ref_k = m64(x.double(), x.double(), x.double(), key_padding_mask=kpm.double(), need_weights=False)[0]
+        m.to(module_dtype)
+        xm = x.to(module_dtype)
+        got_a = m(xm, xm, xm, attn_mask=mask, need_weights=False)[0]
+        got_k = m(xm, xm, xm, key_padding_mask=kpm, need_weights=False)[0]
+    tol = 2e-2 if module_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got_a[:, 1].double(), ref_a[:, 1], rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k[1].double(), ref_k[1], rtol=tol, atol=tol)
+    assert want_a is None or want_a.abs().sum() > 0
+
+
 def test_float32_mask_on_bfloat16_sdpa_backend():
     """backend="sdpa" computes bfloat16 in bfloat16: a float32 mask is converted, and
     finfo(float32).min lies beyond bfloat16's largest number."""
