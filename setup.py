@@ -27,7 +27,7 @@ needs only the NVIDIA driver (libcuda.so.1) where it is imported, not the
 toolkit nor a libcudart of one version, and it cannot clash with the libcudart
 torch loads: `ldd hkt/_C.abi3.so` lists no libcudart.
 """
-import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -172,17 +172,17 @@ LIMITED_API = 0x030A0000  # CPython 3.10; wheel tag cp310-abi3
 
 
 def source_hash(folder="csrc"):
-    """A digest of the C sources, built into the extension (hkt._C.source_hash):
-    hkt/__init__.py computes the same of the csrc/ beside it, where there is one,
-    and warns when they differ.  The same function is in hkt/__init__.py."""
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        path = os.path.join(folder, name)
-        # files only: an editor's lock file (.#x.c, a dangling link) is no source
-        if name.endswith((".c", ".h", ".cu")) and not name.startswith(".") and os.path.isfile(path):
-            with open(path, "rb") as f:
-                h.update(name.encode() + b"\0" + f.read() + b"\0")
-    return h.hexdigest()[:16]
+    """The digest of the C sources, built into the extension (hkt._C.source_hash):
+    hkt/__init__.py computes it of the csrc/ beside the package, where there is
+    one, and warns when they differ.  hkt/_sources.py's function, loaded by its
+    path (hkt itself cannot be imported before its extension is built)."""
+    spec = importlib.util.spec_from_file_location("_hkt_sources", os.path.join("hkt", "_sources.py"))
+    sources = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sources)
+    digest = sources.source_digest(folder)
+    if digest is None:
+        raise SystemExit(f"error: cannot read the C sources in {folder}/")
+    return digest
 
 
 # libm: exp, log, sqrt (a Python process has it loaded, but the extension says so itself)

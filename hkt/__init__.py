@@ -31,17 +31,10 @@ def _load_extension():
     csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "csrc")
     built = getattr(_C, "source_hash", None)
     if built is not None and os.path.isfile(os.path.join(csrc, "hkt.h")):
-        import hashlib
-        h = hashlib.sha256()  # as setup.py's source_hash
-        try:
-            for name in sorted(os.listdir(csrc)):
-                path = os.path.join(csrc, name)
-                if name.endswith((".c", ".h", ".cu")) and not name.startswith(".") and os.path.isfile(path):
-                    with open(path, "rb") as f:
-                        h.update(name.encode() + b"\0" + f.read() + b"\0")
-        except OSError:  # a check that only warns never stops the import
-            return
-        if h.hexdigest()[:16] != built:
+        from ._sources import source_digest
+        here = source_digest(csrc)
+        # None: unreadable, and a check that only warns never stops the import
+        if here is not None and here != built:
             import warnings
             warnings.warn(f"hkt._C was built from other C sources than those in {os.path.normpath(csrc)}: rebuild "
                           "it (`pip install -e .` or `make install` there), or the Python layer and the kernels "

@@ -104,8 +104,9 @@ def hkt_attention_varlen(
         sequence by sequence (O(T_s S_s) memory).
 
     CPU only; float32, float64 (own precision) and bfloat16 (natively, or
-    computed in float32, where :func:`hkt.hkt_attention` runs it so); eager mode (no TorchScript, no custom op for torch.compile yet).
-    No attention mask and no dropout.  Under ``torch.autocast`` the inputs
+    computed in float32, where :func:`hkt.hkt_attention` runs it so); eager
+    mode (no TorchScript, no custom op for torch.compile yet).  No attention
+    mask and no dropout.  Under ``torch.autocast`` the inputs
     are cast as :func:`hkt.hkt_attention` casts them.
 
     Raises:
