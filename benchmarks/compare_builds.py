@@ -11,6 +11,8 @@ see the same machine state) and prints the new/old time ratios.
     python benchmarks/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick]
 
 Only calls both builds support (no grouped-query heads, which older builds lack).
+bfloat16 inputs (native kernels, where both builds and the CPU have them) take
+float32 outputs and gradients, which every build with them writes.
 """
 import argparse
 import importlib.util
@@ -51,14 +53,16 @@ def run(mod, q, k, v, w, causal, dropout_p, threads, backward=True, strided=Fals
     B, H, T, _ = q[0].shape
     lay = heads_layout if strided else (lambda x: x)
     q, k, v = [lay(x) for x in q], [lay(x) for x in k], lay(v)
-    out = lay(torch.empty(B, H, T, v.shape[3], dtype=q[0].dtype))
-    lse = torch.empty(B, H, T, dtype=q[0].dtype)
+    real = torch.float32 if q[0].dtype == torch.bfloat16 else q[0].dtype  # bfloat16 computes in float32
+    out = lay(torch.empty(B, H, T, v.shape[3], dtype=real))
+    lse = torch.empty(B, H, T, dtype=real)
     mod.forward(q, k, v, w, out, lse, None, causal, None, dropout_p, 7, threads)
     if not backward:
         return [out, lse]
-    dq, dk = [lay(torch.empty_like(x)) for x in q], [lay(torch.empty_like(x)) for x in k]
-    dv, dw = lay(torch.empty_like(v)), torch.empty_like(w)
-    mod.backward(lay(torch.ones_like(out)), q, k, v, w, out, lse, dq, dk, dv, dw, None, causal, None, dropout_p, 7,
+    dq, dk = [lay(torch.empty(x.shape, dtype=real)) for x in q], [lay(torch.empty(x.shape, dtype=real)) for x in k]
+    dv, dw = lay(torch.empty(v.shape, dtype=real)), torch.empty_like(w)
+    dout = lay(torch.ones(out.shape, dtype=q[0].dtype))
+    mod.backward(dout, q, k, v, w, lay(out.to(q[0].dtype)), lse, dq, dk, dv, dw, None, causal, None, dropout_p, 7,
                  threads)
     return [out, lse, *dq, *dk, dv, dw]
 
@@ -81,7 +85,21 @@ def main():
                         a = run(old, q, k, v, w, causal, dp, 2, strided=strided)
                         b = run(new, q, k, v, w, causal, dp, 2, strided=strided)
                         same &= all(torch.equal(x, y) for x, y in zip(a, b))
-    print(f"bitwise identical outputs and gradients on 48 calls (contiguous and strided rows): {same}")
+    calls = 48
+    if new.cpu_has_bf16() and old.cpu_has_bf16():
+        # native bfloat16: both backward schedules (B * H >= threads, and one head)
+        for B, H, T, D, L in [(1, 4, 300, 64, 3), (1, 1, 257, 32, 2)]:
+            for causal in (False, True):
+                for dp in (0.0, 0.2):
+                    for strided in (False, True):
+                        q, k, v, w = sample_inputs(B, H, T, T, D, D, L, dtype=torch.float32)
+                        q, k, v = [x.to(torch.bfloat16) for x in q], [x.to(torch.bfloat16) for x in k], \
+                            v.to(torch.bfloat16)
+                        a = run(old, q, k, v, w, causal, dp, 2, strided=strided)
+                        b = run(new, q, k, v, w, causal, dp, 2, strided=strided)
+                        same &= all(torch.equal(x, y) for x, y in zip(a, b))
+                        calls += 1
+    print(f"bitwise identical outputs and gradients on {calls} calls (contiguous and strided rows): {same}")
     reps = 3 if args.quick else 9
     print(f"{'call':38s} {'old ms':>8s} {'new ms':>8s} {'new/old':>8s}   (medians of {reps}, interleaved)")
     Ts = [512] if args.quick else [512, 2048]

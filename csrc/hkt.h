@@ -56,9 +56,10 @@ extern "C" {
 #define HKT_CPU_TILE 64
 
 /* HKT_BFLOAT16 (the CPU, where hkt_cpu_has_bf16(); D even): q, k and v are
- * bfloat16, and in the backward dout and out too (the forward's out is float32);
- * every other real array -- w, the float mask, lse, the gradients -- is
- * float32.  The backward needs Dv even as well. */
+ * bfloat16, and in the backward dout and out too; every other real array -- w,
+ * the float mask, lse, dw -- is float32, and so are the forward's out and the
+ * backward's dq, dk and dv unless bf16_out says they are bfloat16.  The
+ * backward needs Dv even as well. */
 enum hkt_dtype { HKT_FLOAT32 = 0, HKT_FLOAT64 = 1, HKT_BFLOAT16 = 2 };
 enum hkt_mask_kind { HKT_MASK_NONE = 0, HKT_MASK_BOOL = 1, HKT_MASK_FLOAT = 2 };
 
@@ -88,6 +89,18 @@ typedef struct {
     double scale;
     double dropout_p;          /* 0 disables dropout */
     uint64_t seed;
+
+    /* HKT_BFLOAT16 on the CPU only: 1 when the forward's out, or the
+     * backward's dq, dk and dv, are bfloat16.  The kernels still sum in
+     * float32 (the forward a query tile's rows in its workspace, the backward
+     * every gradient in grad_acc) and round each finished row once, to nearest
+     * even on the bits as torch's vectorised conversion does (subnormals kept,
+     * a NaN as 0xFFFF): the same bits as float32 outputs rounded afterwards,
+     * without that pass over memory. */
+    int bf16_out;
+    /* the backward with bf16_out: hkt_grad_acc_bytes of host memory, float32
+     * sums of dq, dk and dv, from the caller */
+    void *grad_acc;
 
     /* forward outputs / backward inputs */
     void *out;
@@ -134,6 +147,10 @@ typedef struct {
 size_t hkt_workspace_bytes(const hkt_params *p, int backward);
 /* Bytes of dw_partial the backward needs: B*H*T + B*H*ceil(S/64)*L reals. */
 size_t hkt_dw_partial_bytes(const hkt_params *p);
+/* Bytes of grad_acc the backward needs: float32 dq, dk and dv of every level
+ * where bf16_out is set (B*(H*sum_l Tl + H_kv*sum_l Sl)*D + B*H_kv*S*Dv
+ * floats), else 0; SIZE_MAX when that does not fit in a size_t. */
+size_t hkt_grad_acc_bytes(const hkt_params *p);
 /* Bytes of device scratch (dw_partial) the CUDA backward needs (SIZE_MAX when
  * that does not fit in size_t): B*H*T reals (delta) then B*H*ceil(T/G)*L reals (dw
  * partials, G = 2^(L-1) query rows per dq task); a real is itemsize bytes (4

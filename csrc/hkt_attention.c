@@ -332,6 +332,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
             w.values_all = w.keys_all + keys_all - value_pairs;
             w.value_tile = at; at += round16(BK / 2 * p->Dv);
             w.p_bf16 = at;     at += BQ * BK / 2;
+            if (p->bf16_out) { w.out_tile = at; at += round16(BQ * p->Dv); }
         }
     }
     w.total = at;
@@ -349,6 +350,52 @@ size_t hkt_dw_partial_bytes(const hkt_params *p) {
     size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     int64_t nkt = (p->S + BK - 1) / BK;
     return (size_t)(p->B * p->H * (p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;
+}
+
+/* The float32 sums of dq, dk and dv in grad_acc, one after another, each
+ * C-contiguous: dq[0..L), dk[0..L), dv.  Returns their floats (-1 on overflow);
+ * with acc, points acc's dq, dk and dv there. */
+static int64_t grad_acc_layout(const hkt_params *p, hkt_params *acc) {
+    int64_t at = 0, n;
+    for (int side = 0; side < 2; side++)
+        for (int l = 0; l < p->L; l++) {
+            const int64_t heads = side ? p->H_kv : p->H, rows = level_len(side ? p->S : p->T, l);
+            if (__builtin_mul_overflow(rows, p->D, &n) || __builtin_mul_overflow(n, heads, &n) ||
+                __builtin_mul_overflow(n, p->B, &n))
+                return -1;
+            if (acc) {
+                void **ptr = side ? &acc->dk[l] : &acc->dq[l];
+                int64_t *st = side ? acc->dk_stride[l] : acc->dq_stride[l];
+                *ptr = (float *)p->grad_acc + at;
+                st[0] = heads * rows * p->D;
+                st[1] = rows * p->D;
+                st[2] = p->D;
+            }
+            if (__builtin_add_overflow(at, n, &at)) return -1;
+        }
+    if (__builtin_mul_overflow(p->S, p->Dv, &n) || __builtin_mul_overflow(n, p->H_kv, &n) ||
+        __builtin_mul_overflow(n, p->B, &n))
+        return -1;
+    if (acc) {
+        acc->dv = (float *)p->grad_acc + at;
+        acc->dv_stride[0] = p->H_kv * p->S * p->Dv;
+        acc->dv_stride[1] = p->S * p->Dv;
+        acc->dv_stride[2] = p->Dv;
+    }
+    return __builtin_add_overflow(at, n, &at) ? -1 : at;
+}
+
+size_t hkt_grad_acc_bytes(const hkt_params *p) {
+    if (!(p->dtype == HKT_BFLOAT16 && p->bf16_out)) return 0;
+    const int64_t n = grad_acc_layout(p, NULL);
+    size_t bytes;
+    if (n < 0 || __builtin_mul_overflow((size_t)n, sizeof(float), &bytes)) return SIZE_MAX;
+    return bytes;
+}
+
+void hkt_grad_acc_params(const hkt_params *p, hkt_params *acc) {
+    *acc = *p;
+    grad_acc_layout(p, acc);
 }
 
 /* A call this small (multiply-adds of standard attention's forward, or its

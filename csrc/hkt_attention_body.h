@@ -43,6 +43,7 @@ static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
                     int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h);
 static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
+static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t b, int64_t hk);
 #define BF16_INPUTS(p) ((p)->dtype == HKT_BFLOAT16)
 #else
 #define HKT_BF16_BACKWARD 0
@@ -630,7 +631,7 @@ typedef struct {
  * group, run one after another, share them -- and zeroes the task's out rows
  * (nq of them, from ob) and its running max and sums. */
 static void start_task(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h, int64_t nq,
-                       real *ob, real **keys_all, int64_t *keys_ld, int64_t *zero) {
+                       real *ob, int64_t ldo, real **keys_all, int64_t *keys_ld, int64_t *zero) {
     thread_state *state = (thread_state *)block;
     real *base = (real *)(block + WS_HEADER);
     for (int l = 0; l < p->L; l++) {
@@ -647,7 +648,7 @@ static void start_task(const hkt_params *p, const ws_layout *ws, char *block, in
     for (int64_t r = 0; r < nq; r++) {
         m[r] = -INFINITY;
         vstore(lsum + r * VL, (vec){0});
-        real *orow = ob + r * p->out_stride[2];
+        real *orow = ob + r * ldo;
         for (int64_t e = 0; e < p->Dv; e++) orow[e] = 0;
     }
 }
@@ -690,7 +691,7 @@ static inline vec exp_shift_lanes(real *restrict x, int64_t n, real m) {
  * dependent FMAs, have no branchy scalar code between them and overlap in the
  * core: about a third faster on a core with full-width AVX-512. */
 static void softmax_update(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
-                           int64_t i0, int64_t nq, int64_t j0, int64_t nk, real *ob) {
+                           int64_t i0, int64_t nq, int64_t j0, int64_t nk, real *ob, int64_t ldo) {
     const int use_dropout = p->dropout_p > 0;
     const uint64_t sm = mix64(p->seed), th = keep_threshold(p->dropout_p);
     const real kf = (real)keep_scale(p->dropout_p);
@@ -714,7 +715,7 @@ static void softmax_update(const hkt_params *p, const ws_layout *ws, real *base,
         const real alpha = m[r] == -INFINITY ? 0 : mnew[r] == m[r] ? 1 : exp_nonpos(m[r] - mnew[r]);
         vstore(lsum + r * VL, vload(lsum + r * VL) * alpha + exp_shift_lanes(srow, nk, mnew[r]));
         if (alpha != 1) {
-            real *orow = ob + r * p->out_stride[2];
+            real *orow = ob + r * ldo;
             for (int64_t e = 0; e < p->Dv; e++) orow[e] *= alpha;
         }
         m[r] = mnew[r];
@@ -727,12 +728,12 @@ static void softmax_update(const hkt_params *p, const ws_layout *ws, real *base,
 
 /* The out rows divided by their softmax sums, and each row's log-sum-exp. */
 static void finish_rows(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
-                        int64_t nq, real *ob) {
+                        int64_t nq, real *ob, int64_t ldo) {
     const int64_t Dv = p->Dv;
     const real *m = base + ws->row_max, *lsum = base + ws->row_sums;
     real *lse = (real *)p->lse + (b * p->H + h) * p->T + i0;
     for (int64_t r = 0; r < nq; r++) {
-        real *orow = ob + r * p->out_stride[2];
+        real *orow = ob + r * ldo;
         const real total = lanes_total(vload(lsum + r * VL));
         if (total > 0) {
             const real inv = 1 / total;
@@ -764,7 +765,7 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
     real *ktall[HKT_MAX_LEVELS];
     int64_t ktld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
     const real *kt[HKT_MAX_LEVELS];
-    start_task(p, ws, block, b, h, nq, ob, ktall, ktld, zero);
+    start_task(p, ws, block, b, h, nq, ob, p->out_stride[2], ktall, ktld, zero);
     if (ws->pack_q_tile)
         for (int l = 0; l < p->L; l++) {
             const span sp = level_span(l, i0, i1, 0, 1);
@@ -788,12 +789,12 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
             load_key_tile(p, ws, base, b, h, j0, j1, kt, tld);
             tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, tld, 0);
         }
-        softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
+        softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob, p->out_stride[2]);
         const int64_t ldv = ws->pack_v ? Dv : p->v_stride[2];
         gemm_diag(diagonal_tile(p, i0, j0), DIAG_ROWS, nq, Dv, nk, 1, Sbuf, BK, (ws->pack_v ? vpack : vb) + j0 * ldv,
                   ldv, ob, p->out_stride[2], 1);
     }
-    finish_rows(p, ws, base, b, h, i0, nq, ob);
+    finish_rows(p, ws, base, b, h, i0, nq, ob, p->out_stride[2]);
 }
 
 typedef void (*forward_task_fn)(const hkt_params *, const ws_layout *, char *, int64_t, int64_t, int64_t);
@@ -1219,6 +1220,17 @@ static void backward_prepare(const hkt_params *p, const ws_layout *ws, int64_t b
     for (int64_t i = 0; i < T; i++) delta[i] = dot_exact(Dv, dob + i * p->dout_stride[2], ob + i * p->out_stride[2]);
 }
 
+/* Rounds (b, kv head hk)'s finished gradients -- dk and dv, and dq of its
+ * group of query heads -- from their float32 sums (acc) into dst's bfloat16
+ * arrays (bf16_out). */
+static inline void grads_out(const hkt_params *dst, const hkt_params *acc, int64_t b, int64_t hk) {
+#if HKT_BF16_BACKWARD
+    grads_out_bf16(dst, acc, b, hk);
+#else
+    (void)dst, (void)acc, (void)b, (void)hk;
+#endif
+}
+
 /* Two schedules, bitwise equal results:
  *  - one task per (b, kv head), owning all the gradient rows of the kv head and
  *    of its group of query heads (no atomics): used when there are at least as
@@ -1229,6 +1241,15 @@ static void backward_prepare(const hkt_params *p, const ws_layout *ws, int64_t b
  *    scores are recomputed in both passes, the price of using every thread.
  * dw is reduced from per-(b, h, key tile) partials in a fixed order. */
 static void backward(const hkt_params *p) {
+    const hkt_params *dst = NULL; /* bfloat16 gradients: where they go, p then holding their float32 sums */
+#if HKT_BF16_BACKWARD
+    hkt_params acc;
+    if (BF16_INPUTS(p) && p->bf16_out) {
+        hkt_grad_acc_params(p, &acc);
+        dst = p;
+        p = &acc;
+    }
+#endif
     const ws_layout ws = hkt_ws_layout(p, 1);
     const size_t wsb = hkt_workspace_bytes(p, 1);
     const int64_t nbh = p->B * p->H, nbk = p->B * p->H_kv, nkt = (p->S + BK - 1) / BK, nqt = (p->T + BQ - 1) / BQ;
@@ -1240,7 +1261,11 @@ static void backward(const hkt_params *p) {
     for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, t / p->H, t % p->H);
     if (nbk >= nt) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < nbk; t++) backward_kv_head(p, &ws, BASE, t / p->H_kv, t % p->H_kv);
+        for (int64_t t = 0; t < nbk; t++) {
+            backward_kv_head(p, &ws, BASE, t / p->H_kv, t % p->H_kv);
+            /* the task's gradient rows are final: rounded while they are in cache */
+            if (dst) grads_out(dst, p, t / p->H_kv, t % p->H_kv);
+        }
     } else {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t t = 0; t < nbk * nkc; t++) {
@@ -1254,6 +1279,10 @@ static void backward(const hkt_params *p) {
             const int64_t bh = t / nqc, c = nqc - 1 - t % nqc; /* causal: costlier chunks first */
             backward_queries_range(p, &ws, BASE, bh / p->H, bh % p->H, c * span,
                                    (c + 1) * span < nqt ? (c + 1) * span : nqt);
+        }
+        if (dst) {
+#pragma omp parallel for schedule(static) num_threads(nt)
+            for (int64_t t = 0; t < nbk; t++) grads_out(dst, p, t / p->H_kv, t % p->H_kv);
         }
     }
     if (p->dmask) {

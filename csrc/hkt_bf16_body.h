@@ -350,7 +350,34 @@ static BF16_TARGET void row_pairs_t(const float *src, int64_t lds, int64_t n, in
     }
 }
 
-/* forward_task (hkt_attention_body.h) with bfloat16 inputs. */
+/* bfloat16 of 16 floats as torch's vectorised conversion (x86) rounds them:
+ * to nearest, ties to even, on the bits -- subnormals kept, which
+ * vcvtne2ps2bf16 flushes to zero -- and a NaN as 0xFFFF. */
+static inline __attribute__((always_inline)) BF16_TARGET __m256i round_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xFFFF)));
+}
+
+/* n finished rows of w floats (lds apart) into n bfloat16 rows (ldd apart),
+ * round_bf16's rounding: bf16_out's results. */
+static BF16_TARGET void rows_out_bf16(const float *src, int64_t lds, int64_t n, int64_t w, bf16 *dst, int64_t ldd) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *s = src + r * lds;
+        bf16 *d = dst + r * ldd;
+        for (int64_t c = 0; c < w; c += 16) {
+            const __mmask16 m = w - c >= 16 ? 0xFFFF : (__mmask16)((1u << (w - c)) - 1);
+            _mm256_mask_storeu_epi16(d + c, m, round_bf16(_mm512_maskz_loadu_ps(m, s + c)));
+        }
+    }
+}
+
+/* forward_task (hkt_attention_body.h) with bfloat16 inputs.  With bf16_out the
+ * task's out rows are summed in its workspace (out_tile) and rounded once,
+ * finished. */
 static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *ws, char *block, int64_t b, int64_t h,
                                           int64_t qt) {
     const int64_t T = p->T, S = p->S, Dv = p->Dv;
@@ -358,12 +385,14 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
     float *base = (float *)(block + WS_HEADER);
     float *ready = base + ws->keys_ready;
     bf16 *pb = (bf16 *)(base + ws->p_bf16);
-    float *ob = (float *)p->out + b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
+    const int64_t out_at = b * p->out_stride[0] + h * p->out_stride[1] + i0 * p->out_stride[2];
+    float *ob = p->bf16_out ? base + ws->out_tile : (float *)p->out + out_at;
+    const int64_t ldo = p->bf16_out ? Dv : p->out_stride[2];
     const bf16 *vb = (const bf16 *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
     float *kall[HKT_MAX_LEVELS]; /* holding 32-bit words: bfloat16 pairs */
     uint32_t *vall = (uint32_t *)(base + ws->values_all);
     int64_t kld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
-    start_task(p, ws, block, b, h, nq, ob, kall, kld, zero);
+    start_task(p, ws, block, b, h, nq, ob, ldo, kall, kld, zero);
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
     for (int64_t j0 = 0; j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
@@ -392,11 +421,12 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
         }
         grams_bf16(p, ws, base, b, h, i0, i1, j0, j1, kp, ld);
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
-        softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob);
+        softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob, ldo);
         rows_to_bf16(base + ws->scores, BK, nq, nk, 1.0f, pb, BK);
-        gemm_bf16(ws, nq, Dv, (nk + 1) / 2, pb, 2 * BK, 4, vp, Dv, ob, p->out_stride[2], 1);
+        gemm_bf16(ws, nq, Dv, (nk + 1) / 2, pb, 2 * BK, 4, vp, Dv, ob, ldo, 1);
     }
-    finish_rows(p, ws, base, b, h, i0, nq, ob);
+    finish_rows(p, ws, base, b, h, i0, nq, ob, ldo);
+    if (p->bf16_out) rows_out_bf16(ob, ldo, nq, Dv, (bf16 *)p->out + out_at, p->out_stride[2]);
 }
 
 void hkt_forward_bf16_avx512(const hkt_params *p) { run_forward(p, forward_task_bf16); }
@@ -496,6 +526,25 @@ static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l
     float *dk = (float *)p->dk[l] + b * p->dk_stride[l][0] + kv_head(p, h) * p->dk_stride[l][1] +
                 c0 * p->dk_stride[l][2];
     gemm_rows_t(ws, base, cl, p->D, rl, dsl, ldsl, wl, dsp, qp, p->D, dk, p->dk_stride[l][2]);
+}
+
+static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t b, int64_t hk) {
+    const int64_t group = dst->H / dst->H_kv;
+    for (int l = 0; l < dst->L; l++) {
+        const int64_t Tl = level_len(dst->T, l), Sl = level_len(dst->S, l);
+        for (int64_t h = hk * group; h < (hk + 1) * group; h++)
+            rows_out_bf16((const float *)acc->dq[l] + b * acc->dq_stride[l][0] + h * acc->dq_stride[l][1],
+                          acc->dq_stride[l][2], Tl, dst->D,
+                          (bf16 *)dst->dq[l] + b * dst->dq_stride[l][0] + h * dst->dq_stride[l][1],
+                          dst->dq_stride[l][2]);
+        rows_out_bf16((const float *)acc->dk[l] + b * acc->dk_stride[l][0] + hk * acc->dk_stride[l][1],
+                      acc->dk_stride[l][2], Sl, dst->D,
+                      (bf16 *)dst->dk[l] + b * dst->dk_stride[l][0] + hk * dst->dk_stride[l][1],
+                      dst->dk_stride[l][2]);
+    }
+    rows_out_bf16((const float *)acc->dv + b * acc->dv_stride[0] + hk * acc->dv_stride[1], acc->dv_stride[2],
+                  dst->S, dst->Dv, (bf16 *)dst->dv + b * dst->dv_stride[0] + hk * dst->dv_stride[1],
+                  dst->dv_stride[2]);
 }
 
 static inline float bf16_value(bf16 x) {

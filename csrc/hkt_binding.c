@@ -941,8 +941,11 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     {
         int64_t want[4] = {p->B, p->H, p->T, p->Dv};
         const void *ptr;
-        /* the forward writes float32; the backward reads the bfloat16 result */
-        if (take_4d(ot, "out", output ? cref : q0, want, "= (B, H, T, Dv)", 0, output, &ptr, p->out_stride))
+        /* the forward writes float32, or bfloat16 on the CPU (bf16_out); the
+         * backward reads the bfloat16 result */
+        p->bf16_out = output && p->dtype == HKT_BFLOAT16 && is_bf16(ot) && !q0_on_cuda(q0);
+        if (take_4d(ot, "out", output && !p->bf16_out ? cref : q0, want, "= (B, H, T, Dv)", 0, output, &ptr,
+                    p->out_stride))
             goto done;
         p->out = (void *)ptr;
         note_span(hd, ot, "out", output);
@@ -1004,11 +1007,13 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 #endif
     if (check_caller_stack()) return -1;
     const size_t per = hkt_workspace_bytes(p, backward);
-    const size_t extra = backward ? hkt_dw_partial_bytes(p) : 0;
-    size_t total;
+    /* the backward's delta and dw partials, then (bfloat16 gradients) their float32 sums, 64-byte aligned */
+    const size_t partial = backward ? (hkt_dw_partial_bytes(p) + 63) / 64 * 64 : 0;
+    const size_t acc = backward ? hkt_grad_acc_bytes(p) : 0;
+    size_t total, extra = SIZE_MAX;
     char *mem = NULL;
-    if (!__builtin_mul_overflow(per, (size_t)p->num_threads, &total) &&
-        !__builtin_add_overflow(total, extra + 64, &total))
+    if (!__builtin_add_overflow(partial, acc, &extra) && !__builtin_mul_overflow(per, (size_t)p->num_threads, &total) &&
+        !__builtin_add_overflow(total, extra, &total) && !__builtin_add_overflow(total, 64, &total))
         mem = malloc(total); /* PyMem_RawMalloc is not in the 3.10 limited API */
     if (!mem) {
         char gib[32]; /* PyErr_Format has no %g */
@@ -1020,6 +1025,7 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
     }
     p->workspace = mem;
     p->dw_partial = backward ? mem + per * (size_t)p->num_threads : NULL;
+    p->grad_acc = acc ? mem + per * (size_t)p->num_threads + partial : NULL;
     Py_BEGIN_ALLOW_THREADS
     if (backward) hkt_backward_cpu(p);
     else hkt_forward_cpu(p);
@@ -1038,8 +1044,9 @@ PyDoc_STRVAR(forward_doc,
 "(B, H, T) (C-contiguous), both of q's dtype, sharing no element with any\n"
 "other argument.  Inputs may have any strides with unit stride along\n"
 "features.  bfloat16 q, k and v (CPU, where\n"
-"cpu_has_bf16(), even D) run natively and take w, a float mask, out and lse in\n"
-"float32.  attn_mask: None or 4-D, each dimension 1 or\n"
+"cpu_has_bf16(), even D) run natively and take w, a float mask and lse in\n"
+"float32, out in float32 or bfloat16 (summed in float32, each row rounded\n"
+"once as torch rounds).  attn_mask: None or 4-D, each dimension 1 or\n"
 "that of (B, H, T, S), bool (True = visible) or float (added), any strides.\n"
 "num_threads <= 0 uses OpenMP's default; at most 1024.  key_cache_bytes caps\n"
 "the CPU forward's per-thread transposed-key caches (with the packed copies\n"
@@ -1086,11 +1093,27 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+/* Which dtype the backward's dq, dk and dv are written in: alt (bfloat16 q on
+ * the CPU: the inputs' dtype) or the compute dtype (the ref take_level_outputs
+ * and the like are given), the same for all of them, the first one met
+ * deciding.  alt NULL: the compute dtype only. */
+typedef struct {
+    const DLTensor *alt;
+    int chose_alt; /* -1 until the first gradient is met */
+} grad_dtype;
+
+static const DLTensor *grad_ref(grad_dtype *gd, const DLTensor *t, const DLTensor *ref) {
+    if (!gd || !gd->alt) return ref;
+    if (gd->chose_alt < 0) gd->chose_alt = is_bf16(t);
+    return gd->chose_alt ? gd->alt : ref;
+}
+
 /* dq / dk: a sequence of L output arrays, level l of shape want[l] (nd = 4:
  * (B, heads, rows, D) through take_4d; nd = 3: packed (rows, heads, D) through
  * take_3d); fills ptrs and strides. */
 static int take_level_outputs(held *hd, PyObject *seq, const char *base, int L, int nd, const int64_t (*want)[4],
-                              const char *meaning, const DLTensor *q0, void **ptrs, int64_t (*strides)[3]) {
+                              const char *meaning, const DLTensor *q0, grad_dtype *gd, void **ptrs,
+                              int64_t (*strides)[3]) {
     PyObject *tuple;
     char name[32];
     int rc = -1;
@@ -1103,8 +1126,10 @@ static int take_level_outputs(held *hd, PyObject *seq, const char *base, int L, 
         const void *ptr;
         level_name(name, base, l);
         const DLTensor *t = import_array(hd, PyTuple_GetItem(tuple, l), name);
-        if (!t || (nd == 4 ? take_4d(t, name, q0, want[l], meaning, 0, 1, &ptr, strides[l])
-                           : take_3d(t, name, q0, want[l], meaning, 0, 1, &ptr, strides[l])))
+        if (!t) goto done;
+        const DLTensor *ref = grad_ref(gd, t, q0);
+        if (nd == 4 ? take_4d(t, name, ref, want[l], meaning, 0, 1, &ptr, strides[l])
+                    : take_3d(t, name, ref, want[l], meaning, 0, 1, &ptr, strides[l]))
             goto done;
         ptrs[l] = (void *)ptr;
         note_span(hd, t, name, 1);
@@ -1117,7 +1142,7 @@ done:
 
 /* dq / dk of hkt_attention's backward: shaped like q / k. */
 static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_params *p,
-                      const DLTensor *q0, int is_q, void **ptrs, int64_t (*strides)[3]) {
+                      const DLTensor *q0, int is_q, grad_dtype *gd, void **ptrs, int64_t (*strides)[3]) {
     int64_t want[HKT_MAX_LEVELS][4];
     for (int l = 0; l < p->L; l++) {
         want[l][0] = p->B;
@@ -1126,7 +1151,7 @@ static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_param
         want[l][3] = p->D;
     }
     return take_level_outputs(hd, seq, base, p->L, 4, (const int64_t (*)[4])want, is_q ? "like q" : "like k", q0,
-                              ptrs, strides);
+                              gd, ptrs, strides);
 }
 
 /* dmask: the float mask's gradient, C-contiguous, shaped like the mask. */
@@ -1181,7 +1206,9 @@ PyDoc_STRVAR(backward_doc,
 "broadcast dimensions.  dropout_p and seed must be\n"
 "the forward's.\n\n"
 "bfloat16 q, k, v, dout and out (CPU, where cpu_has_bf16(), D and Dv even) run\n"
-"natively, with lse, w, a float mask and the gradients float32.\n\n"
+"natively, with lse, w, a float mask, dw and dmask float32, and dq, dk and dv\n"
+"either all float32 or all bfloat16 (summed in float32 in memory the call\n"
+"allocates, each row rounded once as torch rounds).\n\n"
 "CUDA arrays: queued on stream, as for forward.  scratch: a C-contiguous\n"
 "array on q's device of at least cuda_scratch_bytes(B, H, T, L, itemsize)\n"
 "bytes, aligned to the real type, sharing memory with no other argument: the\n"
@@ -1222,16 +1249,19 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
         if (!t || take_4d(t, "dout", q0, want, "= (B, H, T, Dv)", 0, 0, &p.dout, p.dout_stride)) goto done;
         note_span(&hd, t, "dout", 0);
     }
-    if (take_grads(&hd, dq, "dq", &p, cref, 1, p.dq, p.dq_stride)) goto done;
-    if (take_grads(&hd, dk, "dk", &p, cref, 0, p.dk, p.dk_stride)) goto done;
+    /* dq, dk and dv: float32, or all bfloat16 on the CPU (bf16_out) */
+    grad_dtype gd = {p.dtype == HKT_BFLOAT16 && !q0_on_cuda(q0) ? q0 : NULL, -1};
+    if (take_grads(&hd, dq, "dq", &p, cref, 1, &gd, p.dq, p.dq_stride)) goto done;
+    if (take_grads(&hd, dk, "dk", &p, cref, 0, &gd, p.dk, p.dk_stride)) goto done;
     {
         int64_t want[4] = {p.B, p.H_kv, p.S, p.Dv};
         const void *ptr;
         t = import_array(&hd, dv, "dv");
-        if (!t || take_4d(t, "dv", cref, want, "like v", 0, 1, &ptr, p.dv_stride)) goto done;
+        if (!t || take_4d(t, "dv", grad_ref(&gd, t, cref), want, "like v", 0, 1, &ptr, p.dv_stride)) goto done;
         p.dv = (void *)ptr;
         note_span(&hd, t, "dv", 1);
     }
+    p.bf16_out = gd.chose_alt == 1;
     {
         int64_t want[2] = {p.H, p.L};
         t = import_array(&hd, dw, "dw");
@@ -1689,7 +1719,7 @@ static int take_packed_grads(held *hd, PyObject *seq, const char *base, const hk
         want[l][2] = p->D;
     }
     return take_level_outputs(hd, seq, base, p->L, 3, (const int64_t (*)[4])want, is_q ? "like q" : "like k", q0,
-                              ptrs, strides);
+                              NULL, ptrs, strides);
 }
 
 /* dout, dq, dk, dv and dw of a packed backward. */

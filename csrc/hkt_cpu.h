@@ -123,6 +123,7 @@ typedef struct {
     int64_t values_all;     /* one (b, kv head)'s values as row pairs, (ceil(S / 2), Dv) 32-bit words */
     int64_t value_tile;     /* (BK / 2, Dv) words: one tile's values as row pairs */
     int64_t p_bf16;         /* BQ x BK bfloat16: the tile's P, rounded */
+    int64_t out_tile;       /* (BQ, Dv), with bf16_out: the task's out rows, summed in float32 */
     /* bfloat16 backward only (key_tile and values_t then hold pairs) */
     int64_t key_pairs;      /* levels: the tile's keys as row pairs, (ceil(cols / 2), D) words each */
     int64_t q_pairs;        /* levels: the pair's query rows as row pairs, (ceil(rows / 2), D) words each */
@@ -151,6 +152,9 @@ typedef struct {
 } ws_layout;
 
 ws_layout hkt_ws_layout(const hkt_params *p, int backward);
+/* The backward with bf16_out: acc = p with dq, dk and dv pointed at their
+ * float32 sums in p->grad_acc (hkt_grad_acc_bytes), C-contiguous. */
+void hkt_grad_acc_params(const hkt_params *p, hkt_params *acc);
 /* Row length of level l's transposed keys in keys_all. */
 int64_t hkt_keys_all_ld(const hkt_params *p, int l);
 

@@ -143,21 +143,24 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
         raise RuntimeError("dropout_p: hkt's dropout cannot be captured in a CUDA graph (each replay would "
                            "repeat the captured dropout mask); capture with dropout_p=0")
     dtype = compute_dtype(q0.dtype)
+    native = q0.dtype == _BF16 and _native_bf16(q0)
+    # native bfloat16 writes its out in bfloat16 (summed in float32, rounded once in the kernel)
+    out_dtype = q0.dtype if native else dtype
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
     if like_inputs and v.dim() == 4 and v.shape[-1] == q0.shape[-1] and _like(q0):
-        out = _empty_like_layout(q0, dtype)
+        out = _empty_like_layout(q0, out_dtype)
     else:
-        out = _empty((*lead, v.shape[-1] if v.dim() else 0), dtype, q0)
+        out = _empty((*lead, v.shape[-1] if v.dim() else 0), out_dtype, q0)
     lse = _empty(lead, dtype, q0)
-    # native (and float32/float64): q, k, v as they are; w, mask, out, lse in the compute dtype
-    if q0.dtype == _BF16 and not (_native_bf16(q0) or _cuda_tc(q, v, dropout_p)):
+    # native (and float32/float64): q, k, v as they are; w, mask, lse in the compute dtype
+    if q0.dtype == _BF16 and not (native or _cuda_tc(q, v, dropout_p)):
         qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
     else:
         qs, ks, vs = _feats(q), _feats(k), _feat(v)
     _C.forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
                _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, _threads(),
                _stream(q0))
-    return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
+    return (out if out.dtype == q0.dtype else out.to(q0.dtype)), lse
 
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
@@ -168,16 +171,20 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
     dmask (shaped like the float attn_mask) only with mask_grad, else None.
     like_inputs: dq, dk, dv laid out in memory like q, k, v (see _like), else
-    contiguous (what the custom op's fake kernel says).  into: arrays (of the
-    compute dtype, shaped like q[0], k[0], v) that dq[0], dk[0] and dv are
-    written in, instead of new ones."""
+    contiguous (what the custom op's fake kernel says).  into: arrays (shaped
+    like q[0], k[0], v, of the dtype the kernels write gradients in: the
+    compute dtype, or bfloat16 natively) that dq[0], dk[0] and dv are written
+    in, instead of new ones."""
     in_dtype = q[0].dtype
     dtype, device = compute_dtype(in_dtype), q[0].device
-    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into)
+    native = in_dtype == _BF16 and _native_bf16(q[0], v.shape[-1] if v.dim() else 1)
+    # native bfloat16 on the CPU writes dq, dk and dv in bfloat16 (summed in float32 in the kernel)
+    native_out = native and dout.dtype == out.dtype == in_dtype
+    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into, in_dtype if native_out else dtype)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
     scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
-    qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: _native_bf16(
-        q[0], v.shape[-1] if v.dim() else 1) or _cuda_tc(q, v, dropout_p, True, mask_grad))
+    qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: native or _cuda_tc(
+        q, v, dropout_p, True, mask_grad))
     _C.backward(dos, qs, ks, vs, _arg(w), outs,
                 _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
                 is_causal, scale, dropout_p, seed, _threads(), _dl(dmask), _stream(q[0]),
@@ -200,9 +207,11 @@ def _backward_arrays(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
 
 
 def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype,
-                  like_inputs: bool = False, into: Optional[Tuple[Tensor, Tensor, Tensor]] = None):
+                  like_inputs: bool = False, into: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+                  qkv_dtype: Optional[torch.dtype] = None):
     """Uninitialised dq, dk (per level), dv, dw shaped like the inputs, in the
-    compute dtype, on their device: the backward kernels overwrite them.  With
+    compute dtype (dq, dk and dv in qkv_dtype where given), on their device:
+    the backward kernels overwrite them.  With
     like_inputs, dq, dk and dv lie in memory like their inputs where _like
     allows (dw is always contiguous).  into: the caller's dq[0], dk[0] and dv,
     taken in their places."""
@@ -212,13 +221,14 @@ def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     # 1.5 with them.  The custom op's outputs stay strictly contiguous_format,
     # as its fake kernel says (a size-1 dimension's stride included).
     cf = torch.contiguous_format
+    gdtype = qkv_dtype or dtype
 
     def buf(x):
-        if like_inputs and x.dtype == dtype and x.is_contiguous():
+        if like_inputs and x.dtype == gdtype and x.is_contiguous():
             return torch.empty_like(x)
         if like_inputs and _like(x):
-            return _empty_like_layout(x, dtype)
-        return torch.empty_like(x, dtype=dtype, memory_format=cf)
+            return _empty_like_layout(x, gdtype)
+        return torch.empty_like(x, dtype=gdtype, memory_format=cf)
     dw = torch.empty_like(w, dtype=dtype, memory_format=cf)
     if into is not None:
         return [into[0], *[buf(x) for x in q[1:]]], [into[1], *[buf(x) for x in k[1:]]], into[2], dw
@@ -249,9 +259,10 @@ def _empty_like_layout(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dtype: torch.dtype):
-    """The gradients rounded back to the inputs' dtype (bfloat16 runs in float32)."""
+    """The gradients rounded back to the inputs' dtype (bfloat16 runs in float32;
+    natively, dq, dk and dv come out in bfloat16 already)."""
     if dv.dtype == in_dtype:
-        return dq, dk, dv, dw
+        return dq, dk, dv, (dw if dw.dtype == in_dtype else dw.to(in_dtype))
     return [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk], dv.to(in_dtype), dw.to(in_dtype)
 
 

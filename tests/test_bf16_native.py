@@ -177,9 +177,9 @@ def test_strided_inputs_read_as_they_are():
     assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
-def raw_forward(q, k, v, w, *, threads=2, key_cache_bytes=-1, causal=False):
+def raw_forward(q, k, v, w, *, threads=2, key_cache_bytes=-1, causal=False, out_dtype=torch.float32):
     B, H, T, _ = q[0].shape
-    out, lse = torch.empty(B, H, T, v.shape[-1]), torch.empty(B, H, T)
+    out, lse = torch.empty(B, H, T, v.shape[-1], dtype=out_dtype), torch.empty(B, H, T)
     _C.forward([to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v), to_dlpack(w.float()),
                to_dlpack(out), to_dlpack(lse), None, causal, None, 0.0, 0, threads, None, key_cache_bytes)
     return out, lse
@@ -196,11 +196,12 @@ def test_bitwise_same_for_any_thread_count_and_key_cache(causal):
         assert torch.equal(o, out) and torch.equal(s, lse), (threads, budget)
 
 
-def raw_backward(q, k, v, w, out, lse, dout, *, threads=2, causal=False):
+def raw_backward(q, k, v, w, out, lse, dout, *, threads=2, causal=False, grad=torch.empty):
     """The extension's backward on bfloat16 q, k, v, dout and out (out as the
-    forward's float32 rounded, as hkt saves it); float32 gradients."""
-    dq, dk = [torch.empty(x.shape) for x in q], [torch.empty(x.shape) for x in k]
-    dv, dw = torch.empty(v.shape), torch.empty(w.shape)
+    forward's float32 rounded, as hkt saves it); dq, dk and dv made by
+    grad(shape) (float32 by default), dw float32."""
+    dq, dk = [grad(x.shape) for x in q], [grad(x.shape) for x in k]
+    dv, dw = grad(v.shape), torch.empty(w.shape)
     _C.backward(to_dlpack(dout), [to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v),
                 to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse), [to_dlpack(x) for x in dq],
                 [to_dlpack(x) for x in dk], to_dlpack(dv), to_dlpack(dw), None, causal, None, 0.0, 0, threads)
@@ -222,8 +223,9 @@ def test_backward_bitwise_same_for_any_thread_count(causal, B, kv):
 
 
 def test_backward_arrays_are_checked():
-    """bfloat16 inputs (and dout, out), float32 gradients; an odd Dv, which the
-    products take in pairs, is refused by name (hkt upcasts it instead)."""
+    """bfloat16 inputs (and dout, out); dq, dk and dv all float32 or all
+    bfloat16, dw float32; an odd Dv, which the products take in pairs, is
+    refused by name (hkt upcasts it instead)."""
     _, (q, k, v, w) = bf16_inputs(1, 2, 16, 16, 8, 6, 2)
     out, lse = raw_forward(q, k, v, w)
     dout = torch.randn(out.shape).to(BF)
@@ -238,8 +240,17 @@ def test_backward_arrays_are_checked():
                         to_dlpack(f(v.shape, dtype=dt)), to_dlpack(f(w.shape, dtype=dt))]
     with pytest.raises(TypeError, match=r"^out: "):
         _C.backward(*base(), to_dlpack(out), to_dlpack(lse), *grads(torch.float32))
-    with pytest.raises(TypeError, match=r"^dq\[0\]: "):
+    with pytest.raises(TypeError, match=r"^dw: dtype bfloat16 does not match q\[0\]'s float32"):
         _C.backward(*base(), to_dlpack(out.to(BF)), to_dlpack(lse), *grads(BF))
+    mixed = grads(BF)
+    mixed[1] = grads(torch.float32)[1]  # dk float32 after a bfloat16 dq
+    with pytest.raises(TypeError, match=r"^dk\[0\]: dtype float32 does not match q\[0\]'s bfloat16"):
+        _C.backward(*base(), to_dlpack(out.to(BF)), to_dlpack(lse), *mixed)
+    with pytest.raises(TypeError, match=r"^dq\[0\]: dtype float16 does not match q\[0\]'s float32"):
+        _C.backward(*base(), to_dlpack(out.to(BF)), to_dlpack(lse), *grads(torch.float16))
+    ok = grads(BF)
+    ok[3] = to_dlpack(f(w.shape))
+    _C.backward(*base(), to_dlpack(out.to(BF)), to_dlpack(lse), *ok)
 
 
 def test_odd_value_dimension_backward_is_upcast():
@@ -276,15 +287,19 @@ def test_odd_head_dimension_is_upcast():
 
 
 def test_float32_arrays_are_checked():
-    """w, out and lse of a native call are float32: a bfloat16 one is refused by name."""
+    """w and lse of a native call are float32, out float32 or bfloat16:
+    anything else is refused by name."""
     _, (q, k, v, w) = bf16_inputs(1, 2, 16, 16, 8, 8, 2)
     out, lse = torch.empty(1, 2, 16, 8), torch.empty(1, 2, 16)
     # fresh capsules for each call: a call consumes those it is given
     args = lambda: [[to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v)]  # noqa: E731
     with pytest.raises(TypeError, match=r"^w: dtype bfloat16"):
         _C.forward(*args(), to_dlpack(w), to_dlpack(out), to_dlpack(lse))
-    with pytest.raises(TypeError, match=r"^out: "):
-        _C.forward(*args(), to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse))
+    with pytest.raises(TypeError, match=r"^out: dtype float16"):
+        _C.forward(*args(), to_dlpack(w.float()), to_dlpack(out.half()), to_dlpack(lse))
+    with pytest.raises(TypeError, match=r"^lse: dtype bfloat16"):
+        _C.forward(*args(), to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse.to(BF)))
+    _C.forward(*args(), to_dlpack(w.float()), to_dlpack(out.to(BF)), to_dlpack(lse))
     with pytest.raises(TypeError, match=r"^v: "):
         _C.forward(*args()[:2], to_dlpack(v.float()), to_dlpack(w.float()), to_dlpack(out), to_dlpack(lse))
 
@@ -446,3 +461,84 @@ def test_module_packed_padding_as_padded():
     assert differ.float().mean() <= 0.01, differ.float().mean()
     ulp = torch.finfo(BF).eps * padded.abs().clamp_min(torch.finfo(BF).tiny)
     assert ((packed - padded).abs() <= ulp).all()
+
+
+def heads_layout(shape):
+    """A bfloat16 (B, H, T, D) array in (B, T, H, D) memory, as a module's heads lie."""
+    B, H, T, D = shape
+    return torch.empty(B, T, H, D, dtype=BF).transpose(1, 2)
+
+
+def bits(x):
+    return x.view(torch.int16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("B,kv", [(2, 2), (1, 1)])
+def test_bfloat16_outputs_are_the_float32_ones_rounded(causal, B, kv):
+    """out, dq, dk and dv written in bfloat16 by the kernels (summed in float32,
+    each row rounded once) are bitwise torch's rounding of the float32 ones, in
+    both backward schedules (B=2 with two kv heads: a task per (b, kv head);
+    B=1 with one: key and query chunks), for 1 and 2 threads, into strided
+    (module-layout) gradients."""
+    _, (q, k, v, w) = bf16_inputs(B, 4, 150, 150, 32, 24, 3, kv_heads=kv)
+    out, lse = raw_forward(q, k, v, w, causal=causal)
+    for threads in (1, 2):
+        o16, lse16 = raw_forward(q, k, v, w, causal=causal, threads=threads, out_dtype=BF)
+        assert o16.dtype == BF and torch.equal(bits(o16), bits(out.to(BF))) and torch.equal(lse16, lse)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(BF)
+    ref = raw_backward(q, k, v, w, out, lse, dout, causal=causal)
+    for threads in (1, 2):
+        got = raw_backward(q, k, v, w, out, lse, dout, causal=causal, threads=threads, grad=heads_layout)
+        for a, b in zip(got[:-1], ref[:-1]):
+            assert b.dtype == torch.float32 and a.dtype == BF and torch.equal(bits(a), bits(b.to(BF)))
+        assert torch.equal(got[-1], ref[-1])  # dw: float32 either way
+
+
+def test_bfloat16_outputs_keep_subnormals_ties_and_nan():
+    """The kernels' rounding is torch's: ties to even, subnormal results kept
+    (AVX512_BF16's own conversion would flush them to zero), NaN as torch's
+    vectorised conversion writes it.  With q = 0 both keys weigh 1/2, so out
+    and dv are exact averages of v's and dO's two rows, made to land on ties,
+    some below the normal range (out's division by the softmax sum takes it
+    there: the products themselves flush subnormals)."""
+    n = 2.0 ** -126  # float32's (and bfloat16's) least normal
+    q = [torch.zeros(1, 1, 2, 2, dtype=BF)]
+    k = [torch.randn(1, 1, 2, 2).to(BF)]
+    w = torch.ones(1)
+    v = torch.tensor([[n * (1 + 2 ** -7), n * (1 + 3 * 2 ** -7), 1 + 2 ** -7, float("nan")],
+                      [0.0, 0.0, 1.0, 1.0]]).to(BF).view(1, 1, 2, 4)
+    out, lse = raw_forward(q, k, v, w)
+    o16, _ = raw_forward(q, k, v, w, out_dtype=BF)
+    # float32 holds the exact averages, each halfway between two bfloat16 numbers
+    assert out[0, 0, 0, :3].tolist() == [n / 2 + 2 ** -134, n / 2 + 1.5 * 2 ** -133, 1 + 2 ** -8]
+    assert torch.equal(bits(o16), bits(out.to(BF)))
+    # ties to even: the subnormal's last bit 0, then up to it, 1.0
+    assert o16[0, 0, 0, :3].tolist() == [n / 2, n / 2 + 2 ** -132, 1.0] and o16[0, 0, :, 3].isnan().all()
+    dout = torch.tensor([[1 + 2 ** -7, 1 + 3 * 2 ** -7, float("nan"), 1.0],
+                         [1.0, 1.0, 1.0, 1.0]]).to(BF).view(1, 1, 2, 4)
+    ref = raw_backward(q, k, v, w, out.to(BF), lse, dout)
+    got = raw_backward(q, k, v, w, out.to(BF), lse, dout, grad=lambda s: torch.empty(s, dtype=BF))
+    assert ref[2][0, 0, 0, :2].tolist() == [1 + 2 ** -8, 1 + 1.5 * 2 ** -7]  # dv = P^T dO, P = 1/2 everywhere
+    for a, b in zip(got[:-1], ref[:-1]):
+        assert torch.equal(bits(a), bits(b.to(BF)))
+    assert got[2][0, 0, 0, :2].tolist() == [1.0, 1 + 2 ** -6] and got[2][0, 0, :, 2].isnan().all()
+
+
+def test_hkt_attention_gradients_are_bfloat16_from_the_kernels(monkeypatch):
+    """hkt_attention's native backward asks the kernels for bfloat16 dq, dk and
+    dv (no float32 copies rounded afterwards); the values are those of the
+    float32 route rounded."""
+    _, (q, k, v, w) = bf16_inputs(1, 2, 70, 70, 16, 16, 2, requires_grad=True)
+    out = hkt.hkt_attention(q, k, v, w)
+    g = torch.randn(out.shape).to(BF)
+    seen = []
+    real = _C.backward
+    monkeypatch.setattr(_C, "backward", lambda *a, **kw: (seen.append(a), real(*a, **kw))[1])
+    grads = torch.autograd.grad(out, [*q, *k, v, w], g)
+    monkeypatch.undo()
+    assert len(seen) == 1 and all(x.dtype == BF for x in grads)
+    _, lse = raw_forward(q, k, v, w)
+    ref = raw_backward(q, k, v, w, out.detach(), lse, g)
+    for a, b in zip(grads, ref):
+        assert torch.equal(bits(a), bits(b.to(BF)))
