@@ -37,11 +37,11 @@ static void tile_grams_bf16(const hkt_params *p, const ws_layout *ws, float *bas
 static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64_t b, int64_t h, int64_t i0,
                     int64_t nq, int64_t nk, float *dP);
 static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, int64_t b, int64_t h,
-                    int64_t i0, int64_t nq, int64_t j0, int64_t nk);
+                    int64_t i0, int64_t nq, int64_t j0, int64_t nk, int packed);
 static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
                     int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h);
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h);
+                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h, int packed);
 static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
 static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t b, int64_t hk);
 #define BF16_INPUTS(p) ((p)->dtype == HKT_BFLOAT16)
@@ -926,7 +926,7 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
     if (want & WANT_KV) {
 #if HKT_BF16_BACKWARD
         if (BF16_INPUTS(p))
-            dv_bf16(p, ws, base, Pv, b, h, i0, nq, j0, nk);
+            dv_bf16(p, ws, base, Pv, b, h, i0, nq, j0, nk, want & ROWS_PACKED);
         else
 #endif
             gemm_diag(diag, DIAG_KEYS, nk, Dv, nq, 1, Pv, BK,
@@ -984,7 +984,7 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
             dwacc[l] += scale * lanes_total((acc[0] + acc[1]) + (acc[2] + acc[3]));
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))
-                dk_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.c0, sp.cl, wl, b, h);
+                dk_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.c0, sp.cl, wl, b, h, want & ROWS_PACKED);
             else
 #endif
             {
@@ -1063,10 +1063,12 @@ static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *
             for (int x = 0; x < n * p->L; x++) dwacc[x] = 0;
             for (int64_t i0 = p->causal ? t0 * BK / BQ * BQ : 0; i0 < p->T; i0 += BQ) {
                 const int64_t i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
+                int packed = 0; /* the query tile's rows, as the first pair left them */
                 for (int s = 0; s < n; s++) {
                     if (p->causal && i1 - 1 < kj0[s]) continue; /* the query tile ends before these keys */
-                    backward_pair(p, &wk[s], base, b, h, i0, i1, kj0[s], kj1[s], kt[s], ktld[s], want,
+                    backward_pair(p, &wk[s], base, b, h, i0, i1, kj0[s], kj1[s], kt[s], ktld[s], want | packed,
                                   dwacc + s * p->L);
+                    packed = ROWS_PACKED;
                 }
             }
             if (want & WANT_KV)
@@ -1257,16 +1259,20 @@ static void backward(const hkt_params *p) {
     const int64_t span = ((int64_t)1 << (p->L - 1)) > BK ? ((int64_t)1 << (p->L - 1)) / BK : 1; /* tiles per chunk */
     const int64_t nkc = (nkt + span - 1) / span, nqc = (nqt + span - 1) / span;
 #define BASE ((real *)((char *)p->workspace + (size_t)thread_id() * wsb + WS_HEADER))
-#pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, t / p->H, t % p->H);
     if (nbk >= nt) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t t = 0; t < nbk; t++) {
-            backward_kv_head(p, &ws, BASE, t / p->H_kv, t % p->H_kv);
+            /* the task alone reads its group's delta and writes its gradient rows:
+             * zeroed here, they are in cache when the products add to them */
+            const int64_t b = t / p->H_kv, hk = t % p->H_kv, group = p->H / p->H_kv;
+            for (int64_t h = hk * group; h < (hk + 1) * group; h++) backward_prepare(p, &ws, b, h);
+            backward_kv_head(p, &ws, BASE, b, hk);
             /* the task's gradient rows are final: rounded while they are in cache */
             if (dst) grads_out(dst, p, t / p->H_kv, t % p->H_kv);
         }
     } else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, t / p->H, t % p->H);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t t = 0; t < nbk * nkc; t++) {
             const int64_t bk = t / nkc, c = t % nkc;

@@ -496,11 +496,12 @@ static void gemm_rows_t(const ws_layout *ws, float *base, int64_t M, int64_t N, 
 }
 
 /* dv rows [j0, j0 + nk) += Pv^T dO: Pv and dO as row pairs (pairs along the
- * queries, the reduction), Pv read transposed. */
+ * queries, the reduction), Pv read transposed; dO's pairs already there when
+ * packed (ROWS_PACKED). */
 static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, int64_t b, int64_t h,
-                    int64_t i0, int64_t nq, int64_t j0, int64_t nk) {
+                    int64_t i0, int64_t nq, int64_t j0, int64_t nk, int packed) {
     uint32_t *pp = (uint32_t *)(base + ws->p_pairs), *dop = (uint32_t *)(base + ws->do_pairs);
-    bf16_row_pairs(dout_rows(p, b, h, i0), p->dout_stride[2], nq, p->Dv, dop, p->Dv);
+    if (!packed) bf16_row_pairs(dout_rows(p, b, h, i0), p->dout_stride[2], nq, p->Dv, dop, p->Dv);
     float *dv = (float *)p->dv + b * p->dv_stride[0] + kv_head(p, h) * p->dv_stride[1] + j0 * p->dv_stride[2];
     gemm_rows_t(ws, base, nk, p->Dv, nq, Pv, BK, 1.0f, pp, dop, p->Dv, dv, p->dv_stride[2]);
 }
@@ -517,12 +518,12 @@ static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l
 }
 
 /* dk_l rows [c0, c0 + cl) += wl dS_l^T q_l: dS_l and the query rows [r0, r0 +
- * rl) as row pairs, dS_l read transposed. */
+ * rl) as row pairs (those already there when packed), dS_l read transposed. */
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h) {
+                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h, int packed) {
     uint32_t *dsp = (uint32_t *)(base + ws->ds_pairs), *qp = (uint32_t *)(base + ws->q_pairs + ws->q_off[l]);
     const bf16 *q = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] + r0 * p->q_stride[l][2];
-    bf16_row_pairs(q, p->q_stride[l][2], rl, p->D, qp, p->D);
+    if (!packed) bf16_row_pairs(q, p->q_stride[l][2], rl, p->D, qp, p->D);
     float *dk = (float *)p->dk[l] + b * p->dk_stride[l][0] + kv_head(p, h) * p->dk_stride[l][1] +
                 c0 * p->dk_stride[l][2];
     gemm_rows_t(ws, base, cl, p->D, rl, dsl, ldsl, wl, dsp, qp, p->D, dk, p->dk_stride[l][2]);

@@ -180,7 +180,10 @@ static inline int thread_id(void) {
 static inline int64_t kv_head(const hkt_params *p, int64_t h) { return h / (p->H / p->H_kv); }
 
 /* which side of the backward a pass computes */
-enum { WANT_KV = 1, WANT_Q = 2 };
+/* ROWS_PACKED (bfloat16): the query tile's rows, packed as pairs for dk and
+ * dv, are in the workspace already, from the pair before (the same query tile
+ * against the key tile held before this one) */
+enum { WANT_KV = 1, WANT_Q = 2, ROWS_PACKED = 4 };
 
 /* Decoding (hkt_decode.c): keys per chunk, between these (see hkt_decode_plan). */
 #define DECODE_CHUNK_MIN 256
