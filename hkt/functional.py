@@ -522,10 +522,12 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
                   attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float) -> Tensor:
     """hkt_attention(q, k, v, w, ...) for a module's packed self-attention
     projection ``qkv`` (B, T, (H + 2 H_kv) hd), whose heads are q[0], k[0] and v.
-    In eager float32/float64 calls on the kernels that need gradients, their
+    In eager calls on the kernels that need gradients, whose kernels write the
+    gradients in qkv's dtype (float32, float64, native bfloat16), their
     gradient is written as one tensor, qkv's (_QKVAttention); anywhere else
     hkt_attention itself, the same values."""
-    if (qkv.dtype in (torch.float32, torch.float64) and torch.is_grad_enabled() and qkv.requires_grad
+    own_dtype = qkv.dtype in (torch.float32, torch.float64) or _kernels._native_bf16(q[0], v.shape[-1])
+    if (own_dtype and torch.is_grad_enabled() and qkv.requires_grad
             and not qkv.is_meta and not _recording() and _pick_backend(None, q, dropout_p) == "kernels"):
         try:
             mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)

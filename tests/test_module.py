@@ -451,12 +451,18 @@ def _split_route(qkv, q, k, v, w, mask, causal, dropout_p):
     return hkt.hkt_attention(q, k, v, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, F64])
+NATIVE_BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not hkt._C.cpu_has_bf16(), reason="no native bfloat16 on this CPU"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, NATIVE_BF16])
 @pytest.mark.parametrize("kv_heads", [None, 2])
 def test_self_attention_gradient_is_written_whole(dtype, kv_heads, monkeypatch):
     # Self-attention projects q, k and v in one product; the kernels write their gradients
     # straight into one tensor shaped like its output, where autograd would concatenate three
     # (a copy of the whole projection).  Same bits as that route, dropout and masks included.
+    # bfloat16: where the kernels run it natively (they write its gradients in bfloat16).
+    monkeypatch.setattr(hkt._kernels, "native_bf16", True)
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(16, 4, levels=3, dropout=0.2, batch_first=True, num_kv_heads=kv_heads, dtype=dtype)
     randomize(m, seed=1)
