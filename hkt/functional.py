@@ -505,7 +505,9 @@ class _QKVAttention(torch.autograd.Function):
         n = len(coarse) // 2
         q0, k0, v = _qkv_heads(qkv, *ctx.heads)
         q, k = [q0, *coarse[:n]], [k0, *coarse[n:]]
-        if torch.is_grad_enabled():
+        # whole only where the kernels write qkv's dtype now (bfloat16 natively: the
+        # choice is the backward's own, hkt._kernels.native_bf16 read again)
+        if torch.is_grad_enabled() or (qkv.dtype == torch.bfloat16 and not _kernels._native_bf16(q0, v.shape[-1])):
             dq, dk, dv, dw, dmask = _run_backward(ctx, dout, q, k, v, w, results, ctx.needs_input_grad[6])
             B, T = qkv.shape[0], qkv.shape[1]
             dqkv = torch.cat([x.transpose(1, 2).reshape(B, T, -1) for x in (dq[0], dk[0], dv)], dim=-1)
@@ -526,7 +528,12 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     gradients in qkv's dtype (float32, float64, native bfloat16), their
     gradient is written as one tensor, qkv's (_QKVAttention); anywhere else
     hkt_attention itself, the same values."""
+    if torch._C._is_any_autocast_enabled():
+        # the inputs hkt_attention would compute with (w cast too); q[0], k[0] and v
+        # stay qkv's heads where they already are in autocast's dtype
+        q, k, v, w = _autocast_inputs(q, k, v, w)
     own_dtype = qkv.dtype in (torch.float32, torch.float64) or _kernels._native_bf16(q[0], v.shape[-1])
+    own_dtype = own_dtype and q[0].dtype == k[0].dtype == v.dtype == qkv.dtype
     if (own_dtype and torch.is_grad_enabled() and qkv.requires_grad
             and not qkv.is_meta and not _recording() and _pick_backend(None, q, dropout_p) == "kernels"):
         try:

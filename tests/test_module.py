@@ -490,6 +490,55 @@ def test_self_attention_gradient_is_written_whole(dtype, kv_heads, monkeypatch):
         assert torch.equal(a, b)
 
 
+def _step_grads(m, x, **kw):
+    """out, x's gradient and the parameters', and whether autograd concatenated q, k, v gradients."""
+    for t in (x, *m.parameters()):
+        t.grad = None
+    out = m(x, x, x, need_weights=False, **kw)[0]
+    with torch.profiler.profile() as prof:
+        out.float().square().sum().backward()
+    cats = any(e.name == "aten::cat" for e in prof.events())
+    return [out.detach(), x.grad, *[p.grad for p in m.parameters()]], cats
+
+
+@pytest.mark.skipif(not hkt._C.cpu_has_bf16(), reason="no native bfloat16 on this CPU")
+def test_self_attention_whole_gradient_under_autocast(monkeypatch):
+    """float32 parameters under bfloat16 autocast: the projection comes out in
+    bfloat16 and the packed route takes it, with the level weights cast as
+    hkt_attention casts them; the same bits as the split route."""
+    monkeypatch.setattr(hkt._kernels, "native_bf16", True)
+    torch.manual_seed(0)
+    m = hkt.MultiheadHKT(32, 4, levels=3, batch_first=True, num_kv_heads=2)
+    randomize(m, seed=4)
+    x = torch.randn(2, 37, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, cats = _step_grads(m, x, is_causal=True)
+    assert not cats and got[0].dtype == torch.bfloat16
+    monkeypatch.setattr(hkt.modules, "qkv_attention", _split_route)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, cats = _step_grads(m, x, is_causal=True)
+    assert cats
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not hkt._C.cpu_has_bf16(), reason="no native bfloat16 on this CPU")
+def test_self_attention_backward_follows_a_native_switch(monkeypatch):
+    """hkt._kernels.native_bf16 switched off between a bfloat16 module's forward
+    and its backward: the backward upcasts (as hkt_attention's does) and still
+    gives the gradient, close to the native one."""
+    monkeypatch.setattr(hkt._kernels, "native_bf16", True)
+    torch.manual_seed(0)
+    m = hkt.MultiheadHKT(32, 4, levels=3, batch_first=True, dtype=torch.bfloat16)
+    x = torch.randn(2, 33, 32).to(torch.bfloat16).requires_grad_()
+    native, _ = _step_grads(m, x)
+    out = m(x, x, x, need_weights=False)[0]
+    x.grad = None
+    monkeypatch.setattr(hkt._kernels, "native_bf16", False)
+    out.float().square().sum().backward()
+    torch.testing.assert_close(x.grad, native[1], rtol=0.05, atol=0.05)
+
+
 def test_self_attention_double_backward():
     torch.manual_seed(2)
     m = hkt.MultiheadHKT(4, 2, levels=2, batch_first=True, dtype=F64)
