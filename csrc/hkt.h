@@ -21,6 +21,10 @@
  * Forward writes out and lse (log-sum-exp per query row, +inf for a row with no
  * visible key).  Backward OVERWRITES dq[l], dk[l], dv and dw (it does not
  * accumulate into what the caller passes), and dmask when it is not NULL.
+ * The CPU backward recomputes P from lse, except in rows whose |lse| reaches
+ * 2^12 (float32; 2^41 float64), where lse's rounding has eaten into log(sum)
+ * (a padding row of finfo.min): it takes their max and sum from the scores
+ * again first (dw_partial holds the corrections).
  *
  * Non-finite values.  An entry whose score is -inf (hidden by the bool mask or
  * causality, or by a -inf in the float mask) contributes nothing to anything:
@@ -145,7 +149,7 @@ typedef struct {
 
 /* Bytes of per-thread workspace the forward (backward = 0) or backward needs. */
 size_t hkt_workspace_bytes(const hkt_params *p, int backward);
-/* Bytes of dw_partial the backward needs: B*H*T + B*H*ceil(S/64)*L reals. */
+/* Bytes of dw_partial the backward needs: 2*B*H*T + B*H*ceil(S/64)*L reals. */
 size_t hkt_dw_partial_bytes(const hkt_params *p);
 /* Bytes of grad_acc the backward needs: float32 dq, dk and dv of every level
  * where bf16_out is set (B*(H*sum_l Tl + H_kv*sum_l Sl)*D + B*H_kv*S*Dv

@@ -346,10 +346,11 @@ size_t hkt_workspace_bytes(const hkt_params *p, int backward) {
 }
 
 size_t hkt_dw_partial_bytes(const hkt_params *p) {
-    /* delta (B, H, T), then dw partials (B, H, key tiles, L) */
+    /* delta (B, H, T), then dw partials (B, H, key tiles, L), then lse's
+     * corrections (B, H, T) (refine_lse in hkt_attention_body.h) */
     size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     int64_t nkt = (p->S + BK - 1) / BK;
-    return (size_t)(p->B * p->H * (p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;
+    return (size_t)(p->B * p->H * (2 * p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;
 }
 
 /* The float32 sums of dq, dk and dv in grad_acc, one after another, each

@@ -833,6 +833,25 @@ static void run_forward(const hkt_params *p, forward_task_fn task) {
 
 static void forward(const hkt_params *p) { run_forward(p, forward_task); }
 
+/* lse = m + log(sum) is kept per row in the real type: where |lse| is this
+ * large its rounding step (2^-11 here) reaches into log(sum) -- a row whose
+ * every key carries finfo.min from a padding mask has lse = m exactly, its
+ * ties' shares lost -- so the backward refines it (refine_lse).  Rows below
+ * keep their bits. */
+#if REAL_IS_FLOAT
+#define LSE_EXACT_BELOW 4096.0f
+#else
+#define LSE_EXACT_BELOW 2199023255552.0 /* 2^41 */
+#endif
+static inline int lse_is_coarse(real x) { return isfinite(x) && (x >= LSE_EXACT_BELOW || x <= -LSE_EXACT_BELOW); }
+
+/* Each row's lse correction (refine_lse), in dw_partial after delta and the dw
+ * partials: B * H * T reals (hkt_dw_partial_bytes). */
+static inline real *lse_lo(const hkt_params *p) {
+    const int64_t nkt = (p->S + BK - 1) / BK;
+    return (real *)p->dw_partial + p->B * p->H * (p->T + (nkt > 0 ? nkt : 1) * p->L);
+}
+
 /* dS of one (query tile, key tile) pair, recomputed from the forward's lse:
  *
  * forward: S = sum_l scale w_l up(q_l k_l^T); P = softmax(S); out = Pdrop @ v
@@ -849,6 +868,7 @@ static const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *
     real *Sb = base + ws->scores, *dP = base + ws->dscores, *Vt = base + ws->values_t, *Pd = base + ws->pdrop;
     const real *delta = (const real *)p->dw_partial + (b * p->H + h) * T; /* shared (B, H, T) */
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
+    const real *lo = lse_lo(p) + (b * p->H + h) * T;
     const int diag = diagonal_tile(p, i0, j0);
     tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 1);
     /* A row whose lse or delta is not finite (NaN from a visible NaN score, +inf
@@ -860,7 +880,12 @@ static const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *
         odd_row[r] = !(isfinite(lse[i0 + r]) && isfinite(delta[i0 + r]));
         if (odd_row[r])
             for (int64_t c = 0; c < nk; c++) hidden[r][c] = srow[c] == -INFINITY;
-        exp_shift(srow, nk, lse[i0 + r]); /* P */
+        if (lo[i0 + r] != 0) { /* lse + lo: the row's exact log-sum-exp (refine_lse) */
+            for (int64_t c = 0; c < nk; c++) srow[c] = (srow[c] - lse[i0 + r]) - lo[i0 + r];
+            exp_shift(srow, nk, 0);
+        } else {
+            exp_shift(srow, nk, lse[i0 + r]); /* P */
+        }
     }
 #if HKT_BF16_BACKWARD
     if (BF16_INPUTS(p))
@@ -1192,10 +1217,57 @@ static void backward_mask_task(const hkt_params *p, const ws_layout *ws, real *b
             }
 }
 
+/* lse's corrections (lse_lo below) of (b, h)'s rows: for each query tile
+ * holding a row whose |lse| reaches LSE_EXACT_BELOW, that row's max m and sum
+ * of exp(score - m) over every key it sees, from the scores again (one more
+ * pass over those tiles' keys, only for them), and lo = (m - lse) + log(sum):
+ * lse + lo is m + log(sum) to about the real's precision, where lse alone had
+ * lost log(sum) to its rounding.  Other rows keep lo = 0. */
+static void refine_lse(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, const real *lse,
+                       real *lo) {
+    const int64_t T = p->T, S = p->S;
+    for (int64_t i0 = 0; i0 < T; i0 += BQ) {
+        const int64_t i1 = i0 + BQ < T ? i0 + BQ : T, nq = i1 - i0;
+        unsigned char want[BQ];
+        int any = 0;
+        double m[BQ], sum[BQ];
+        for (int64_t r = 0; r < nq; r++) {
+            want[r] = lse_is_coarse(lse[i0 + r]);
+            any |= want[r];
+            m[r] = -INFINITY;
+            sum[r] = 0;
+        }
+        if (!any) continue;
+        const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
+        for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+            const int64_t j1 = j0 + BK < S ? j0 + BK : S;
+            const real *kt[HKT_MAX_LEVELS];
+            int64_t ktld[HKT_MAX_LEVELS];
+            backward_keys(p, ws, base, b, h, j0, j1, kt, ktld);
+            tile_scores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 1);
+            for (int64_t r = 0; r < nq; r++) {
+                if (!want[r]) continue;
+                const real *srow = base + ws->scores + r * BK;
+                double mt = -INFINITY;
+                for (int64_t c = 0; c < j1 - j0; c++) mt = srow[c] > mt ? srow[c] : mt;
+                if (mt == -INFINITY) continue;
+                if (mt > m[r]) {
+                    sum[r] *= exp(m[r] - mt); /* 0 while m was -inf */
+                    m[r] = mt;
+                }
+                for (int64_t c = 0; c < j1 - j0; c++) sum[r] += exp((double)srow[c] - m[r]);
+            }
+        }
+        for (int64_t r = 0; r < nq; r++)
+            if (want[r] && sum[r] > 0) lo[i0 + r] = (real)((m[r] - (double)lse[i0 + r]) + log(sum[r]));
+    }
+}
+
 /* Zeroes query head (b, h)'s dq rows and, once per group (its first query
  * head), its kv head's dk and dv rows (the backward overwrites); fills
- * delta = rowsum(dO * out), the softmax backward's per-row term. */
-static void backward_prepare(const hkt_params *p, const ws_layout *ws, int64_t b, int64_t h) {
+ * delta = rowsum(dO * out), the softmax backward's per-row term, and lse's
+ * corrections (refine_lse; base: the thread's workspace). */
+static void backward_prepare(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h) {
     const int64_t T = p->T, S = p->S, D = p->D, Dv = p->Dv, hk = kv_head(p, h);
     const int first_of_group = h % (p->H / p->H_kv) == 0;
     for (int l = 0; l < p->L; l++) {
@@ -1211,6 +1283,14 @@ static void backward_prepare(const hkt_params *p, const ws_layout *ws, int64_t b
     if (first_of_group)
         for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
     real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
+    const real *lse = (const real *)p->lse + (b * p->H + h) * T;
+    real *lo = lse_lo(p) + (b * p->H + h) * T;
+    int coarse = 0;
+    for (int64_t i = 0; i < T; i++) {
+        lo[i] = 0;
+        coarse |= lse_is_coarse(lse[i]);
+    }
+    if (coarse) refine_lse(p, ws, base, b, h, lse, lo);
 #if HKT_BF16_BACKWARD
     if (BF16_INPUTS(p)) {
         delta_bf16(p, b, h, delta);
@@ -1265,14 +1345,14 @@ static void backward(const hkt_params *p) {
             /* the task alone reads its group's delta and writes its gradient rows:
              * zeroed here, they are in cache when the products add to them */
             const int64_t b = t / p->H_kv, hk = t % p->H_kv, group = p->H / p->H_kv;
-            for (int64_t h = hk * group; h < (hk + 1) * group; h++) backward_prepare(p, &ws, b, h);
+            for (int64_t h = hk * group; h < (hk + 1) * group; h++) backward_prepare(p, &ws, BASE, b, h);
             backward_kv_head(p, &ws, BASE, b, hk);
             /* the task's gradient rows are final: rounded while they are in cache */
             if (dst) grads_out(dst, p, t / p->H_kv, t % p->H_kv);
         }
     } else {
 #pragma omp parallel for schedule(static) num_threads(nt)
-        for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, t / p->H, t % p->H);
+        for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, BASE, t / p->H, t % p->H);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
         for (int64_t t = 0; t < nbk * nkc; t++) {
             const int64_t bk = t / nkc, c = t % nkc;

@@ -542,3 +542,18 @@ def test_hkt_attention_gradients_are_bfloat16_from_the_kernels(monkeypatch):
     ref = raw_backward(q, k, v, w, out.detach(), lse, g)
     for a, b in zip(grads, ref):
         assert torch.equal(bits(a), bits(b.to(BF)))
+
+
+def test_row_hidden_by_finite_mask_gets_the_uniform_gradient():
+    """A row every key of which carries finfo(float32).min (the native kernels
+    take the mask in float32): its gradient is the average's, each value row
+    weighing 1/5, as in float32 and float64 (test_views_and_masks)."""
+    _, (q, k, v, w) = bf16_inputs(1, 1, 3, 5, 2, 2, 1, requires_grad=True)
+    mask = torch.zeros(3, 5)
+    mask[1] = torch.finfo(torch.float32).min
+    out = hkt.hkt_attention(q, k, v, w, attn_mask=mask)
+    dout = torch.zeros_like(out)
+    dout[0, 0, 1] = 1.0
+    (dv,) = torch.autograd.grad(out, v, dout)
+    assert dv.dtype == BF
+    torch.testing.assert_close(dv[0, 0].float(), torch.full((5, 2), 0.2), rtol=0, atol=2e-3)
