@@ -1217,8 +1217,27 @@ static void backward_mask_task(const hkt_params *p, const ws_layout *ws, real *b
             }
 }
 
+/* Whether query row i of (b, h) has an output gradient of zeros (bits, so
+ * -0 too): its P then weighs nothing (dS = P (dP - delta) = 0, dv gets P 0),
+ * so lse's precision does not matter there.  A padded position's row, where
+ * the loss ignores it, is such a row in every layer. */
+static int dout_row_zero(const hkt_params *p, int64_t b, int64_t h, int64_t i) {
+    const int64_t at = b * p->dout_stride[0] + h * p->dout_stride[1] + i * p->dout_stride[2];
+    if (p->dtype == HKT_BFLOAT16) { /* bfloat16 bits: zero but for the sign */
+        const uint16_t *d = (const uint16_t *)p->dout + at;
+        for (int64_t e = 0; e < p->Dv; e++)
+            if (d[e] & 0x7FFF) return 0;
+        return 1;
+    }
+    const real *d = (const real *)p->dout + at;
+    for (int64_t e = 0; e < p->Dv; e++)
+        if (d[e] != 0) return 0; /* NaN too */
+    return 1;
+}
+
 /* lse's corrections (lse_lo below) of (b, h)'s rows: for each query tile
- * holding a row whose |lse| reaches LSE_EXACT_BELOW, that row's max m and sum
+ * holding a row whose |lse| reaches LSE_EXACT_BELOW (and whose output gradient
+ * is not all zeros: dout_row_zero), that row's max m and sum
  * of exp(score - m) over every key it sees, from the scores again (one more
  * pass over those tiles' keys, only for them), and lo = (m - lse) + log(sum):
  * lse + lo is m + log(sum) to about the real's precision, where lse alone had
@@ -1232,7 +1251,7 @@ static void refine_lse(const hkt_params *p, const ws_layout *ws, real *base, int
         int any = 0;
         double m[BQ], sum[BQ];
         for (int64_t r = 0; r < nq; r++) {
-            want[r] = lse_is_coarse(lse[i0 + r]);
+            want[r] = lse_is_coarse(lse[i0 + r]) && !dout_row_zero(p, b, h, i0 + r);
             any |= want[r];
             m[r] = -INFINITY;
             sum[r] = 0;
@@ -1288,7 +1307,7 @@ static void backward_prepare(const hkt_params *p, const ws_layout *ws, real *bas
     int coarse = 0;
     for (int64_t i = 0; i < T; i++) {
         lo[i] = 0;
-        coarse |= lse_is_coarse(lse[i]);
+        coarse |= lse_is_coarse(lse[i]) && !dout_row_zero(p, b, h, i);
     }
     if (coarse) refine_lse(p, ws, base, b, h, lse, lo);
 #if HKT_BF16_BACKWARD
