@@ -1624,8 +1624,10 @@ static int fill_varlen(hkt_varlen_params *vp, held *hd, PyObject *qs, PyObject *
     {
         int64_t want[3] = {p->T, p->H, p->Dv};
         const void *ptr;
-        /* the forward writes float32; the backward reads the bfloat16 result */
-        if (take_3d(t, "out", output ? cref : q0, want, "= (total_q, H, Dv)", 0, output, &ptr, p->out_stride))
+        /* the forward writes float32, or bfloat16 (bf16_out); the backward reads the bfloat16 result */
+        p->bf16_out = output && p->dtype == HKT_BFLOAT16 && is_bf16(t);
+        if (take_3d(t, "out", output && !p->bf16_out ? cref : q0, want, "= (total_q, H, Dv)", 0, output, &ptr,
+                    p->out_stride))
             goto done;
         p->out = (void *)ptr;
         note_span(hd, t, "out", output);
@@ -1683,7 +1685,8 @@ PyDoc_STRVAR(varlen_forward_doc,
 "and lse (H * total_q,), C-contiguous, of q's dtype, sharing memory with no\n"
 "other argument.  Each sequence is computed as it would be alone.  max_seqlen_*:\n"
 "None or at least the longest sequence.  bfloat16 q, k and v (where\n"
-"cpu_has_bf16(), even D) run natively, as for forward: w, out and lse float32.");
+"cpu_has_bf16(), even D) run natively, as for forward: w and lse float32, out\n"
+"float32 or bfloat16.");
 
 static PyObject *py_varlen_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",

@@ -40,13 +40,14 @@ int64_t hkt_varlen_level_rows(const int64_t *cu, int64_t nseq, int l) {
 static int64_t seq_T(const hkt_varlen_params *vp, int64_t s) { return vp->cu_q[s + 1] - vp->cu_q[s]; }
 static int64_t seq_S(const hkt_varlen_params *vp, int64_t s) { return vp->cu_k[s + 1] - vp->cu_k[s]; }
 /* Element sizes: vl_elem of the compute dtype (w, lse, the gradients, the
- * forward's out), vl_in_elem of the inputs q, k, v, dout and the backward's out
- * (bfloat16 inputs run natively: 2 bytes, computed in float32). */
+ * forward's out unless bf16_out), vl_in_elem of the inputs q, k, v, dout and
+ * the backward's out (bfloat16 inputs run natively: 2 bytes, computed in
+ * float32). */
 static size_t vl_elem(const hkt_varlen_params *vp) { return vp->p.dtype == HKT_FLOAT64 ? 8 : 4; }
 static size_t vl_in_elem(const hkt_varlen_params *vp) { return vp->p.dtype == HKT_BFLOAT16 ? 2 : vl_elem(vp); }
-/* out is the forward's float32 result, the backward's bfloat16 input */
+/* out is the forward's float32 (or, bf16_out, bfloat16) result, the backward's bfloat16 input */
 static size_t vl_out_elem(const hkt_varlen_params *vp, int backward) {
-    return backward ? vl_in_elem(vp) : vl_elem(vp);
+    return backward || vp->p.bf16_out ? vl_in_elem(vp) : vl_elem(vp);
 }
 /* query heads per kv head: the heads of one task */
 static int64_t vl_group(const hkt_varlen_params *vp) { return vp->p.H_kv > 0 ? vp->p.H / vp->p.H_kv : 0; }

@@ -338,17 +338,18 @@ def _varlen_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tens
     H * cu_seqlens_q[s])."""
     q0 = q[0]
     dtype = compute_dtype(q0.dtype)
+    native = _native_bf16(q0, ndim=3)  # q, k, v as they are; w and lse float32, out bfloat16 (rounded by the kernels)
     lead = q0.shape[:2]  # (total_q, H); a wrong rank is the extension's to name
-    out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=dtype, device=q0.device)
+    out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=q0.dtype if native else dtype, device=q0.device)
     lse = torch.empty((lead[0] * lead[1] if len(lead) == 2 else 0,), dtype=dtype, device=q0.device)
-    if _native_bf16(q0, ndim=3):  # q, k, v as they are; w, out and lse float32
+    if native:
         qs, ks, vs = _feats(q), _feats(k), _feat(v)
     else:
         qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
     _C.varlen_forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
                       _read(cu_seqlens_q), _read(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
                       _threads())
-    return (out if q0.dtype == dtype else out.to(q0.dtype)), lse
+    return (out if out.dtype == q0.dtype else out.to(q0.dtype)), lse
 
 
 def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,

@@ -442,6 +442,23 @@ def test_packed_calls_are_each_sequence_alone(D, Dv, H_kv, is_causal):
     assert ((got[-1].float() - want_dw).abs() <= bound).all(), (got[-1], want_dw)
 
 
+def test_packed_out_is_the_float32_one_rounded():
+    """The packed forward writes its bfloat16 out itself, rounded as torch rounds
+    the float32 one (hkt asks for it in bfloat16 since the native kernels round)."""
+    from test_varlen import LENS, cu_of, packed_inputs
+    q, k, v, w = packed_inputs(LENS, LENS, 2, 8, 6, 3, H_kv=1, dtype=BF, seed=6)
+    outs = []
+    for dtype in (torch.float32, BF):
+        out, lse = torch.empty(sum(LENS), 2, 6, dtype=dtype), torch.empty(2 * sum(LENS))
+        _C.varlen_forward(q, k, v, w.float(), out, lse, cu_of(LENS, torch.int64), cu_of(LENS, torch.int64),
+                          None, None, True)
+        outs.append((out, lse))
+    (o32, l32), (o16, l16) = outs
+    assert torch.equal(bits(o16), bits(o32.to(BF))) and torch.equal(l16, l32)
+    got = hkt.hkt_attention_varlen(q, k, v, w, cu_of(LENS), cu_of(LENS), is_causal=True)
+    assert torch.equal(bits(got), bits(o16))
+
+
 def test_module_packed_padding_as_padded():
     """MultiheadHKT(pack_padding=True) in bfloat16: the packed call and the padded one
     compute each real row with the same native kernels, so they agree to the last bit
