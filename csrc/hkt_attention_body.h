@@ -1267,8 +1267,7 @@ static void refine_lse(const hkt_params *p, const ws_layout *ws, real *base, int
             for (int64_t r = 0; r < nq; r++) {
                 if (!want[r]) continue;
                 const real *srow = base + ws->scores + r * BK;
-                double mt = -INFINITY;
-                for (int64_t c = 0; c < j1 - j0; c++) mt = srow[c] > mt ? srow[c] : mt;
+                const double mt = row_max(srow, j1 - j0); /* no NaN: the row's lse is finite */
                 if (mt == -INFINITY) continue;
                 if (mt > m[r]) {
                     sum[r] *= exp(m[r] - mt); /* 0 while m was -inf */
@@ -1304,10 +1303,10 @@ static void backward_prepare(const hkt_params *p, const ws_layout *ws, real *bas
     real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
     real *lo = lse_lo(p) + (b * p->H + h) * T;
-    int coarse = 0;
+    int coarse = 0; /* refine_lse then leaves out rows whose dO is zero */
     for (int64_t i = 0; i < T; i++) {
         lo[i] = 0;
-        coarse |= lse_is_coarse(lse[i]) && !dout_row_zero(p, b, h, i);
+        coarse |= lse_is_coarse(lse[i]);
     }
     if (coarse) refine_lse(p, ws, base, b, h, lse, lo);
 #if HKT_BF16_BACKWARD
