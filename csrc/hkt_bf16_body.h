@@ -40,8 +40,8 @@ static inline __attribute__((always_inline)) uint32_t pair_at(const bf16 *x) {
 static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
     const int R, const int NV, const __mmask16 last, int64_t K2, const char *restrict A, int64_t ars, int64_t aps,
     const uint32_t *restrict B, int64_t ldb, float *restrict C, int64_t ldc, int accumulate) {
-    __m512 c[8][4];
-#pragma GCC unroll 8
+    __m512 c[12][4];
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) c[r][v] = _mm512_setzero_ps();
@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++)
             b[v] = (__m512bh)_mm512_maskz_loadu_epi32(v == NV - 1 ? last : 0xFFFF, B + kk * ldb + 16 * v);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
             uint32_t w;
             memcpy(&w, A + r * ars + kk * aps, sizeof w);
@@ -59,7 +59,7 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
             for (int v = 0; v < NV; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; v++) {
@@ -71,30 +71,54 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
         }
 }
 
+/* Rows [0, M) of one column block (NV vectors, the last `last`) in R-row
+ * tiles, the rows left over in one narrower tile (R a constant each). */
+static inline __attribute__((always_inline)) BF16_TARGET void bf16_rows(
+    const int R, const int NV, const __mmask16 last, int64_t M, int64_t K2, const char *A, int64_t ars, int64_t aps,
+    const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
+    int64_t i = 0;
+    for (; i + R <= M; i += R)
+        bf16_tile(R, NV, last, K2, A + i * ars, ars, aps, B, ldb, C + i * ldc, ldc, accumulate);
+    A += i * ars;
+    C += i * ldc;
+    switch (M - i) {
+    case 1: if (1 < R) bf16_tile(1, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 2: if (2 < R) bf16_tile(2, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 3: if (3 < R) bf16_tile(3, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 4: if (4 < R) bf16_tile(4, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 5: if (5 < R) bf16_tile(5, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 6: if (6 < R) bf16_tile(6, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 7: if (7 < R) bf16_tile(7, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 8: if (8 < R) bf16_tile(8, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 9: if (9 < R) bf16_tile(9, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 10: if (10 < R) bf16_tile(10, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    case 11: if (11 < R) bf16_tile(11, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    }
+}
+
 /* C (M, N) [+]= A (M, 2 K2) @ B (2 K2, N).  A's pair (i, kk) is the 32-bit word
  * at A + i * ars + kk * aps bytes: a bfloat16 row-major A (rows lda apart) has
  * ars = 2 lda, aps = 4; A^T of pairs packed along its rows (row_pairs) has
  * ars = 4, aps = 4 ld.  B as pairs (K2, N) words, rows ldb apart; C float32.
- * 4 x 4 blocks (16 accumulators) over 64 columns, then 8 x 1 over 16. */
+ * Every entry is one chain of vdpbf16ps over kk in order, whatever the tile,
+ * so the tile shapes do not change a bit.  Tiles of 12 to 16 accumulators:
+ * vdpbf16ps has a latency of about 6 cycles, and a core that issues two a
+ * cycle (Zen 5) needs 12 chains in flight to stay busy -- with 8 (the 8 x 1
+ * tiles this took over 16 and 32 columns before) the level-1 and -2 Gram
+ * blocks (32 x 32 and 16 x 16) ran at 68% and 50% of the rate of 64 x 64. */
 static BF16_TARGET void gemm_dp(int64_t M, int64_t N, int64_t K2, const void *Av, int64_t ars, int64_t aps,
                                 const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
     const char *A = (const char *)Av;
     int64_t j = 0;
-    for (; j + 64 <= N; j += 64) {
-        int64_t i = 0;
-        for (; i + 4 <= M; i += 4)
-            bf16_tile(4, 4, 0xFFFF, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < M; i++)
-            bf16_tile(1, 4, 0xFFFF, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-    }
-    for (; j < N; j += 16) {
-        const __mmask16 m = N - j >= 16 ? 0xFFFF : (__mmask16)((1u << (N - j)) - 1);
-        int64_t i = 0;
-        for (; i + 8 <= M; i += 8)
-            bf16_tile(8, 1, m, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-        for (; i < M; i++)
-            bf16_tile(1, 1, m, K2, A + i * ars, ars, aps, B + j, ldb, C + i * ldc + j, ldc, accumulate);
-    }
+    for (; j + 64 <= N; j += 64) bf16_rows(4, 4, 0xFFFF, M, K2, A, ars, aps, B + j, ldb, C + j, ldc, accumulate);
+    const int64_t rest = N - j;
+    if (rest == 0) return;
+    const __mmask16 last = rest % 16 ? (__mmask16)((1u << rest % 16) - 1) : 0xFFFF;
+    if (rest > 48) bf16_rows(4, 4, last, M, K2, A, ars, aps, B + j, ldb, C + j, ldc, accumulate);
+    else if (rest > 32) bf16_rows(4, 3, last, M, K2, A, ars, aps, B + j, ldb, C + j, ldc, accumulate);
+    else if (rest > 16) bf16_rows(6, 2, last, M, K2, A, ars, aps, B + j, ldb, C + j, ldc, accumulate);
+    else if (M > 24) bf16_rows(12, 1, last, M, K2, A, ars, aps, B + j, ldb, C + j, ldc, accumulate);
+    else bf16_rows(8, 1, last, M, K2, A, ars, aps, B + j, ldb, C + j, ldc, accumulate); /* 16 rows: two 8s, not 12 + 4 */
 }
 
 #if HKT_AMX
