@@ -38,10 +38,11 @@ static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64
                     int64_t nq, int64_t nk, float *dP);
 static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const float *Pv, int64_t b, int64_t h,
                     int64_t i0, int64_t nq, int64_t j0, int64_t nk, int packed);
-static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h);
+static int dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
+                   int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h, int for_dk);
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h, int packed);
+                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h, int packed,
+                    int paired);
 static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta);
 static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t b, int64_t hk);
 #define BF16_INPUTS(p) ((p)->dtype == HKT_BFLOAT16)
@@ -982,10 +983,12 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
         rl_prev = sp.rl;
         cl_prev = sp.cl;
         const real wl = level_factor(p->scale, weight(p, h, l));
+        int ds_paired = 0; /* bfloat16: dS_l's pairs for dk made with dq's rounding */
+        (void)ds_paired;
         if (want & WANT_Q) {
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))
-                dq_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.cl, wl, b, h);
+                ds_paired = dq_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.cl, wl, b, h, want & WANT_KV);
             else
 #endif
             {
@@ -1009,7 +1012,8 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
             dwacc[l] += scale * lanes_total((acc[0] + acc[1]) + (acc[2] + acc[3]));
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))
-                dk_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.c0, sp.cl, wl, b, h, want & ROWS_PACKED);
+                dk_bf16(p, ws, base, l, dsl, ldsl, sp.r0, sp.rl, sp.c0, sp.cl, wl, b, h, want & ROWS_PACKED,
+                        ds_paired);
             else
 #endif
             {

@@ -245,6 +245,14 @@ static void gemm_bf16(const ws_layout *ws, int64_t M, int64_t N, int64_t K2, con
  * src[r][2 c2 + 1]).  A GEMM's B for the rows' matrix transposed (keys^T for
  * the scores, values^T for dP). */
 static void col_pairs(const bf16 *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
+    if (lds % 2 == 0 && w % 2 == 0) {
+        /* rows of whole words: the float32 build's 16 x 16 register transpose,
+         * which moves bits without touching them (loads, shuffles, stores) --
+         * against this scalar loop, 1.6% of the bfloat16 L=3 forward+backward
+         * at T=1024 (Zen 5) */
+        transpose(n, w / 2, (const float *)(const void *)src, lds / 2, (float *)(void *)dst, ldd);
+        return;
+    }
     for (int64_t r = 0; r < n; r++)
         for (int64_t c2 = 0; c2 < w / 2; c2++) dst[c2 * ldd + r] = pair_at(src + r * lds + 2 * c2);
 }
@@ -338,6 +346,36 @@ static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int6
             const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s0 + c));
             const __m512 x1 = s1 ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s1 + c)) : _mm512_setzero_ps();
             _mm512_mask_storeu_epi32(d + c, m, pair_words(x0, x1));
+        }
+    }
+}
+
+/* rows_to_bf16 and row_pairs of the same rows in one pass (the same products
+ * alpha * x rounded by the same instruction, so the same bits as the two):
+ * dS_l's rows for dq (rows, ldr bfloat16 apart) and its pairs along the rows
+ * for dk (pairs, ldp words apart).  Reading and scaling dS once, not twice,
+ * took 0.7% of the bfloat16 L=3 backward (T=1024, Zen 5). */
+static BF16_TARGET void rows_and_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, bf16 *rows,
+                                       int64_t ldr, uint32_t *pairs, int64_t ldp) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t r = 0; r < n; r += 2) {
+        const float *s0 = src + r * lds, *s1 = r + 1 < n ? s0 + lds : NULL;
+        bf16 *d0 = rows + r * ldr;
+        uint32_t *d = pairs + r / 2 * ldp;
+        for (int64_t c = 0; c < w; c += 16) {
+            const int64_t left = w - c;
+            const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
+            /* rows_to_bf16 writes whole pairs: an odd w's zero partner too */
+            const int64_t keep = left >= 16 ? 16 : (left + 1) & ~(int64_t)1;
+            const __mmask16 mk = keep >= 16 ? 0xFFFF : (__mmask16)((1u << keep) - 1);
+            const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s0 + c));
+            const __m512 x1 = s1 ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s1 + c)) : _mm512_setzero_ps();
+            const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(x1, x0); /* x0's in words 0..15, x1's in 16..31 */
+            _mm256_mask_storeu_epi16(d0 + c, mk, _mm512_castsi512_si256(v));
+            if (s1) _mm256_mask_storeu_epi16(d0 + ldr + c, mk, _mm512_extracti64x4_epi64(v, 1));
+            _mm512_mask_storeu_epi32(d + c, m, _mm512_permutexvar_epi16(interleave, v));
         }
     }
 }
@@ -505,16 +543,21 @@ static void dp_bf16(const hkt_params *p, const ws_layout *ws, float *base, int64
  * paired along its rows (the reduction).  gemm_dp reads row_pairs' words
  * transposed in place (pairs, BK words a row); AMX needs the transpose
  * row-major, which row_pairs_t writes (into pairs_t) in the same pass. */
+static int rows_t_on_amx(const ws_layout *ws, int64_t M, int64_t N, int64_t n) {
+    return ws->amx && amx_kc((n + 1) / 2) && M >= 16 && N >= 16;
+}
+
+/* paired: row_pairs' words are in pairs already (rows_and_pairs) */
 static void gemm_rows_t(const ws_layout *ws, float *base, int64_t M, int64_t N, int64_t n, const float *X,
                         int64_t ldx, float alpha, uint32_t *pairs, const uint32_t *B, int64_t ldb, float *C,
-                        int64_t ldc) {
+                        int64_t ldc, int paired) {
     const int64_t K2 = (n + 1) / 2;
-    if (ws->amx && amx_kc(K2) && M >= 16 && N >= 16) {
+    if (rows_t_on_amx(ws, M, N, n)) {
         uint32_t *xt = (uint32_t *)(base + ws->pairs_t);
         row_pairs_t(X, ldx, n, M, alpha, xt, BQ / 2);
         gemm_bf16(ws, M, N, K2, xt, 4 * (BQ / 2), 4, B, ldb, C, ldc, 1);
     } else {
-        row_pairs(X, ldx, n, M, alpha, pairs, BK);
+        if (!paired) row_pairs(X, ldx, n, M, alpha, pairs, BK);
         gemm_bf16(ws, M, N, K2, pairs, 4, 4 * BK, B, ldb, C, ldc, 1);
     }
 }
@@ -527,30 +570,35 @@ static void dv_bf16(const hkt_params *p, const ws_layout *ws, float *base, const
     uint32_t *pp = (uint32_t *)(base + ws->p_pairs), *dop = (uint32_t *)(base + ws->do_pairs);
     if (!packed) bf16_row_pairs(dout_rows(p, b, h, i0), p->dout_stride[2], nq, p->Dv, dop, p->Dv);
     float *dv = (float *)p->dv + b * p->dv_stride[0] + kv_head(p, h) * p->dv_stride[1] + j0 * p->dv_stride[2];
-    gemm_rows_t(ws, base, nk, p->Dv, nq, Pv, BK, 1.0f, pp, dop, p->Dv, dv, p->dv_stride[2]);
+    gemm_rows_t(ws, base, nk, p->Dv, nq, Pv, BK, 1.0f, pp, dop, p->Dv, dv, p->dv_stride[2], 0);
 }
 
 /* dq_l rows [r0, r0 + rl) += wl dS_l k_l: dS_l (rl, cl) scaled and rounded,
- * k_l as row pairs (keys_bf16). */
-static void dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h) {
+ * k_l as row pairs (keys_bf16).  for_dk: dk_bf16 takes dS_l next, which then
+ * finds its pairs made here where it reads pairs (returns 1 then). */
+static int dq_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
+                   int64_t r0, int64_t rl, int64_t cl, float wl, int64_t b, int64_t h, int for_dk) {
     bf16 *ds = (bf16 *)(base + ws->ds_bf16);
-    rows_to_bf16(dsl, ldsl, rl, cl, wl, ds, BK);
+    const int paired = for_dk && !rows_t_on_amx(ws, cl, p->D, rl);
+    if (paired) rows_and_pairs(dsl, ldsl, rl, cl, wl, ds, BK, (uint32_t *)(base + ws->ds_pairs), BK);
+    else rows_to_bf16(dsl, ldsl, rl, cl, wl, ds, BK);
     float *dq = (float *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1] + r0 * p->dq_stride[l][2];
     gemm_bf16(ws, rl, p->D, (cl + 1) / 2, ds, 2 * BK, 4, (const uint32_t *)(base + ws->key_pairs + ws->key_pairs_off[l]),
               p->D, dq, p->dq_stride[l][2], 1);
+    return paired;
 }
 
 /* dk_l rows [c0, c0 + cl) += wl dS_l^T q_l: dS_l and the query rows [r0, r0 +
  * rl) as row pairs (those already there when packed), dS_l read transposed. */
 static void dk_bf16(const hkt_params *p, const ws_layout *ws, float *base, int l, const float *dsl, int64_t ldsl,
-                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h, int packed) {
+                    int64_t r0, int64_t rl, int64_t c0, int64_t cl, float wl, int64_t b, int64_t h, int packed,
+                    int paired) {
     uint32_t *dsp = (uint32_t *)(base + ws->ds_pairs), *qp = (uint32_t *)(base + ws->q_pairs + ws->q_off[l]);
     const bf16 *q = (const bf16 *)p->q[l] + b * p->q_stride[l][0] + h * p->q_stride[l][1] + r0 * p->q_stride[l][2];
     if (!packed) bf16_row_pairs(q, p->q_stride[l][2], rl, p->D, qp, p->D);
     float *dk = (float *)p->dk[l] + b * p->dk_stride[l][0] + kv_head(p, h) * p->dk_stride[l][1] +
                 c0 * p->dk_stride[l][2];
-    gemm_rows_t(ws, base, cl, p->D, rl, dsl, ldsl, wl, dsp, qp, p->D, dk, p->dk_stride[l][2]);
+    gemm_rows_t(ws, base, cl, p->D, rl, dsl, ldsl, wl, dsp, qp, p->D, dk, p->dk_stride[l][2], paired);
 }
 
 static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t b, int64_t hk) {
@@ -582,7 +630,23 @@ static inline float bf16_value(bf16 x) {
 /* delta[i] = rowsum(dO * out) of (b, h)'s rows, summed in double (dot_exact). */
 static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta) {
     const bf16 *ob = (const bf16 *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
-    for (int64_t i = 0; i < p->T; i++) {
+    int64_t i = 0;
+    /* eight rows at a time, each still one chain of double adds in e order (the
+     * same bits): one row's chain waited on the add's latency at every element,
+     * 1.4% of the bfloat16 L=3 backward (T=1024, Zen 5) */
+    for (; i + 8 <= p->T; i += 8) {
+        const bf16 *o[8], *d[8];
+        double acc[8];
+        for (int k = 0; k < 8; k++) {
+            o[k] = ob + (i + k) * p->out_stride[2];
+            d[k] = dout_rows(p, b, h, i + k);
+            acc[k] = 0;
+        }
+        for (int64_t e = 0; e < p->Dv; e++)
+            for (int k = 0; k < 8; k++) acc[k] += (double)bf16_value(d[k][e]) * (double)bf16_value(o[k][e]);
+        for (int k = 0; k < 8; k++) delta[i + k] = (float)acc[k];
+    }
+    for (; i < p->T; i++) {
         const bf16 *o = ob + i * p->out_stride[2], *d = dout_rows(p, b, h, i);
         double acc = 0;
         for (int64_t e = 0; e < p->Dv; e++) acc += (double)bf16_value(d[e]) * (double)bf16_value(o[e]);
