@@ -88,7 +88,7 @@ def main():
     for d, run in sorted(others, key=lambda x: (bool(x[1][0]["machine"].get("isa_limits")), x[0])):
         m = run[0]["machine"]
         title = (f"{m['cpu']} with its instruction sets restricted, a stand-in for a CPU without the rest"
-                 if m.get("isa_limits") else f"Another CPU: {m['cpu']}")
+                 if m.get("isa_limits") else f"Another CPU: {m['cpu']}, family {m['family']} model {m['model']}")
         lines += ["", f"**{title}** (`benchmarks/results/{d}/`)", ""] + machine_block(*run)
     path = os.path.join(ROOT, "README.md")
     with open(path) as f:
