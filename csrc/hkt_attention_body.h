@@ -367,15 +367,8 @@ static inline void rows_max16(const real *x, int64_t ld, int64_t n, int64_t w, r
     for (int j = 1; j < 16; j++) m = _mm512_max_ps(_mm512_castsi512_ps(v[j]), m);
     real out[16];
     _mm512_storeu_ps(out, m);
-    for (int64_t i = 0; i < n; i++) {
-        mx[i] = out[i];
-        if (out[i] == -INFINITY)
-            for (int64_t c = 0; c < w; c++)
-                if (x[i * ld + c] != x[i * ld + c]) {
-                    mx[i] = NAN;
-                    break;
-                }
-    }
+    /* a row with no finite max: row_max tells -inf from NaN */
+    for (int64_t i = 0; i < n; i++) mx[i] = out[i] == -INFINITY ? row_max(x + i * ld, w) : out[i];
 }
 #else
 /* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions,
@@ -738,16 +731,14 @@ static void softmax_update(const hkt_params *p, const ws_layout *ws, real *base,
     real *Sbuf = base + ws->scores, *m = base + ws->row_max, *lsum = base + ws->row_sums;
     real mnew[BQ];
     unsigned char seen[BQ]; /* the row sees a key in this tile */
-#if HKT_AVX512_F32
     real maxes[BQ];
+#if HKT_AVX512_F32
     for (int64_t r = 0; r < nq; r += 16) rows_max16(Sbuf + r * BK, BK, nq - r < 16 ? nq - r : 16, nk, maxes + r);
+#else
+    for (int64_t r = 0; r < nq; r++) maxes[r] = row_max(Sbuf + r * BK, nk);
 #endif
     for (int64_t r = 0; r < nq; r++) {
-#if HKT_AVX512_F32
         const real mx = maxes[r];
-#else
-        const real mx = row_max(Sbuf + r * BK, nk);
-#endif
         seen[r] = mx != -INFINITY;
         /* NaN wins, so a NaN score poisons its row for good */
         mnew[r] = mx > m[r] || mx != mx ? mx : m[r];
@@ -1030,8 +1021,9 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
         rl_prev = sp.rl;
         cl_prev = sp.cl;
         const real wl = level_factor(p->scale, weight(p, h, l));
-        int ds_paired = 0; /* bfloat16: dS_l's pairs for dk made with dq's rounding */
-        (void)ds_paired;
+#if HKT_BF16_BACKWARD
+        int ds_paired = 0; /* dS_l's pairs for dk made with dq's rounding */
+#endif
         if (want & WANT_Q) {
 #if HKT_BF16_BACKWARD
             if (BF16_INPUTS(p))

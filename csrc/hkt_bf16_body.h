@@ -72,28 +72,24 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_tile(
 }
 
 /* Rows [0, M) of one column block (NV vectors, the last `last`) in R-row
- * tiles, the rows left over in one narrower tile (R a constant each). */
+ * tiles, the rows left over in narrower ones (R a constant each). */
 static inline __attribute__((always_inline)) BF16_TARGET void bf16_rows(
     const int R, const int NV, const __mmask16 last, int64_t M, int64_t K2, const char *A, int64_t ars, int64_t aps,
     const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
     int64_t i = 0;
     for (; i + R <= M; i += R)
         bf16_tile(R, NV, last, K2, A + i * ars, ars, aps, B, ldb, C + i * ldc, ldc, accumulate);
-    A += i * ars;
-    C += i * ldc;
-    switch (M - i) {
-    case 1: if (1 < R) bf16_tile(1, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 2: if (2 < R) bf16_tile(2, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 3: if (3 < R) bf16_tile(3, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 4: if (4 < R) bf16_tile(4, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 5: if (5 < R) bf16_tile(5, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 6: if (6 < R) bf16_tile(6, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 7: if (7 < R) bf16_tile(7, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 8: if (8 < R) bf16_tile(8, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 9: if (9 < R) bf16_tile(9, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 10: if (10 < R) bf16_tile(10, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
-    case 11: if (11 < R) bf16_tile(11, NV, last, K2, A, ars, aps, B, ldb, C, ldc, accumulate); break;
+    /* the rest, fewer than R rows, in pieces of 8, 4, 2 and 1 (those under R) */
+#define BF16_REST(P)                                                                                         \
+    if ((P) < R && M - i >= (P)) {                                                                           \
+        bf16_tile(P, NV, last, K2, A + i * ars, ars, aps, B, ldb, C + i * ldc, ldc, accumulate);             \
+        i += (P);                                                                                            \
     }
+    BF16_REST(8)
+    BF16_REST(4)
+    BF16_REST(2)
+    BF16_REST(1)
+#undef BF16_REST
 }
 
 /* C (M, N) [+]= A (M, 2 K2) @ B (2 K2, N).  A's pair (i, kk) is the 32-bit word
@@ -320,64 +316,61 @@ static BF16_TARGET void rows_to_bf16(const float *src, int64_t lds, int64_t n, i
     }
 }
 
+/* v's 32 bfloat16 words (x0's in words 0..15, x1's in 16..31, as
+ * vcvtne2ps2bf16 leaves them) as the 16 pairs (x0[i], x1[i]), one 32-bit word
+ * each. */
+static inline __attribute__((always_inline)) BF16_TARGET __m512i interleave_pairs(__m512i v) {
+    /* 16-bit word k of the interleave: x0's element k / 2 (k even, words 0..15 of
+     * v) or x1's (k odd, words 16..31) */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, v);
+}
+
 /* bfloat16 of x0 and x1 (16 floats each, nearest even) as the 16 pairs
  * (x0[i], x1[i]), one 32-bit word each. */
 static inline __attribute__((always_inline)) BF16_TARGET __m512i pair_words(__m512 x0, __m512 x1) {
-    /* 16-bit word k of the interleave: x0's element k / 2 (k even, words 0..15 of
-     * both) or x1's (k odd, words 16..31) */
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    /* bfloat16 of x0 in words 0..15, of x1 in 16..31, then interleaved */
-    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+    return interleave_pairs((__m512i)_mm512_cvtne2ps_pbh(x1, x0));
 }
 
 /* Rows of src (n rows of w floats, lds apart) times alpha, rounded, as pairs
- * along the rows: word (r2, c) of dst (rows ldd words apart) = (src[2 r2][c],
+ * along the rows: word (r2, c) of pairs (rows ldp words apart) = (src[2 r2][c],
  * src[2 r2 + 1][c]), the partner past an odd n zero.  As a GEMM's B it is the
- * rows' matrix; as its A (ars = 4, aps = 4 ldd) the transpose of that matrix. */
-static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint32_t *dst,
-                                  int64_t ldd) {
-    const __m512 a = _mm512_set1_ps(alpha);
-    for (int64_t r = 0; r < n; r += 2) {
-        const float *s0 = src + r * lds, *s1 = r + 1 < n ? s0 + lds : NULL;
-        uint32_t *d = dst + r / 2 * ldd;
-        for (int64_t c = 0; c < w; c += 16) {
-            const __mmask16 m = w - c >= 16 ? 0xFFFF : (__mmask16)((1u << (w - c)) - 1);
-            const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s0 + c));
-            const __m512 x1 = s1 ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s1 + c)) : _mm512_setzero_ps();
-            _mm512_mask_storeu_epi32(d + c, m, pair_words(x0, x1));
-        }
-    }
-}
-
-/* rows_to_bf16 and row_pairs of the same rows in one pass (the same products
- * alpha * x rounded by the same instruction, so the same bits as the two):
- * dS_l's rows for dq (rows, ldr bfloat16 apart) and its pairs along the rows
- * for dk (pairs, ldp words apart).  Reading and scaling dS once, not twice,
- * took 0.7% of the bfloat16 L=3 backward (T=1024, Zen 5). */
+ * rows' matrix; as its A (ars = 4, aps = 4 ldp) the transpose of that matrix.
+ * Where rows is given, the same rounded rows row-major too (rows_to_bf16's
+ * layout, ldr bfloat16 apart: dS_l's rows for dq beside its pairs for dk),
+ * from the same products rounded by the same instruction, so the same bits:
+ * reading and scaling dS once, not twice, took 0.7% of the bfloat16 L=3
+ * backward (T=1024, Zen 5). */
 static BF16_TARGET void rows_and_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, bf16 *rows,
                                        int64_t ldr, uint32_t *pairs, int64_t ldp) {
     const __m512 a = _mm512_set1_ps(alpha);
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t r = 0; r < n; r += 2) {
         const float *s0 = src + r * lds, *s1 = r + 1 < n ? s0 + lds : NULL;
-        bf16 *d0 = rows + r * ldr;
         uint32_t *d = pairs + r / 2 * ldp;
         for (int64_t c = 0; c < w; c += 16) {
             const int64_t left = w - c;
             const __mmask16 m = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1);
-            /* rows_to_bf16 writes whole pairs: an odd w's zero partner too */
-            const int64_t keep = left >= 16 ? 16 : (left + 1) & ~(int64_t)1;
-            const __mmask16 mk = keep >= 16 ? 0xFFFF : (__mmask16)((1u << keep) - 1);
             const __m512 x0 = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s0 + c));
             const __m512 x1 = s1 ? _mm512_mul_ps(a, _mm512_maskz_loadu_ps(m, s1 + c)) : _mm512_setzero_ps();
             const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(x1, x0); /* x0's in words 0..15, x1's in 16..31 */
-            _mm256_mask_storeu_epi16(d0 + c, mk, _mm512_castsi512_si256(v));
-            if (s1) _mm256_mask_storeu_epi16(d0 + ldr + c, mk, _mm512_extracti64x4_epi64(v, 1));
-            _mm512_mask_storeu_epi32(d + c, m, _mm512_permutexvar_epi16(interleave, v));
+            if (rows) {
+                /* rows_to_bf16 writes whole pairs: an odd w's zero partner too */
+                const int64_t keep = left >= 16 ? 16 : (left + 1) & ~(int64_t)1;
+                const __mmask16 mk = keep >= 16 ? 0xFFFF : (__mmask16)((1u << keep) - 1);
+                bf16 *d0 = rows + r * ldr + c;
+                _mm256_mask_storeu_epi16(d0, mk, _mm512_castsi512_si256(v));
+                if (s1) _mm256_mask_storeu_epi16(d0 + ldr, mk, _mm512_extracti64x4_epi64(v, 1));
+            }
+            _mm512_mask_storeu_epi32(d + c, m, interleave_pairs(v));
         }
     }
+}
+
+/* rows_and_pairs' pairs alone (dst, rows ldd words apart) */
+static BF16_TARGET void row_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, uint32_t *dst,
+                                  int64_t ldd) {
+    rows_and_pairs(src, lds, n, w, alpha, NULL, 0, dst, ldd);
 }
 
 /* row_pairs' words transposed, in one pass: word (c, r2) of dst (rows ldd
