@@ -699,7 +699,8 @@ static inline vec exp_shift_lanes(real *restrict x, int64_t n, real m) {
     for (; c + VL <= n; c += VL) {
         real *restrict xc = x + c;
 #if HKT_EXPV
-        const vec y = exp_nonpos_vec(vload(xc) - m);
+        /* x <= m, the max of the row's scores (or NaN): no clamps needed */
+        const vec y = exp_nonpos_vec_le0(vload(xc) - m);
         vstore(xc, y);
         acc += y;
 #else

@@ -1,5 +1,7 @@
 /* The vector exp of one instruction-set build (exp_nonpos_vec, hkt_real.h)
- * against the scalar exp_nonpos of the same build on float bit patterns: every
+ * against the scalar exp_nonpos of the same build on float bit patterns, and
+ * its unclamped form (exp_nonpos_vec_le0) on the patterns it takes, those <= 0
+ * or NaN: every
  * `step`-th of the 2^32 (step 1: all of them) and the special values.  Built by
  * tests/test_exp_lanes.py with -DHKT_ISA_AVX2 or -DHKT_ISA_AVX512; prints the
  * count checked and the count that differ (NaN against NaN counts as equal),
@@ -20,18 +22,25 @@ typedef float real;
 static long long differ;
 
 static void check(const uint32_t *bits) {
-    real x[VL], y[VL];
+    real x[VL], y[VL], y0[VL];
     memcpy(x, bits, sizeof x);
-    const vec v = exp_nonpos_vec(vload(x));
+    const vec v = exp_nonpos_vec(vload(x)), v0 = exp_nonpos_vec_le0(vload(x));
     memcpy(y, &v, sizeof y);
+    memcpy(y0, &v0, sizeof y0);
     for (int i = 0; i < VL; i++) {
         const float want = exp_nonpos(x[i]);
-        uint32_t a, b;
-        memcpy(&a, &y[i], 4);
-        memcpy(&b, &want, 4);
-        if (a != b && !(y[i] != y[i] && want != want)) {
-            if (differ < 5) printf("x=%a (0x%08x): lanes %a, scalar %a\n", x[i], bits[i], y[i], want);
-            differ++;
+        for (int form = 0; form < 2; form++) {
+            const float got = form ? y0[i] : y[i];
+            if (form && !(x[i] <= 0 || x[i] != x[i])) continue; /* not the unclamped form's input */
+            uint32_t a, b;
+            memcpy(&a, &got, 4);
+            memcpy(&b, &want, 4);
+            if (a != b && !(got != got && want != want)) {
+                if (differ < 5)
+                    printf("x=%a (0x%08x): lanes%s %a, scalar %a\n", x[i], bits[i], form ? " (unclamped)" : "", got,
+                           want);
+                differ++;
+            }
         }
     }
 }
