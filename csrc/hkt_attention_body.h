@@ -60,10 +60,20 @@ static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t
  * in every tile.  (With alpha * sum computed first and C added where
  * accumulating, GCC contracted it in some tiles and not in others, by how it
  * specialised each one.) */
-#define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN)                                            \
+#define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN) DEFINE_TILE_INIT(NAME, R, NV, AIDX, VT, VLEN, C_OR_ZERO)
+/* the entry's first term: C where accumulating, else -0 */
+#define C_OR_ZERO(o, p, r, v, VT, VLEN)                                                        \
+    if (accumulate) memcpy(&o, p, sizeof(VT))
+/* ... or the coarser level's folded scores E, upsampled (gemm_up below):
+ * up points at the parent row of the tile's first row, which is even */
+#define UP_ROW(o, p, r, v, VT, VLEN)                                                           \
+    o = vshuffle1(vload(up + (r >> 1) * ldu + (v & ~1) * (VLEN) / 2), v & 1 ? dup_hi : dup_lo)
+#define DEFINE_TILE_INIT(NAME, R, NV, AIDX, VT, VLEN, INIT)                                    \
     static inline __attribute__((always_inline)) void NAME(                                \
         int64_t K, real alpha, const real *restrict A, int64_t lda, const real *restrict B,    \
-        int64_t ldb, real *restrict C, int64_t ldc, int accumulate) {                          \
+        int64_t ldb, real *restrict C, int64_t ldc, int accumulate, const real *restrict up,   \
+        int64_t ldu) {                                                                          \
+        (void)accumulate, (void)up, (void)ldu;                                                  \
         VT c[R][NV];                                                                            \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (VT){0};            \
@@ -86,7 +96,7 @@ static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) {                             \
                 real *p = C + r * ldc + v * (VLEN);                                             \
                 VT o = -(VT){0}; /* -0 + x is x, +0 and -0 included */                          \
-                if (accumulate) memcpy(&o, p, sizeof(VT));                                      \
+                INIT(o, p, r, v, VT, VLEN);                                                     \
                 o += al * c[r][v];                                                              \
                 memcpy(p, &o, sizeof(VT));                                                      \
             }                                                                                   \
@@ -169,13 +179,13 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
         int64_t i = 0;                                                                                   \
         const int64_t rows_main = block_rows(M, R);                                                      \
         if (trans_a) {                                                                                   \
-            for (; i < rows_main; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
-            for (; i + 4 <= M; i += 4) TT4(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
-            for (; i < M; i++) TT1(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
+            for (; i < rows_main; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
+            for (; i + 4 <= M; i += 4) TT4(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
+            for (; i < M; i++) TT1(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0);       \
         } else {                                                                                         \
-            for (; i < rows_main; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
-            for (; i + 4 <= M; i += 4) T4(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate); \
-            for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);       \
+            for (; i < rows_main; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
+            for (; i + 4 <= M; i += 4) T4(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
+            for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0);       \
         }                                                                                                \
     }
     HKT_TILES(WIDE_R, WIDE_NV, tile_wide, tile_4xwide, tile_1xwide, tile_twide, tile_t4xwide, tile_t1xwide)
@@ -201,6 +211,35 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
                 crow[n] = madd(alpha, acc, accumulate ? crow[n] : -(real)0);
             }
         }
+    }
+}
+
+/* The forward's level-0 scores with the coarser levels' fold in the GEMM's
+ * store: C (M, N) = up2(E) + alpha * A @ B, E the folded scores of level 1
+ * (row length lde; up2 repeats each of its rows and columns twice), in wide
+ * tiles only: N a multiple of WIDE_NV vectors.  Each entry is fma(alpha, sum,
+ * E's entry), as the fold makes it of the Gram block's entry (fold_row), so
+ * the same bits, without the Gram block's store and the fold's pass over it:
+ * the L=3 forward took 0.96x its time at T=1024-2048 (one thread, Xeon family
+ * 6 model 167).  The backward keeps the Gram block, which its dw reads. */
+DEFINE_TILE_INIT(tile_wide_up, WIDE_R, WIDE_NV, r * lda + kk, vec, VL, UP_ROW)
+DEFINE_TILE_INIT(tile_4xwide_up, 4, WIDE_NV, r * lda + kk, vec, VL, UP_ROW)
+DEFINE_TILE_INIT(tile_1xwide_up, 1, WIDE_NV, r * lda + kk, vec, VL, UP_ROW)
+static inline int gemm_up_takes(int64_t N) { return N % (WIDE_NV * VL) == 0; }
+static void gemm_up(int64_t M, int64_t N, int64_t K, real alpha, const real *A, int64_t lda, const real *B,
+                    int64_t ldb, real *C, int64_t ldc, const real *E, int64_t lde) {
+    /* every block of rows but a last single one starts at an even row, the
+     * first of a pair with one parent (WIDE_R and 4 are even) */
+    const int64_t rows_main = block_rows(M, WIDE_R);
+    for (int64_t j = 0; j < N; j += WIDE_NV * VL) {
+        int64_t i = 0;
+        const real *e = E + j / 2;
+        for (; i < rows_main; i += WIDE_R)
+            tile_wide_up(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, e + (i >> 1) * lde, lde);
+        for (; i + 4 <= M; i += 4)
+            tile_4xwide_up(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, e + (i >> 1) * lde, lde);
+        for (; i < M; i++)
+            tile_1xwide_up(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, e + (i >> 1) * lde, lde);
     }
 }
 
@@ -544,6 +583,8 @@ static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, 
  * Then masking: invisible entries become -inf, a float mask is added. */
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1);
+static void fold_levels(const hkt_params *p, const ws_layout *ws, real *base, int64_t h, int64_t i0, int64_t i1,
+                        int64_t j0, int64_t j1, int last);
 static void tile_masks(const hkt_params *p, real *S, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
                        int64_t j1);
 
@@ -583,7 +624,9 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
         return;
     }
-    for (int l = 0; l < p->L; l++) {
+    /* the forward takes level 0 with the fold in its store where it can */
+    const int fused = !keep_grams && !diag && gemm_up_takes(j1 - j0);
+    for (int l = fused; l < p->L; l++) {
         span sp = level_span(l, i0, i1, j0, j1);
         int64_t ld;
         const real *qr = query_rows(p, ws, base, b, h, l, sp.r0, &ld);
@@ -591,18 +634,36 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         gemm_diag(diag && l == 0, DIAG_SCORES, sp.rl, sp.cl, p->D, 1, qr, ld, kt[l], ktld[l], G, sp.cl, 0);
         if (diag && l == 0) zero_unseen(sp.rl, sp.cl, G, sp.cl);
     }
-    tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
+    if (!fused) {
+        tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
+        return;
+    }
+    fold_levels(p, ws, base, h, i0, i1, j0, j1, 1);
+    int64_t ld;
+    const real *qr = query_rows(p, ws, base, b, h, 0, i0, &ld);
+    gemm_up(i1 - i0, j1 - j0, p->D, level_factor(p->scale, weight(p, h, 0)), qr, ld, kt[0], ktld[0],
+            base + ws->scores, BK, base + ws->folded + ws->gram_off[1], level_span(1, i0, i1, j0, j1).cl);
+    tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
 }
 
 /* The tile's scores from its Gram blocks (in ws->gram, however they were
  * computed): the fold described above, then the masks. */
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1) {
+    fold_levels(p, ws, base, h, i0, i1, j0, j1, 0);
+    tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
+}
+
+/* The fold from the coarsest level down to level last: E_last, in ws->folded
+ * at gram_off[last] (row length: the level's columns in the tile), or for
+ * last = 0 the tile's unmasked scores. */
+static void fold_levels(const hkt_params *p, const ws_layout *ws, real *base, int64_t h, int64_t i0, int64_t i1,
+                        int64_t j0, int64_t j1, int last) {
     const int L = p->L;
     real *S = base + ws->scores;
     const real *up = NULL; /* E_{l+1}, row length up_cl */
     int64_t up_cl = 0;
-    for (int l = L - 1; l >= 0; l--) {
+    for (int l = L - 1; l >= last; l--) {
         span sp = level_span(l, i0, i1, j0, j1);
         const real *G = base + ws->gram + ws->gram_off[l];
         real *E = l ? base + ws->folded + ws->gram_off[l] : S;
@@ -620,7 +681,6 @@ static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int6
         up = E;
         up_cl = sp.cl;
     }
-    tile_masks(p, S, b, h, i0, i1, j0, j1);
 }
 
 /* Masking of the tile's scores S: invisible entries become -inf, a float mask is added. */
