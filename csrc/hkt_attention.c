@@ -205,11 +205,6 @@ void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
     for (int64_t x = 0; x < n; x++) keep[x] = (unsigned char)keep_entry(sm, th, (uint64_t)x);
 }
 
-/* Padded so rows 4 KiB apart do not all land in the same L1 set. */
-int64_t hkt_keys_all_ld(const hkt_params *p, int l) {
-    return round16(level_len(p->S, l)) + 16;
-}
-
 /* The backward's one-pass schedule (one task per (b, kv head), taken when
  * there are at least as many as threads) walks every query row of a head once
  * per key tile: with rows strided (the (B, T, H, D) heads a module splits off
@@ -269,13 +264,15 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
      * take the room of (D / 2, cols) float32 reals */
     const int bf16 = p->dtype == HKT_BFLOAT16;
     const int64_t key_rows = bf16 ? (p->D + 1) / 2 : p->D;
+    w.key_t_rows = key_rows;
     for (int l = 0; l < p->L; l++) {
         w.gram_off[l] = levels;
         w.key_tile_off[l] = key_tile;
         w.keys_all_off[l] = keys_all;
         levels += rows_max(l) * cols_max(l);
         key_tile += key_rows * cols_max(l);
-        keys_all += key_rows * hkt_keys_all_ld(p, l);
+        /* one block per key tile (see ws_layout) */
+        keys_all += (p->S + BK - 1) / BK * key_rows * cols_max(l);
     }
     levels = round16(levels);
     const int64_t value_pairs = bf16 ? round16((p->S + BK - 1) / BK * (BK / 2) * p->Dv) : 0;

@@ -444,36 +444,30 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
     float *ob = p->bf16_out ? base + ws->out_tile : (float *)p->out + out_at;
     const int64_t ldo = p->bf16_out ? Dv : p->out_stride[2];
     const bf16 *vb = (const bf16 *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
-    float *kall[HKT_MAX_LEVELS]; /* holding 32-bit words: bfloat16 pairs */
     uint32_t *vall = (uint32_t *)(base + ws->values_all);
-    int64_t kld[HKT_MAX_LEVELS], zero[HKT_MAX_LEVELS];
-    start_task(p, ws, block, b, h, nq, ob, ldo, kall, kld, zero);
+    start_task(p, ws, block, b, h, nq, ob, ldo);
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
     for (int64_t j0 = 0; j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         const uint32_t *kp[HKT_MAX_LEVELS], *vp;
-        int64_t ld[HKT_MAX_LEVELS];
+        float *buf[HKT_MAX_LEVELS]; /* holding 32-bit words: bfloat16 pairs */
+        int64_t ld[HKT_MAX_LEVELS], col0[HKT_MAX_LEVELS];
         if (ws->keys_cached) {
+            cached_tile_place(p, ws, base, j0, j1, buf, ld, col0);
             if (!ready[j0 / BK]) {
-                pack_keys_bf16(p, b, h, j0, j1, kall, kld, zero);
+                pack_keys_bf16(p, b, h, j0, j1, buf, ld, col0);
                 bf16_row_pairs(vb + j0 * p->v_stride[2], p->v_stride[2], nk, Dv, vall + j0 / 2 * Dv, Dv);
                 ready[j0 / BK] = 1;
             }
-            for (int l = 0; l < p->L; l++) {
-                kp[l] = (const uint32_t *)kall[l] + (j0 >> l);
-                ld[l] = kld[l];
-            }
             vp = vall + j0 / 2 * Dv;
         } else {
-            float *buf[HKT_MAX_LEVELS];
-            int64_t col0[HKT_MAX_LEVELS];
             key_tile_place(p, ws, base, j0, j1, buf, ld, col0);
-            for (int l = 0; l < p->L; l++) kp[l] = (const uint32_t *)buf[l];
             pack_keys_bf16(p, b, h, j0, j1, buf, ld, col0);
             uint32_t *vt = (uint32_t *)(base + ws->value_tile);
             bf16_row_pairs(vb + j0 * p->v_stride[2], p->v_stride[2], nk, Dv, vt, Dv);
             vp = vt;
         }
+        for (int l = 0; l < p->L; l++) kp[l] = (const uint32_t *)buf[l];
         grams_bf16(p, ws, base, b, h, i0, i1, j0, j1, kp, ld);
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
         softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob, ldo);

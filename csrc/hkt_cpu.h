@@ -113,7 +113,8 @@ typedef struct {
     int64_t dq_packed;      /* levels: its dq[l] rows, the same shapes */
     int64_t do_packed;      /* (T, Dv): its dO rows */
     /* forward only */
-    int64_t keys_all;       /* levels: one (b, kv head)'s keys transposed, (D, hkt_keys_all_ld) each */
+    int64_t keys_all;       /* levels: one (b, kv head)'s keys transposed, key tile by key tile: (D,
+                             * cols_max(l)) blocks of level l, in tile order from keys_all_off[l] */
     int64_t keys_ready;     /* one flag per key tile: already in keys_all */
     int64_t row_max;        /* BQ: running max per query row */
     int64_t row_sums;       /* BQ x one 64-byte vector: running lane sums per row */
@@ -137,6 +138,7 @@ typedef struct {
      * BWD_KEY_TILES tiles, this far apart (key_slot in the kernels' body);
      * key_rows, the same keys untransposed, steps as key_tile does */
     int64_t key_tile_step, values_t_step, key_pairs_step;
+    int64_t key_t_rows;     /* rows of a transposed key block: D, or bfloat16's (D + 1) / 2 pairs */
     int64_t pack_off[HKT_MAX_LEVELS]; /* per level: offsets in q_packed and dq_packed (backward), q_tile (forward) */
     int64_t total;
     int64_t gram_off[HKT_MAX_LEVELS], key_tile_off[HKT_MAX_LEVELS], keys_all_off[HKT_MAX_LEVELS];
@@ -156,7 +158,6 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward);
  * float32 sums in p->grad_acc (hkt_grad_acc_bytes), C-contiguous. */
 void hkt_grad_acc_params(const hkt_params *p, hkt_params *acc);
 /* Row length of level l's transposed keys in keys_all. */
-int64_t hkt_keys_all_ld(const hkt_params *p, int l);
 
 static inline int64_t rows_max(int l) { return (BQ >> l) > 0 ? (BQ >> l) : 1; }
 static inline int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
