@@ -14,6 +14,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -22,8 +23,8 @@ import torch
 
 import hkt
 from hkt import _C, _kernels
-from hkt.timing import (attention_callables, describe_machine, machine_info, max_error, report_targets, score_flops,
-                           sgemm_gflops, time_interleaved)
+from hkt.timing import (attention_callables, describe_machine, machine_info, max_error, paired_ratio, report_targets,
+                        score_flops, sgemm_gflops, time_rounds)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -88,10 +89,11 @@ def small_calls(repeats):
 
         def batch(f):  # 200 calls per timing: one is too short for the clock
             return lambda: [f() for _ in range(200)]
-        med = time_interleaved({k: batch(f) for k, f in fns.items()}, repeats=max(repeats, 7), warmup=2)
+        times = time_rounds({k: batch(f) for k, f in fns.items()}, repeats=max(repeats, 7), warmup=2)
         tag = "fwd+bwd" if backward else "fwd"
-        out[f"sdpa {tag}"] = med["sdpa"] / 200
-        out[f"hkt {tag}"] = med["hkt L=3"] / 200
+        out[f"sdpa {tag}"] = statistics.median(times["sdpa"]) / 200
+        out[f"hkt {tag}"] = statistics.median(times["hkt L=3"]) / 200
+        out[f"ratio {tag}"] = paired_ratio(times, "hkt L=3", "sdpa")
     return out
 
 
@@ -116,12 +118,12 @@ def thread_scaling(H, D, threads, repeats, T=2048):
         fns = attention_callables(1, H, T, D, (3,), backward=backward)
         if not backward:
             del fns["sdpa"]
-        med = time_interleaved({f"{name}, {n} threads": at(n, f) for name, f in fns.items() for n in (1, threads)},
-                               repeats=repeats)
+        times = time_rounds({f"{name}, {n} threads": at(n, f) for name, f in fns.items() for n in (1, threads)},
+                            repeats=repeats)
         tag = "fwd+bwd" if backward else "fwd"
-        out[tag] = med["hkt L=3, 1 threads"] / med[f"hkt L=3, {threads} threads"]
+        out[tag] = paired_ratio(times, "hkt L=3, 1 threads", f"hkt L=3, {threads} threads")
         if backward:
-            out[f"sdpa {tag}"] = med["sdpa, 1 threads"] / med[f"sdpa, {threads} threads"]
+            out[f"sdpa {tag}"] = paired_ratio(times, "sdpa, 1 threads", f"sdpa, {threads} threads")
     torch.set_num_threads(1)
     one = sgemm_gflops()
     torch.set_num_threads(threads)
@@ -139,10 +141,12 @@ def forward_vs_sgemm(H, D, threads, repeats, T=2048, n=2048):
     torch.set_num_threads(threads)
     fwd = attention_callables(1, H, T, D, (3,))["hkt L=3"]
     a, b = torch.randn(n, n), torch.randn(n, n)
-    med = time_interleaved({"hkt": fwd, "sgemm": lambda: torch.mm(a, b)}, repeats=repeats)
-    hkt_gf = score_flops(1, H, T, D, 3) / med["hkt"] / 1e9
-    mm_gf = 2.0 * n ** 3 / med["sgemm"] / 1e9
-    return {"hkt_gflops": hkt_gf, "sgemm_gflops": mm_gf, "ratio": hkt_gf / mm_gf}
+    times = time_rounds({"hkt": fwd, "sgemm": lambda: torch.mm(a, b)}, repeats=repeats)
+    hkt_gf = score_flops(1, H, T, D, 3) / statistics.median(times["hkt"]) / 1e9
+    mm_gf = 2.0 * n ** 3 / statistics.median(times["sgemm"]) / 1e9
+    # GFLOP/s over GFLOP/s, round by round: the flops' ratio times sgemm's time over hkt's
+    ratio = score_flops(1, H, T, D, 3) / (2.0 * n ** 3) / paired_ratio(times, "hkt", "sgemm")
+    return {"hkt_gflops": hkt_gf, "sgemm_gflops": mm_gf, "ratio": ratio}
 
 
 def fit_exponent(Ts, times):
@@ -192,12 +196,14 @@ def main(argv=None):
                                           include_reference=ref)
                 # at least min_time of rounds: a call of a few ms is one a stall of the
                 # VM's other core can double, and 7 rounds of T=512 last a third of a second
-                med = time_interleaved(fns, repeats=args.repeats, min_time=args.min_time)
-                for name, sec in med.items():
+                times = time_rounds(fns, repeats=args.repeats, min_time=args.min_time)
+                for name, ts in times.items():
                     L = 1 if name == "sdpa" else int(name.split("=")[1])
                     flops = score_flops(1, H, T, D, L, is_causal=causal, backward=backward)
+                    sec = statistics.median(ts)
                     rows.append({"name": name, "T": T, "causal": causal, "pass": "fwd+bwd" if backward else "fwd",
-                                 "ms": sec * 1e3, "x_sdpa": sec / med["sdpa"], "gflops": flops / sec / 1e9})
+                                 "ms": sec * 1e3, "x_sdpa": paired_ratio(times, name, "sdpa"),
+                                 "gflops": flops / sec / 1e9})
 
     print()
     print(f"{'pass':8s} {'causal':6s} {'T':>5s} | " + " | ".join(f"{n:>22s}" for n in
@@ -228,10 +234,11 @@ def main(argv=None):
             # float32 HKT in the same round-robin: the speed-up over float32 is a ratio of
             # calls timed side by side, not of two blocks minutes apart
             fns["hkt L=3 float32"] = attention_callables(1, H, T, D, (3,), backward=backward)["hkt L=3"]
-            med = time_interleaved(fns, repeats=args.repeats)
-            for name, sec in med.items():
-                bf16.append({"name": name, "T": T, "pass": "fwd+bwd" if backward else "fwd", "ms": sec * 1e3,
-                             "x_sdpa": sec / med["sdpa"]})
+            times = time_rounds(fns, repeats=args.repeats)
+            for name, ts in times.items():
+                bf16.append({"name": name, "T": T, "pass": "fwd+bwd" if backward else "fwd",
+                             "ms": statistics.median(ts) * 1e3, "x_sdpa": paired_ratio(times, name, "sdpa"),
+                             "x_float32": paired_ratio(times, "hkt L=3 float32", name)})
     how = (("hkt native, AMX tiles" if _C.cpu_bf16_amx() else "hkt native, AVX512_BF16") if _kernels.native_bf16
            else "hkt upcasts to float32: " + ("this core runs vdpbf16ps at half rate" if _C.cpu_has_bf16()
                                                else "no AVX512_BF16 in the kernels in use"))
@@ -254,11 +261,11 @@ def main(argv=None):
 
     small = small_calls(args.repeats)
     print("\none small call, T=16 B=1 H=4 D=32 L=3 (us, median): " + ", ".join(
-        f"{k} {v * 1e6:.1f}" for k, v in small.items()))
+        f"{k} {v * 1e6:.1f}" for k, v in small.items() if not k.startswith("ratio")))
     vs_sgemm = forward_vs_sgemm(H, D, args.threads, args.repeats)
     print(f"forward L=3 at T=2048 and sgemm, interleaved (medians): {vs_sgemm['hkt_gflops']:.0f} and "
           f"{vs_sgemm['sgemm_gflops']:.0f} GFLOP/s, ratio {vs_sgemm['ratio']:.3f}")
-    # 11 rounds at least: its target is a ratio of two medians, each with the machine's noise
+    # 11 rounds at least: its target is a ratio, with the machine's noise
     scaling = thread_scaling(H, D, args.threads, args.repeats if args.quick else max(11, args.repeats))
     print(f"{args.threads} threads / 1 thread speed-up, T=2048 L=3: " + ", ".join(
         f"{k} {v:.2f}x" for k, v in scaling.items()))
@@ -273,13 +280,11 @@ def main(argv=None):
 
     big = [T for T in args.T if T >= 512]
     small_T = [T for T in args.T if T <= 128]
-    bf = {(r["name"], r["pass"], r["T"]): r["ms"] for r in bf16}
-    bf_ratio = max((bf[("hkt L=3", "fwd+bwd", T)] / bf[("sdpa", "fwd+bwd", T)] for T in args.bf16_T), default=float("nan"))
-    bf_speedup = min((bf[("hkt L=3 float32", "fwd+bwd", T)] / bf[("hkt L=3", "fwd+bwd", T)] for T in args.bf16_T),
-                     default=float("nan"))
-    bf_fwd_ratio = max((bf[("hkt L=3", "fwd", T)] / bf[("sdpa", "fwd", T)] for T in args.bf16_T), default=float("nan"))
-    bf_fwd_speedup = min((bf[("hkt L=3 float32", "fwd", T)] / bf[("hkt L=3", "fwd", T)] for T in args.bf16_T),
-                         default=float("nan"))
+    bf = {(r["name"], r["pass"], r["T"]): r for r in bf16}
+    bf_ratio = max((bf[("hkt L=3", "fwd+bwd", T)]["x_sdpa"] for T in args.bf16_T), default=float("nan"))
+    bf_speedup = min((bf[("hkt L=3", "fwd+bwd", T)]["x_float32"] for T in args.bf16_T), default=float("nan"))
+    bf_fwd_ratio = max((bf[("hkt L=3", "fwd", T)]["x_sdpa"] for T in args.bf16_T), default=float("nan"))
+    bf_fwd_speedup = min((bf[("hkt L=3", "fwd", T)]["x_float32"] for T in args.bf16_T), default=float("nan"))
     print(f"bfloat16 L=3 forward alone (no target of its own): {bf_fwd_ratio:.2f}x SDPA bfloat16 (worst), "
           f"{bf_fwd_speedup:.2f}x faster than float32 (least)")
     # the bfloat16 targets are for bfloat16 computed natively, where the CPU can
@@ -296,14 +301,16 @@ def main(argv=None):
          else float("nan"), "<=", 1.2),
         ("bfloat16 L=3 forward+backward / SDPA bfloat16 (worst)", bf_ratio, "<=", 1.00, bf_na),
         ("bfloat16 speed-up over float32, HKT L=3 forward+backward (least)", bf_speedup, ">=", 1.5, bf_na),
-        ("one small call: forward under no_grad / SDPA", small["hkt fwd"] / small["sdpa fwd"], "<=", 2.0),
-        ("one small call: forward+backward / SDPA", small["hkt fwd+bwd"] / small["sdpa fwd+bwd"], "<=", 2.0),
+        ("one small call: forward under no_grad / SDPA", small["ratio fwd"], "<=", 2.0),
+        ("one small call: forward+backward / SDPA", small["ratio fwd+bwd"], "<=", 2.0),
         (f"{args.threads} threads / 1 thread speed-up, T=2048 L=3 forward+backward", scaling["fwd+bwd"], ">=", 1.85),
         (f"extra memory, causal forward+backward at T={args.memory_T}, L=3 (MB)", memory["hkt"]["extra"] / 2**20,
          "<=", 64),
     ])
 
-    result = {"config": {"heads": H, "dim": D, "threads": args.threads, "T": args.T, "torch": torch.__version__},
+    # "paired": every ratio is the median of per-round ratios (hkt.timing.paired_ratio)
+    result = {"config": {"heads": H, "dim": D, "threads": args.threads, "T": args.T, "torch": torch.__version__,
+                         "ratios": "paired"},
               "machine": machine, "sgemm_gflops": sgemm, "forward_vs_sgemm": vs_sgemm,
               "forward_vs_sgemm_alone": gflops_per_core("hkt L=3", 2048) / (sgemm / args.threads),
               "errors": errors, "rows": rows, "exponents": exponents, "memory": memory,

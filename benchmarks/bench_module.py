@@ -12,12 +12,13 @@ Writes benchmarks/results/module.json.
 import argparse
 import json
 import os
+import statistics
 
 import torch
 from torch import nn
 
 import hkt
-from hkt.timing import describe_machine, machine_info, report_targets, time_interleaved
+from hkt.timing import describe_machine, machine_info, paired_ratio, report_targets, time_rounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,7 +73,9 @@ def main(argv=None):
     print("check: " + ", ".join(f"{k} max |diff| {v:.1e}" for k, v in errs.items()))
     machine = machine_info()
     print(f"machine: {describe_machine(machine)}")
-    result = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "machine": machine, "check": errs,
+    # ratios: each the median of the rounds' own (hkt.timing.paired_ratio)
+    result = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "ratios": "paired"},
+              "machine": machine, "check": errs,
               "rows": []}
     # the size asked for, and the ListOps classifier's attention (T=128, E=64, 4 heads, batch 32)
     configs = [("main", args.T, args.embed, args.heads, args.batch)]
@@ -87,13 +90,13 @@ def main(argv=None):
             mods = {"nn.MultiheadAttention": nn.MultiheadAttention(E, H, batch_first=True)}
             for L in (1, 2, 3):
                 mods[f"MultiheadHKT levels={L}"] = hkt.MultiheadHKT(E, H, batch_first=True, levels=L)
-            med = time_interleaved({n: step_fn(m, x, causal) for n, m in mods.items()},
-                                   repeats=args.repeats if tag == "main" else 3 * args.repeats)
-            base = med["nn.MultiheadAttention"]
-            for name, sec in med.items():
-                print(f"  causal={str(causal):5s} {name:24s} {sec * 1e3:8.2f} ms  {sec / base:5.2f}x")
+            times = time_rounds({n: step_fn(m, x, causal) for n, m in mods.items()},
+                                repeats=args.repeats if tag == "main" else 3 * args.repeats)
+            for name, ts in times.items():
+                sec, ratio = statistics.median(ts), paired_ratio(times, name, "nn.MultiheadAttention")
+                print(f"  causal={str(causal):5s} {name:24s} {sec * 1e3:8.2f} ms  {ratio:5.2f}x")
                 result["rows"].append({"config": tag, "T": T, "E": E, "heads": H, "batch": B, "name": name,
-                                       "causal": causal, "ms": sec * 1e3, "x_mha": sec / base})
+                                       "causal": causal, "ms": sec * 1e3, "x_mha": ratio})
 
     def worst(tag):
         return max(r["x_mha"] for r in result["rows"] if r["config"] == tag and r["name"] == "MultiheadHKT levels=3")

@@ -33,7 +33,9 @@ def attention_block(a):
     inter = f" (best of 5, alone; {vs['sgemm_gflops']:.0f}, median, timed round-robin with the forward)" if vs else ""
     out = [f"Measured on {machine_line(a['machine'], a['config']['threads'])}; sgemm "
            f"(torch.mm 2048³) {a['sgemm_gflops']:.0f} GFLOP/s{inter}. float32, B=1, H={a['config']['heads']}, "
-           f"D={a['config']['dim']}; medians of interleaved runs, ratios to SDPA in the same process.", "",
+           f"D={a['config']['dim']}; medians of interleaved runs, ratios to SDPA in the same process"
+           + (" (each the median of the rounds' own ratios)" if a["config"].get("ratios") == "paired" else "")
+           + ".", "",
            "| T | causal | HKT L=1 fwd | HKT L=3 fwd | HKT L=1 fwd+bwd | HKT L=3 fwd+bwd | SDPA fwd+bwd |",
            "|---|---|---|---|---|---|---|"]
     for causal in (False, True):

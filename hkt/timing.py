@@ -17,8 +17,8 @@ from .analysis import cost_ratio
 from .functional import hkt_attention
 from .reference import hkt_attention_reference
 
-__all__ = ["make_inputs", "max_error", "time_interleaved", "attention_callables", "score_flops", "machine_info",
-           "sgemm_gflops", "report_targets"]
+__all__ = ["make_inputs", "max_error", "time_interleaved", "time_rounds", "paired_ratio", "attention_callables",
+           "score_flops", "machine_info", "sgemm_gflops", "report_targets"]
 
 
 def machine_info() -> Dict[str, object]:
@@ -179,9 +179,12 @@ def max_error(L, *, is_causal=False, B=1, H=2, T=97, S=None, D=13, dtype=torch.f
     return max(errs)
 
 
-def time_interleaved(fns: Dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
-                     min_time: float = 0.0) -> Dict[str, float]:
-    """Median seconds per call of each callable, running them round-robin."""
+def time_rounds(fns: Dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                min_time: float = 0.0) -> Dict[str, List[float]]:
+    """Seconds of every call of each callable, running them round-robin:
+    ``times[name][r]`` is its call in round r, made next to the others' calls of
+    that round.  At least ``repeats`` rounds, and rounds until ``min_time``
+    seconds have passed."""
     for f in fns.values():
         for _ in range(warmup):
             f()
@@ -194,7 +197,21 @@ def time_interleaved(fns: Dict[str, Callable[[], object]], repeats: int = 5, war
             f()
             times[name].append(time.perf_counter() - t0)
         r += 1
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def time_interleaved(fns: Dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1,
+                     min_time: float = 0.0) -> Dict[str, float]:
+    """Median seconds per call of each callable, running them round-robin."""
+    return {name: statistics.median(ts) for name, ts in time_rounds(fns, repeats, warmup, min_time).items()}
+
+
+def paired_ratio(times: Dict[str, List[float]], a: str, b: str) -> float:
+    """The median over rounds of ``times[a][r] / times[b][r]`` (time_rounds):
+    each ratio is of two calls made side by side.  On a VM whose speed moves
+    in phases (its host's other load), the ratio of the two medians can pair
+    one's fast rounds with the other's slow ones; a ratio per round cannot."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
 def attention_callables(B, H, T, D, levels, *, is_causal=False, backward=False, dtype=torch.float32,

@@ -4,6 +4,7 @@ instruction sets were narrowed by environment variables says so, in the results
 and in the README block built from them."""
 import importlib.util
 import os
+import statistics
 
 from hkt import timing
 
@@ -42,3 +43,20 @@ def test_a_restricted_run_says_so(monkeypatch):
     assert "restricted by HKT_CPU_KERNELS=avx2 ATEN_CPU_CAPABILITY=avx2" in timing.describe_machine(info)
     line = readme_tables().machine_line(info, 2)
     assert line.endswith("instruction sets restricted by `HKT_CPU_KERNELS=avx2` `ATEN_CPU_CAPABILITY=avx2`")
+
+
+def test_ratios_are_taken_round_by_round():
+    # a's call takes half of b's on a machine that runs at full speed, then at
+    # half speed: each round's ratio is 0.5 (but for one whose slowing came
+    # between a's call and b's); the two medians, one taken in a fast round
+    # and the other in a slow one, give 0.25 or 1.0 by where the phases fall
+    times = {"a": [1.0, 1.0, 1.0, 2.0, 2.0], "b": [2.0, 2.0, 4.0, 4.0, 4.0]}
+    assert timing.paired_ratio(times, "a", "b") == 0.5
+    assert statistics.median(times["a"]) / statistics.median(times["b"]) == 0.25
+    times = {"a": [1.0, 1.0, 2.0, 2.0, 2.0], "b": [2.0, 2.0, 2.0, 4.0, 4.0]}
+    assert timing.paired_ratio(times, "a", "b") == 0.5
+    assert statistics.median(times["a"]) / statistics.median(times["b"]) == 1.0
+    calls = []
+    rounds = timing.time_rounds({"x": lambda: calls.append("x"), "y": lambda: calls.append("y")}, repeats=3, warmup=1)
+    assert calls == ["x", "y"] + ["x", "y"] * 3  # warm-up, then round-robin
+    assert [len(v) for v in rounds.values()] == [3, 3] and all(t >= 0 for v in rounds.values() for t in v)
