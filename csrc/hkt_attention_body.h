@@ -60,20 +60,48 @@ static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t
  * in every tile.  (With alpha * sum computed first and C added where
  * accumulating, GCC contracted it in some tiles and not in others, by how it
  * specialised each one.) */
-#define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN) DEFINE_TILE_INIT(NAME, R, NV, AIDX, VT, VLEN, C_OR_ZERO)
+/* What the fused products (gemm_fused below) read and write besides A, B and C,
+ * from the micro-tile's first row and column on. */
+typedef struct {
+    const real *a;    /* E's parent row (EPI_UP), or P's rows (EPI_DS); NULL: none */
+    int64_t lda;
+    const real *rowv; /* EPI_DS: delta, one per row */
+    real *c2;         /* EPI_GRAM_SCORES: the scores, C being the Gram block */
+    int64_t ldc2;
+    real alpha2;      /* EPI_GRAM_SCORES: the scores' factor */
+} tile_extra;
+#define DEFINE_TILE_OF(NAME, R, NV, AIDX, VT, VLEN) DEFINE_TILE_HOOKS(NAME, R, NV, AIDX, VT, VLEN, C_OR_ZERO, AS_IS)
 /* the entry's first term: C where accumulating, else -0 */
 #define C_OR_ZERO(o, p, r, v, VT, VLEN)                                                        \
     if (accumulate) memcpy(&o, p, sizeof(VT))
-/* ... or the coarser level's folded scores E, upsampled (gemm_up below):
- * up points at the parent row of the tile's first row, which is even */
+/* ... or the coarser level's folded scores E, upsampled: x->a points at the
+ * parent row of the tile's first row, which is even */
 #define UP_ROW(o, p, r, v, VT, VLEN)                                                           \
-    o = vshuffle1(vload(up + (r >> 1) * ldu + (v & ~1) * (VLEN) / 2), v & 1 ? dup_hi : dup_lo)
-#define DEFINE_TILE_INIT(NAME, R, NV, AIDX, VT, VLEN, INIT)                                    \
+    o = vshuffle1(vload(x->a + (r >> 1) * x->lda + (v & ~1) * (VLEN) / 2), v & 1 ? dup_hi : dup_lo)
+/* what becomes of the entry o before it is stored: nothing, */
+#define AS_IS(o, r, v, VT, VLEN)
+/* dS = P (dP - delta), o being dP (tile_dscores' formula), */
+#define TIMES_P_LESS_DELTA(o, r, v, VT, VLEN)                                                  \
+    o = vload(x->a + r * x->lda + v * (VLEN)) * (o - x->rowv[r])
+/* or o, a Gram block's entry, stored, and the scores' entry, E's entry (or
+ * -0: ALSO_SCORES0) + alpha2 * sum, stored in x->c2, as the fold makes it of
+ * o.  Two hooks, not one with a test: GCC multiplied first where the first
+ * term came from either side of a branch, and rounded twice. */
+#define ALSO_SCORES_OF(o, r, v, VT, VLEN, FIRST)                                               \
+    do {                                                                                        \
+        VT e = -(VT){0};                                                                        \
+        FIRST(e, 0, r, v, VT, VLEN);                                                            \
+        e += x->alpha2 * c[r][v];                                                               \
+        memcpy(x->c2 + r * x->ldc2 + v * (VLEN), &e, sizeof(VT));                               \
+    } while (0)
+#define MINUS_ZERO(o, p, r, v, VT, VLEN)
+#define ALSO_SCORES(o, r, v, VT, VLEN) ALSO_SCORES_OF(o, r, v, VT, VLEN, UP_ROW)
+#define ALSO_SCORES0(o, r, v, VT, VLEN) ALSO_SCORES_OF(o, r, v, VT, VLEN, MINUS_ZERO)
+#define DEFINE_TILE_HOOKS(NAME, R, NV, AIDX, VT, VLEN, INIT, FINISH)                           \
     static inline __attribute__((always_inline)) void NAME(                                \
         int64_t K, real alpha, const real *restrict A, int64_t lda, const real *restrict B,    \
-        int64_t ldb, real *restrict C, int64_t ldc, int accumulate, const real *restrict up,   \
-        int64_t ldu) {                                                                          \
-        (void)accumulate, (void)up, (void)ldu;                                                  \
+        int64_t ldb, real *restrict C, int64_t ldc, int accumulate, const tile_extra *x) {     \
+        (void)accumulate, (void)x;                                                              \
         VT c[R][NV];                                                                            \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
             _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] = (VT){0};            \
@@ -98,6 +126,7 @@ static void grads_out_bf16(const hkt_params *dst, const hkt_params *acc, int64_t
                 VT o = -(VT){0}; /* -0 + x is x, +0 and -0 included */                          \
                 INIT(o, p, r, v, VT, VLEN);                                                     \
                 o += al * c[r][v];                                                              \
+                FINISH(o, r, v, VT, VLEN);                                                      \
                 memcpy(p, &o, sizeof(VT));                                                      \
             }                                                                                   \
     }
@@ -179,13 +208,13 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
         int64_t i = 0;                                                                                   \
         const int64_t rows_main = block_rows(M, R);                                                      \
         if (trans_a) {                                                                                   \
-            for (; i < rows_main; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
-            for (; i + 4 <= M; i += 4) TT4(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
-            for (; i < M; i++) TT1(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0);       \
+            for (; i < rows_main; i += R) TTR(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL); \
+            for (; i + 4 <= M; i += 4) TT4(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL); \
+            for (; i < M; i++) TT1(K, alpha, A + i, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL);       \
         } else {                                                                                         \
-            for (; i < rows_main; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
-            for (; i + 4 <= M; i += 4) T4(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0); \
-            for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL, 0);       \
+            for (; i < rows_main; i += R) TR(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL); \
+            for (; i + 4 <= M; i += 4) T4(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL); \
+            for (; i < M; i++) T1(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate, NULL);       \
         }                                                                                                \
     }
     HKT_TILES(WIDE_R, WIDE_NV, tile_wide, tile_4xwide, tile_1xwide, tile_twide, tile_t4xwide, tile_t1xwide)
@@ -214,33 +243,73 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
     }
 }
 
-/* The forward's level-0 scores with the coarser levels' fold in the GEMM's
- * store: C (M, N) = up2(E) + alpha * A @ B, E the folded scores of level 1
- * (row length lde; up2 repeats each of its rows and columns twice), in wide
- * tiles only: N a multiple of WIDE_NV vectors.  Each entry is fma(alpha, sum,
- * E's entry), as the fold makes it of the Gram block's entry (fold_row), so
- * the same bits, without the Gram block's store and the fold's pass over it:
- * the L=3 forward took 0.96x its time at T=1024-2048 (one thread, Xeon family
- * 6 model 167).  The backward keeps the Gram block, which its dw reads. */
-DEFINE_TILE_INIT(tile_wide_up, WIDE_R, WIDE_NV, r * lda + kk, vec, VL, UP_ROW)
-DEFINE_TILE_INIT(tile_4xwide_up, 4, WIDE_NV, r * lda + kk, vec, VL, UP_ROW)
-DEFINE_TILE_INIT(tile_1xwide_up, 1, WIDE_NV, r * lda + kk, vec, VL, UP_ROW)
-static inline int gemm_up_takes(int64_t N) { return N % (WIDE_NV * VL) == 0; }
-static void gemm_up(int64_t M, int64_t N, int64_t K, real alpha, const real *A, int64_t lda, const real *B,
-                    int64_t ldb, real *C, int64_t ldc, const real *E, int64_t lde) {
+/* Products whose store does the pass that would follow them over the tile
+ * (gemm_fused), in wide tiles only: N a multiple of WIDE_NV vectors, A
+ * row-major.  Each entry gets the operations, in the order, the pass gives it,
+ * so the same bits, without storing the product and reading it back.
+ *
+ * EPI_UP, the forward's level-0 scores with the coarser levels' fold: C (M, N)
+ * = up2(E) + alpha * A @ B, E = x.a the folded scores of level 1 (row length
+ * x.lda; up2 repeats each of its rows and columns twice): fma(alpha, sum, E's
+ * entry), as fold_row makes it of the Gram block's entry.  The L=3 forward
+ * took 0.96x its time at T=1024-2048 (one thread, Xeon family 6 model 167).
+ *
+ * EPI_GRAM_SCORES, the backward's level-0 scores, whose dw reads the Gram
+ * block too: C = A @ B (alpha 1), and x.c2 = up2(E) + x.alpha2 * A @ B;
+ * EPI_GRAM_SCORES0 the same with one level, x.c2 = x.alpha2 * A @ B.
+ *
+ * EPI_DS, the backward's dS: C = P (alpha A @ B - delta), P = x.a (row length
+ * x.lda), delta = x.rowv, one per row: A @ B being dP = dO V^T. */
+enum { EPI_UP, EPI_GRAM_SCORES, EPI_GRAM_SCORES0, EPI_DS };
+/* the three row heights gemm_fused takes, wide, 4 and 1, of one kind */
+#define DEFINE_WIDE_HOOKS(NAME, INIT, FINISH)                                                   \
+    DEFINE_TILE_HOOKS(tile_wide_##NAME, WIDE_R, WIDE_NV, r * lda + kk, vec, VL, INIT, FINISH)   \
+    DEFINE_TILE_HOOKS(tile_4xwide_##NAME, 4, WIDE_NV, r * lda + kk, vec, VL, INIT, FINISH)      \
+    DEFINE_TILE_HOOKS(tile_1xwide_##NAME, 1, WIDE_NV, r * lda + kk, vec, VL, INIT, FINISH)
+DEFINE_WIDE_HOOKS(up, UP_ROW, AS_IS)
+DEFINE_WIDE_HOOKS(gs, C_OR_ZERO, ALSO_SCORES)
+DEFINE_WIDE_HOOKS(gs0, C_OR_ZERO, ALSO_SCORES0)
+DEFINE_WIDE_HOOKS(ds, C_OR_ZERO, TIMES_P_LESS_DELTA)
+static inline int gemm_fused_takes(int64_t N) { return N % (WIDE_NV * VL) == 0; }
+/* x as the micro-tile at row i, column j sees it: up2's E from row i's parent */
+static inline tile_extra extra_at(const tile_extra *x, int64_t i, int64_t j, int up) {
+    tile_extra y = *x;
+    if (y.a) y.a += up ? (i >> 1) * y.lda + j / 2 : i * y.lda + j;
+    if (y.rowv) y.rowv += i;
+    if (y.c2) y.c2 += i * y.ldc2 + j;
+    return y;
+}
+static void gemm_fused(int kind, int64_t M, int64_t N, int64_t K, real alpha, const real *A, int64_t lda,
+                       const real *B, int64_t ldb, real *C, int64_t ldc, const tile_extra *x) {
     /* every block of rows but a last single one starts at an even row, the
      * first of a pair with one parent (WIDE_R and 4 are even) */
     const int64_t rows_main = block_rows(M, WIDE_R);
-    for (int64_t j = 0; j < N; j += WIDE_NV * VL) {
-        int64_t i = 0;
-        const real *e = E + j / 2;
-        for (; i < rows_main; i += WIDE_R)
-            tile_wide_up(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, e + (i >> 1) * lde, lde);
-        for (; i + 4 <= M; i += 4)
-            tile_4xwide_up(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, e + (i >> 1) * lde, lde);
-        for (; i < M; i++)
-            tile_1xwide_up(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, e + (i >> 1) * lde, lde);
+    const int up = kind != EPI_DS;
+#define HKT_FUSED(NAME)                                                                              \
+    for (int64_t j = 0; j < N; j += WIDE_NV * VL) {                                                         \
+        int64_t i = 0;                                                                                      \
+        for (; i < rows_main; i += WIDE_R) {                                                                \
+            const tile_extra y = extra_at(x, i, j, up);                                                     \
+            tile_wide_##NAME(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, &y);          \
+        }                                                                                                   \
+        for (; i + 4 <= M; i += 4) {                                                                        \
+            const tile_extra y = extra_at(x, i, j, up);                                                     \
+            tile_4xwide_##NAME(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, &y);        \
+        }                                                                                                   \
+        for (; i < M; i++) {                                                                                \
+            const tile_extra y = extra_at(x, i, j, up);                                                     \
+            tile_1xwide_##NAME(K, alpha, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, 0, &y);        \
+        }                                                                                                   \
     }
+    if (kind == EPI_UP)
+        HKT_FUSED(up)
+    else if (kind == EPI_GRAM_SCORES)
+        HKT_FUSED(gs)
+    else if (kind == EPI_GRAM_SCORES0)
+        HKT_FUSED(gs0)
+    else
+        HKT_FUSED(ds)
+#undef HKT_FUSED
 }
 
 /* ---- The causal diagonal tile.  Where a query tile's rows are its key tile's
@@ -639,8 +708,8 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
         return;
     }
-    /* the forward takes level 0 with the fold in its store where it can */
-    const int fused = !keep_grams && !diag && gemm_up_takes(j1 - j0);
+    /* level 0 with the fold in its store where it can (gemm_fused) */
+    const int fused = !diag && gemm_fused_takes(j1 - j0);
     for (int l = fused; l < p->L; l++) {
         span sp = level_span(l, i0, i1, j0, j1);
         int64_t ld;
@@ -656,8 +725,17 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
     fold_levels(p, ws, base, h, i0, i1, j0, j1, 1);
     int64_t ld;
     const real *qr = query_rows(p, ws, base, b, h, 0, i0, &ld);
-    gemm_up(i1 - i0, j1 - j0, p->D, level_factor(p->scale, weight(p, h, 0)), qr, ld, kt[0], ktld[0],
-            base + ws->scores, BK, base + ws->folded + ws->gram_off[1], level_span(1, i0, i1, j0, j1).cl);
+    const real w0 = level_factor(p->scale, weight(p, h, 0));
+    /* E_1, the coarser levels folded (none with one level) */
+    const real *E1 = p->L > 1 ? base + ws->folded + ws->gram_off[1] : NULL;
+    const int64_t lde = p->L > 1 ? level_span(1, i0, i1, j0, j1).cl : 0;
+    if (keep_grams) {
+        const tile_extra x = {E1, lde, NULL, base + ws->scores, BK, w0};
+        gemm_fused(E1 ? EPI_GRAM_SCORES : EPI_GRAM_SCORES0, i1 - i0, j1 - j0, p->D, 1, qr, ld, kt[0], ktld[0], base + ws->gram, j1 - j0, &x);
+    } else {
+        const tile_extra x = {E1, lde, NULL, NULL, 0, 0};
+        gemm_fused(EPI_UP, i1 - i0, j1 - j0, p->D, w0, qr, ld, kt[0], ktld[0], base + ws->scores, BK, &x);
+    }
     tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
 }
 
@@ -994,14 +1072,20 @@ static const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *
             exp_shift(srow, nk, lse[i0 + r]); /* P */
         }
     }
+    const real *dO = (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2];
+    /* without dropout, dS = P (dP - delta) in dP's store where the tile takes it */
+    const int fused = p->dropout_p == 0 && !diag && gemm_fused_takes(nk) && p->dtype != HKT_BFLOAT16;
 #if HKT_BF16_BACKWARD
     if (BF16_INPUTS(p))
         dp_bf16(p, ws, base, b, h, i0, nq, nk, dP);
     else
 #endif
-        gemm_diag(diag, DIAG_SCORES, nq, nk, Dv, 1,
-                  (const real *)p->dout + b * p->dout_stride[0] + h * p->dout_stride[1] + i0 * p->dout_stride[2],
-                  p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
+    if (fused) {
+        const tile_extra x = {Sb, BK, delta + i0, NULL, 0, 0};
+        gemm_fused(EPI_DS, nq, nk, Dv, 1, dO, p->dout_stride[2], Vt, BK, dP, BK, &x);
+    } else {
+        gemm_diag(diag, DIAG_SCORES, nq, nk, Dv, 1, dO, p->dout_stride[2], Vt, BK, dP, BK, 0); /* dP = dO V^T */
+    }
     const real *Pv = Sb; /* the P that weighed v: dropped or not */
     /* dS = P * (dP * keep / (1 - p) - delta), before the scale */
     if (p->dropout_p > 0) {
@@ -1018,7 +1102,7 @@ static const real *tile_dscores(const hkt_params *p, const ws_layout *ws, real *
             }
         }
         Pv = Pd;
-    } else {
+    } else if (!fused) {
         for (int64_t r = 0; r < nq; r++) {
             const real di = delta[i0 + r];
             const real *srow = Sb + r * BK;
