@@ -731,7 +731,8 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
     const int64_t lde = p->L > 1 ? level_span(1, i0, i1, j0, j1).cl : 0;
     if (keep_grams) {
         const tile_extra x = {E1, lde, NULL, base + ws->scores, BK, w0};
-        gemm_fused(E1 ? EPI_GRAM_SCORES : EPI_GRAM_SCORES0, i1 - i0, j1 - j0, p->D, 1, qr, ld, kt[0], ktld[0], base + ws->gram, j1 - j0, &x);
+        gemm_fused(E1 ? EPI_GRAM_SCORES : EPI_GRAM_SCORES0, i1 - i0, j1 - j0, p->D, 1, qr, ld, kt[0], ktld[0],
+                   base + ws->gram, j1 - j0, &x);
     } else {
         const tile_extra x = {E1, lde, NULL, NULL, 0, 0};
         gemm_fused(EPI_UP, i1 - i0, j1 - j0, p->D, w0, qr, ld, kt[0], ktld[0], base + ws->scores, BK, &x);

@@ -157,7 +157,6 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward);
 /* The backward with bf16_out: acc = p with dq, dk and dv pointed at their
  * float32 sums in p->grad_acc (hkt_grad_acc_bytes), C-contiguous. */
 void hkt_grad_acc_params(const hkt_params *p, hkt_params *acc);
-/* Row length of level l's transposed keys in keys_all. */
 
 static inline int64_t rows_max(int l) { return (BQ >> l) > 0 ? (BQ >> l) : 1; }
 static inline int64_t cols_max(int l) { return (BK >> l) > 0 ? (BK >> l) : 1; }
