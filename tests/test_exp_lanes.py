@@ -2,9 +2,9 @@
 csrc/hkt_real.h: AVX-512's with vscalefps, AVX2's with 2^n built from the
 rounding's bits) gives the bits of the scalar exp_nonpos of the same build, which
 the kernels use for tails, on float bit patterns of every class; so does its
-unclamped form (exp_nonpos_vec_le0, the forward's) on every pattern <= 0 or NaN.  A small C
-program (tests/c/exp_lanes.c) built with the extension's flags runs the sweep:
-every 61st bit pattern here, all 2^32 by hand (`exp_lanes 1`)."""
+unclamped form (exp_nonpos_vec_le0, the forward's) on every pattern <= 0 or NaN.
+A small C program (tests/c/exp_lanes.c) built with the extension's flags runs the
+sweep: every 61st bit pattern here, all 2^32 by hand (`exp_lanes 1`)."""
 import os
 import platform
 import shutil
