@@ -15,6 +15,7 @@ __syncwarp()s, a lane that returns while the others wait at one, and a warp
 stuck at one for a minute.  It does not check the GPU itself: memory model,
 launch limits, streams.
 """
+import concurrent.futures
 import copy
 import importlib.util
 import json
@@ -710,19 +711,17 @@ _EMULATE = os.environ.get("HKT_TEST_CUDA_EMULATION", "0") == "1"
 _SHIM = r"""
 #pragma once
 #include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
-#include <mutex>
 #include <source_location>
 #include <string>
-#include <thread>
 #include <vector>
+#include <ucontext.h>
 #define __global__
 #define __device__
 #define __host__
@@ -735,14 +734,13 @@ typedef struct emu_stream *cudaStream_t;
 enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, emuErrorDivergentWarp = 2 };
 enum cudaDeviceAttr { cudaDevAttrComputeCapabilityMajor = 75 };
 struct emu_dim { unsigned x; };
-inline thread_local emu_dim threadIdx, blockIdx;
+/* the emulated thread that runs now: emu_launch sets it at every switch */
+inline emu_dim threadIdx, blockIdx;
 inline emu_dim blockDim, gridDim;
 
 inline std::atomic<bool> emu_failed{false};
-inline std::mutex emu_msg_mu;
 inline std::string emu_msg;
 inline void emu_fail(const char *what, long tag_a, long tag_b) {
-    std::lock_guard<std::mutex> lk(emu_msg_mu);
     if (emu_failed.exchange(true)) return;
     char buf[256];
     snprintf(buf, sizeof buf, "emulated warp %u of block %u, lane %u: %s (at line %ld / line %ld)",
@@ -750,38 +748,47 @@ inline void emu_fail(const char *what, long tag_a, long tag_b) {
     emu_msg = buf;
 }
 
+/* A block's threads are fibers (ucontext) on the launching thread, run one at
+ * a time by emu_launch: each runs until it waits to meet others (a shuffle,
+ * __syncwarp, an mma, __syncthreads) or returns, then the next one runs, in
+ * ascending order on one pass and descending on the next, so that a thread
+ * that reads what another writes without a meeting between them reads it
+ * too early one way or the other.  The same checks as threads that block,
+ * with no OS threads to start and wake: a shuffle had woken 31 threads
+ * twice, and these tests took half of make test. */
+struct emu_fiber {
+    ucontext_t ctx;
+    bool done;
+};
+inline std::vector<emu_fiber> emu_fibers;
+inline ucontext_t emu_sched;
+inline std::function<void()> emu_body;
+inline uint64_t emu_progress; /* arrivals and returns: a pass without one is a deadlock */
+inline void emu_yield() { swapcontext(&emu_fibers[threadIdx.x].ctx, &emu_sched); }
+
 /* n threads that meet: each meeting carries a tag (the source line of the
  * operation, and a shuffle's offset); the first misuse -- threads at different
- * operations, a minute's wait -- is recorded, every later meeting of that
- * launch passes straight through (so all threads finish), and
- * cudaGetLastError reports it. */
+ * operations, or a wait for threads that never come -- is recorded, every
+ * later meeting of that launch passes straight through (so all threads
+ * finish), and cudaGetLastError reports it. */
 struct emu_barrier {
-    std::mutex mu;
-    std::condition_variable cv;
     unsigned arrived = 0;
     uint64_t generation = 0;
     long tag = 0;
-    /* with mu held through lk; the n-th arrival releases the others */
-    void meet(std::unique_lock<std::mutex> &lk, long t, unsigned n, const char *what) {
+    void meet(long t, unsigned n, const char *what) {
         if (arrived > 0 && tag != t) {
             emu_fail(what, tag, t);
-            cv.notify_all();
             return;
         }
         if (arrived == 0) tag = t;
+        emu_progress++;
         if (++arrived == n) {
             arrived = 0;
             generation++;
-            cv.notify_all();
             return;
         }
         const uint64_t gen = generation;
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-        while (generation == gen && !emu_failed) {
-            cv.wait_for(lk, std::chrono::milliseconds(20));
-            if (generation == gen && std::chrono::steady_clock::now() > deadline)
-                emu_fail("waited a minute to meet the others", t, t);
-        }
+        while (generation == gen && !emu_failed) emu_yield();
     }
 };
 
@@ -797,18 +804,15 @@ inline std::vector<std::unique_ptr<emu_warp>> emu_warps;
 inline emu_warp &emu_my_warp() { return *emu_warps[threadIdx.x >> 5]; }
 inline void emu_meet(long tag) {
     emu_warp &w = emu_my_warp();
-    std::unique_lock<std::mutex> lk(w.mu);
     if (emu_failed) return;
     if (w.live != 32) {
         emu_fail("reached a warp-wide operation after another lane of its warp returned", tag, tag);
-        w.cv.notify_all();
         return;
     }
-    w.meet(lk, tag, 32, "lanes of one warp met at different warp-wide operations");
+    w.meet(tag, 32, "lanes of one warp met at different warp-wide operations");
 }
 inline void emu_leave() {
     emu_warp &w = emu_my_warp();
-    std::lock_guard<std::mutex> lk(w.mu);
     w.live--;
     if (w.arrived > 0 && !emu_failed) emu_fail("returned while other lanes of its warp wait", w.tag, w.tag);
 }
@@ -830,9 +834,8 @@ inline T __shfl_xor_sync(unsigned, T x, int o, std::source_location at = std::so
  * warp-wide operation */
 inline emu_barrier emu_blk;
 inline void __syncthreads(std::source_location at = std::source_location::current()) {
-    std::unique_lock<std::mutex> lk(emu_blk.mu);
     if (emu_failed) return;
-    emu_blk.meet(lk, (long)at.line() * 64, blockDim.x, "threads of one block met at different __syncthreads");
+    emu_blk.meet((long)at.line() * 64, blockDim.x, "threads of one block met at different __syncthreads");
 }
 /* mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d += a b, written from
  * the PTX ISA's description of its fragments (g = lane / 4, t = lane % 4; two
@@ -877,20 +880,49 @@ inline cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr, int) { *v = 8;
 /* blocks run one after another (function-static "shared" arrays are then per
  * block); at most 3 of them, so the kernels' task loops are exercised.  The
  * launch is synchronous: the stream only has to be passed. */
+inline void emu_fiber_main() {
+    emu_body();
+    emu_leave();
+    emu_fibers[threadIdx.x].done = true;
+    emu_progress++;
+} /* back to emu_sched (uc_link) */
 template <typename K, typename A>
 inline void emu_launch(K kernel, unsigned grid, unsigned block, size_t shmem, cudaStream_t, const A &a) {
     if (shmem) { std::fprintf(stderr, "emulation: dynamic shared memory is not emulated\n"); std::abort(); }
+    constexpr size_t stack_bytes = 256 << 10;
+    static std::vector<std::unique_ptr<char[]>> stacks; /* kept for the next launch */
+    while (stacks.size() < block) stacks.emplace_back(new char[stack_bytes]);
     gridDim.x = grid < 3 ? grid : 3;
     blockDim.x = block;
+    emu_body = [&] { kernel(a); };
     for (unsigned b = 0; b < gridDim.x; b++) {
+        blockIdx.x = b;
         emu_warps.clear();
         for (unsigned w = 0; w < (block + 31) / 32; w++) emu_warps.emplace_back(new emu_warp);
-        emu_blk.arrived = 0;
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < block; t++)
-            ts.emplace_back([=, &a] { threadIdx.x = t; blockIdx.x = b; kernel(a); emu_leave(); });
-        for (auto &t : ts) t.join();
+        emu_blk = emu_barrier();
+        emu_fibers.assign(block, emu_fiber());
+        for (unsigned t = 0; t < block; t++) {
+            ucontext_t &c = emu_fibers[t].ctx;
+            getcontext(&c);
+            c.uc_stack.ss_sp = stacks[t].get();
+            c.uc_stack.ss_size = stack_bytes;
+            c.uc_link = &emu_sched;
+            makecontext(&c, emu_fiber_main, 0);
+        }
+        for (unsigned left = block, pass = 0; left > 0; pass++) {
+            const uint64_t before = emu_progress;
+            for (unsigned i = 0; i < block; i++) {
+                const unsigned t = pass % 2 ? block - 1 - i : i;
+                if (emu_fibers[t].done) continue;
+                threadIdx.x = t;
+                swapcontext(&emu_sched, &emu_fibers[t].ctx);
+                if (emu_fibers[t].done) left--;
+            }
+            if (left > 0 && emu_progress == before) /* all that are left wait, for threads that never come */
+                emu_fail("waits to meet threads that never come", emu_blk.arrived ? emu_blk.tag : 0, 0);
+        }
     }
+    emu_body = nullptr;
 }
 /* a recorded misuse is the launch's error; reading it clears it */
 inline cudaError_t emu_take_error() { return emu_failed.exchange(false) ? emuErrorDivergentWarp : cudaSuccess; }
@@ -931,12 +963,12 @@ def emulated(tmp_path_factory):
     (d / "module.c").write_text(binding)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     inc = sysconfig.get_paths()["include"]
-    probe = subprocess.run(["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <mutex>\n",
+    probe = subprocess.run(["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <source_location>\n",
                            capture_output=True, text=True)
     if probe.returncode:  # a compiler without C++20: nothing to emulate with, not a failure of hkt
         pytest.skip(f"the emulation needs g++ with -std=c++20: {probe.stderr.strip()[:200]}")
     cpu_sources = sorted(c for c in csrc.glob("*.c") if c.name != "hkt_binding.c")
-    for cmd in (
+    compiles = [
         ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA",
          "-DHKT_CUDA_EMULATION", "-c",
          str(d / "emu.cpp"), "-o", str(d / "emu.o")],
@@ -946,14 +978,81 @@ def emulated(tmp_path_factory):
         # whatever else csrc/ holds beside the binding)
         *(["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", "-c", str(c), "-o",
            str(d / f"{c.stem}.o")] for c in cpu_sources),
-        ["g++", "-shared", "-pthread", "-fopenmp", str(d / "emu.o"), str(d / "module.o"),
-         *(str(d / f"{c.stem}.o") for c in cpu_sources), "-o", str(d / f"_Cemu{suffix}")],
-    ):
-        subprocess.run(cmd, check=True, capture_output=True)
+    ]
+    # the objects side by side, as many at once as there are cores: one after
+    # another they took half a minute
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(lambda cmd: subprocess.run(cmd, check=True, capture_output=True), compiles))
+    subprocess.run(["g++", "-shared", "-pthread", "-fopenmp", str(d / "emu.o"), str(d / "module.o"),
+                    *(str(d / f"{c.stem}.o") for c in cpu_sources), "-o", str(d / f"_Cemu{suffix}")],
+                   check=True, capture_output=True)
     spec = importlib.util.spec_from_file_location("_Cemu", d / f"_Cemu{suffix}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+_SHIM_CHECKS = r"""
+#include <cuda_runtime.h>
+#include <cstdio>
+struct args { int *out; int mode; };
+__global__ void sums(const args a) {
+    /* mode 0: a warp's butterfly sum, then the block's through shared memory;
+     * 1: lane 0 shuffles at another call; 2: lane 3 returns before the shuffle;
+     * 3: the second warp returns before __syncthreads; 4: no __syncthreads
+     * between writing shared memory and reading another thread's entry */
+    __shared__ int part[64];
+    const unsigned t = threadIdx.x, lane = t & 31;
+    int x = (int)t;
+    if (a.mode == 2 && lane == 3) return;
+    if (a.mode == 3 && t >= 32) return;
+    if (a.mode == 1 && lane == 0) x += __shfl_xor_sync(0xffffffffu, x, 1);
+    else
+        for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+    part[t] = x;
+    if (a.mode != 4) __syncthreads();
+    a.out[t] = part[(t + 32) % 64];
+}
+int main() {
+    for (int mode = 0; mode < 5; mode++) {
+        int out[64] = {0};
+        emu_launch(sums, 1, 64, 0, nullptr, args{out, mode});
+        const cudaError_t e = cudaGetLastError();
+        long total = 0;
+        for (int t = 0; t < 64; t++) total += out[t];
+        std::printf("%d %d %ld %s\n", mode, (int)e, total, e ? cudaGetErrorString(e) : "-");
+    }
+}
+"""
+
+
+def test_emulation_catches_what_a_gpu_would_not_forgive(tmp_path):
+    """The emulation's own check (the shim the emulated tests compile the .cu
+    with): a correct kernel gives the right sums with no error; lanes at
+    different shuffles, a lane that returned before its warp's shuffle and
+    threads that never reach the block's __syncthreads each make the launch's
+    error, and the launch still finishes; a missing __syncthreads reads
+    another thread's entry before it was written."""
+    if not _EMULATE:
+        pytest.skip("set HKT_TEST_CUDA_EMULATION=1 to run the CUDA kernels emulated on the CPU")
+    if not shutil.which("g++"):
+        pytest.skip("the emulation needs g++")
+    (tmp_path / "cuda_runtime.h").write_text(_SHIM)
+    (tmp_path / "checks.cpp").write_text(_SHIM_CHECKS)
+    build = subprocess.run(["g++", "-std=c++20", "-O1", f"-I{tmp_path}", str(tmp_path / "checks.cpp"), "-o",
+                            str(tmp_path / "checks")], capture_output=True, text=True)
+    if build.returncode and "source_location" in build.stderr:
+        pytest.skip(f"the emulation needs g++ with -std=c++20: {build.stderr.strip()[:200]}")
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(tmp_path / "checks")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    got = {int(m): (int(e), int(total), why) for m, e, total, why in
+           (line.split(" ", 3) for line in run.stdout.splitlines())}
+    assert got[0] == (0, 64 * (496 + 1520) // 2, "-")  # each warp's sum: 0..31 and 32..63
+    assert got[1][0] == 2 and "lanes of one warp met at different warp-wide operations" in got[1][2], got[1]
+    assert got[2][0] == 2 and "returned" in got[2][2], got[2]
+    assert got[3][0] == 2 and "never come" in got[3][2], got[3]
+    assert got[4][0] == 0 and got[4][1] != got[0][1], got[4]
 
 
 EMU_SIZES = [
@@ -1236,15 +1335,21 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
     backward kernels included, keeps its values in registers (a spill to local
     memory costs a memory round trip inside the inner loops)."""
     csrc = Path(__file__).resolve().parent.parent / "csrc"
-    cmd = ["nvcc", "-std=c++17", f"-I{csrc}", "-DHKT_WITH_CUDA", "-O3", "-Xptxas", "-v", "-c",
-           str(csrc / "hkt_attention_cuda.cu"), "-o", str(tmp_path / "k.o")]
-    for arch in ("80", "90"):
-        cmd[1:1] = ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    # "Compiling entry function 'NAME' for 'sm_XX'" ... "N bytes spill stores, M bytes spill loads"
-    entries = re.findall(r"Compiling entry function '(\w+)' for '(sm_\d+)'.*?(\d+) bytes spill stores, (\d+) bytes "
-                         r"spill loads", res.stdout + res.stderr, re.S)
+
+    def compile_for(arch):  # one nvcc per architecture, side by side: its report is then its own
+        cmd = ["nvcc", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-std=c++17", f"-I{csrc}",
+               "-DHKT_WITH_CUDA", "-O3", "-Xptxas", "-v", "-c", str(csrc / "hkt_attention_cuda.cu"), "-o",
+               str(tmp_path / f"k{arch}.o")]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(compile_for, ("80", "90")))
+    entries = []
+    for res in results:
+        assert res.returncode == 0, res.stderr[-3000:]
+        # "Compiling entry function 'NAME' for 'sm_XX'" ... "N bytes spill stores, M bytes spill loads"
+        entries += re.findall(r"Compiling entry function '(\w+)' for '(sm_\d+)'.*?(\d+) bytes spill stores, (\d+) "
+                              r"bytes spill loads", res.stdout + res.stderr, re.S)
     names = {(n, a) for n, a, _, _ in entries}
     assert sum("tc_forward_kernel" in n for n, _ in names) == 8, sorted(names)  # 4 configurations x 2 archs
     assert sum("tc_backward_kernel" in n for n, _ in names) == 6, sorted(names)  # dq, dv, dk x 2 archs
