@@ -721,6 +721,7 @@ _SHIM = r"""
 #include <source_location>
 #include <string>
 #include <vector>
+#include <sys/mman.h>
 #include <ucontext.h>
 #define __global__
 #define __device__
@@ -889,9 +890,15 @@ inline void emu_fiber_main() {
 template <typename K, typename A>
 inline void emu_launch(K kernel, unsigned grid, unsigned block, size_t shmem, cudaStream_t, const A &a) {
     if (shmem) { std::fprintf(stderr, "emulation: dynamic shared memory is not emulated\n"); std::abort(); }
-    constexpr size_t stack_bytes = 256 << 10;
-    static std::vector<std::unique_ptr<char[]>> stacks; /* kept for the next launch */
-    while (stacks.size() < block) stacks.emplace_back(new char[stack_bytes]);
+    /* 1 MiB a thread, its pages taken as touched, below it a page that faults:
+     * a thread that outgrows its stack stops the test, not another's stack */
+    constexpr size_t page = 4096, stack_bytes = 1 << 20;
+    static std::vector<char *> stacks; /* kept for the next launch */
+    while (stacks.size() < block) {
+        char *m = (char *)mmap(nullptr, page + stack_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED || mprotect(m, page, PROT_NONE)) { std::perror("emulation: a thread's stack"); std::abort(); }
+        stacks.push_back(m + page);
+    }
     gridDim.x = grid < 3 ? grid : 3;
     blockDim.x = block;
     emu_body = [&] { kernel(a); };
@@ -904,7 +911,7 @@ inline void emu_launch(K kernel, unsigned grid, unsigned block, size_t shmem, cu
         for (unsigned t = 0; t < block; t++) {
             ucontext_t &c = emu_fibers[t].ctx;
             getcontext(&c);
-            c.uc_stack.ss_sp = stacks[t].get();
+            c.uc_stack.ss_sp = stacks[t];
             c.uc_stack.ss_size = stack_bytes;
             c.uc_link = &emu_sched;
             makecontext(&c, emu_fiber_main, 0);
