@@ -5,15 +5,15 @@ GPU tests skip unless torch sees a GPU and hkt._C was built with HKT_CUDA=1.
 
 The test_emulated_* tests (opt-in: HKT_TEST_CUDA_EMULATION=1, needs gcc and g++,
 no GPU, ~1 min) compile the same .cu as host C++ against a small shim that runs
-each warp's 32 lanes as threads meeting at a barrier for every shuffle and
-__syncwarp, link it into a copy of the binding that sends CPU arrays to the
+a block's threads as fibers meeting at every shuffle, __syncwarp, mma and
+__syncthreads, link it into a copy of the binding that sends CPU arrays to the
 _cuda entry points, and compare with the CPU kernels.  That checks the kernels'
 logic (indexing, masks, dropout hash, overwrite, dw and dmask reductions,
 non-finite values) and their warp-uniform control flow: the shim reports, as a
 kernel error, lanes of one warp that meet at different shuffles or
-__syncwarp()s, a lane that returns while the others wait at one, and a warp
-stuck at one for a minute.  It does not check the GPU itself: memory model,
-launch limits, streams.
+__syncwarp()s, a lane that returns while the others wait at one, and threads
+waiting for others that never come.  It does not check the GPU itself: memory
+model, launch limits, streams.
 """
 import concurrent.futures
 import copy
@@ -945,12 +945,22 @@ inline const char *cudaGetErrorName(cudaError_t e) {
 """
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
+def skip_without_emulation():
+    """Skips unless the emulation is asked for and gcc and a C++20 g++ are there
+    (a compiler without them is nothing to emulate with, not a failure of hkt)."""
     if not _EMULATE:
         pytest.skip("set HKT_TEST_CUDA_EMULATION=1 to run the CUDA kernels emulated on the CPU")
     if not (shutil.which("g++") and shutil.which("gcc")):
         pytest.skip("the emulation needs gcc and g++")
+    probe = subprocess.run(["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <source_location>\n",
+                           capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"the emulation needs g++ with -std=c++20: {probe.stderr.strip()[:200]}")
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    skip_without_emulation()
     csrc = Path(__file__).resolve().parent.parent / "csrc"
     d = tmp_path_factory.mktemp("cuda_emulation")
     (d / "inc").mkdir()
@@ -970,10 +980,6 @@ def emulated(tmp_path_factory):
     (d / "module.c").write_text(binding)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     inc = sysconfig.get_paths()["include"]
-    probe = subprocess.run(["g++", "-std=c++20", "-x", "c++", "-fsyntax-only", "-"], input="#include <source_location>\n",
-                           capture_output=True, text=True)
-    if probe.returncode:  # a compiler without C++20: nothing to emulate with, not a failure of hkt
-        pytest.skip(f"the emulation needs g++ with -std=c++20: {probe.stderr.strip()[:200]}")
     cpu_sources = sorted(c for c in csrc.glob("*.c") if c.name != "hkt_binding.c")
     compiles = [
         ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA",
@@ -1040,16 +1046,11 @@ def test_emulation_catches_what_a_gpu_would_not_forgive(tmp_path):
     threads that never reach the block's __syncthreads each make the launch's
     error, and the launch still finishes; a missing __syncthreads reads
     another thread's entry before it was written."""
-    if not _EMULATE:
-        pytest.skip("set HKT_TEST_CUDA_EMULATION=1 to run the CUDA kernels emulated on the CPU")
-    if not shutil.which("g++"):
-        pytest.skip("the emulation needs g++")
+    skip_without_emulation()
     (tmp_path / "cuda_runtime.h").write_text(_SHIM)
     (tmp_path / "checks.cpp").write_text(_SHIM_CHECKS)
     build = subprocess.run(["g++", "-std=c++20", "-O1", f"-I{tmp_path}", str(tmp_path / "checks.cpp"), "-o",
                             str(tmp_path / "checks")], capture_output=True, text=True)
-    if build.returncode and "source_location" in build.stderr:
-        pytest.skip(f"the emulation needs g++ with -std=c++20: {build.stderr.strip()[:200]}")
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(tmp_path / "checks")], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
