@@ -601,9 +601,24 @@ static inline span level_span(int l, int64_t i0, int64_t i1, int64_t j0, int64_t
     return s;
 }
 
-/* rows [0, n) of width d: dst (row stride ldd) = src (row stride lds) */
+/* rows [0, n) of width d: dst (row stride ldd) = src (row stride lds), in one
+ * memcpy where both are dense (a call per row of 32 reals was a fair part of a
+ * small call's backward, which copies and zeroes rows per head and level) */
 static void copy_rows(int64_t n, int64_t d, const real *src, int64_t lds, real *dst, int64_t ldd) {
+    if (n > 0 && lds == d && ldd == d) {
+        memcpy(dst, src, sizeof(real) * (size_t)(n * d));
+        return;
+    }
     for (int64_t r = 0; r < n; r++) memcpy(dst + r * ldd, src + r * lds, sizeof(real) * (size_t)d);
+}
+
+/* rows [0, n) of width d, row stride ld, set to zero (one memset where dense) */
+static void zero_rows(int64_t n, int64_t d, real *x, int64_t ld) {
+    if (n > 0 && ld == d) {
+        memset(x, 0, sizeof(real) * (size_t)(n * d));
+        return;
+    }
+    for (int64_t r = 0; r < n; r++) memset(x + r * ld, 0, sizeof(real) * (size_t)d);
 }
 
 /* Transposes key rows [j0, j1) of every level into kt[l] (D, ld[l]) at column
@@ -987,9 +1002,9 @@ typedef void (*forward_task_fn)(const hkt_params *, const ws_layout *, char *, i
 
 /* Task t of the forward, (b, h)-major, on the calling thread's workspace block. */
 static inline void run_forward_task(const hkt_params *p, const ws_layout *ws, size_t wsb, forward_task_fn task,
-                                    int64_t t) {
+                                    int64_t t, int tid) {
     const int64_t nqt = (p->T + BQ - 1) / BQ, bh = t / nqt, qt = nqt - 1 - t % nqt;
-    task(p, ws, (char *)p->workspace + (size_t)thread_id() * wsb, bh / p->H, bh % p->H, qt);
+    task(p, ws, (char *)p->workspace + (size_t)tid * wsb, bh / p->H, bh % p->H, qt);
 }
 
 /* Runs task over every (b, h, query tile) (the bfloat16 forward brings its own). */
@@ -1008,13 +1023,10 @@ static void run_forward(const hkt_params *p, forward_task_fn task) {
      * (Zen 4, 2 threads).  With fewer (b, h), tile by tile: a guided first chunk
      * of one causal (b, h) would be its costliest half.  Within a (b, h) the
      * costlier causal tiles go first.  Who runs a tile changes no bits. */
-    if (nbh >= 2 * (int64_t)nt) {
-#pragma omp parallel for schedule(guided, 1) num_threads(nt)
-        for (int64_t t = 0; t < ntask; t++) run_forward_task(p, &ws, wsb, task, t);
-    } else {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < ntask; t++) run_forward_task(p, &ws, wsb, task, t);
-    }
+    if (nbh >= 2 * (int64_t)nt)
+        PARALLEL_TASKS(nt, (guided, 1), ntask, t, tid, run_forward_task(p, &ws, wsb, task, t, tid););
+    else
+        PARALLEL_TASKS(nt, (dynamic, 1), ntask, t, tid, run_forward_task(p, &ws, wsb, task, t, tid););
 }
 
 static void forward(const hkt_params *p) { run_forward(p, forward_task); }
@@ -1488,14 +1500,11 @@ static void backward_prepare(const hkt_params *p, const ws_layout *ws, real *bas
         const int64_t Tl = level_len(T, l), Sl = level_len(S, l);
         real *dq = (real *)p->dq[l] + b * p->dq_stride[l][0] + h * p->dq_stride[l][1];
         real *dk = (real *)p->dk[l] + b * p->dk_stride[l][0] + hk * p->dk_stride[l][1];
-        if (!ws->pack_dq) /* else summed in the workspace, then copied */
-            for (int64_t r = 0; r < Tl; r++) memset(dq + r * p->dq_stride[l][2], 0, sizeof(real) * D);
-        if (first_of_group)
-            for (int64_t c = 0; c < Sl; c++) memset(dk + c * p->dk_stride[l][2], 0, sizeof(real) * D);
+        if (!ws->pack_dq) zero_rows(Tl, D, dq, p->dq_stride[l][2]); /* else summed in the workspace, then copied */
+        if (first_of_group) zero_rows(Sl, D, dk, p->dk_stride[l][2]);
     }
     real *dvb = (real *)p->dv + b * p->dv_stride[0] + hk * p->dv_stride[1];
-    if (first_of_group)
-        for (int64_t j = 0; j < S; j++) memset(dvb + j * p->dv_stride[2], 0, sizeof(real) * Dv);
+    if (first_of_group) zero_rows(S, Dv, dvb, p->dv_stride[2]);
     real *delta = (real *)p->dw_partial + (b * p->H + h) * T;
     const real *lse = (const real *)p->lse + (b * p->H + h) * T;
     real *lo = lse_lo(p) + (b * p->H + h) * T;
@@ -1552,10 +1561,9 @@ static void backward(const hkt_params *p) {
     const int nt = num_threads(p);
     const int64_t span = ((int64_t)1 << (p->L - 1)) > BK ? ((int64_t)1 << (p->L - 1)) / BK : 1; /* tiles per chunk */
     const int64_t nkc = (nkt + span - 1) / span, nqc = (nqt + span - 1) / span;
-#define BASE ((real *)((char *)p->workspace + (size_t)thread_id() * wsb + WS_HEADER))
+#define BASE ((real *)((char *)p->workspace + (size_t)tid * wsb + WS_HEADER))
     if (nbk >= nt) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < nbk; t++) {
+        PARALLEL_TASKS(nt, (dynamic, 1), nbk, t, tid, {
             /* the task alone reads its group's delta and writes its gradient rows:
              * zeroed here, they are in cache when the products add to them */
             const int64_t b = t / p->H_kv, hk = t % p->H_kv, group = p->H / p->H_kv;
@@ -1563,35 +1571,29 @@ static void backward(const hkt_params *p) {
             backward_kv_head(p, &ws, BASE, b, hk);
             /* the task's gradient rows are final: rounded while they are in cache */
             if (dst) grads_out(dst, p, t / p->H_kv, t % p->H_kv);
-        }
+        });
     } else {
-#pragma omp parallel for schedule(static) num_threads(nt)
-        for (int64_t t = 0; t < nbh; t++) backward_prepare(p, &ws, BASE, t / p->H, t % p->H);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < nbk * nkc; t++) {
+        PARALLEL_TASKS(nt, (static), nbh, t, tid, backward_prepare(p, &ws, BASE, t / p->H, t % p->H););
+        PARALLEL_TASKS(nt, (dynamic, 1), nbk * nkc, t, tid, {
             const int64_t bk = t / nkc, c = t % nkc;
             const int64_t group = p->H / p->H_kv, hk = bk % p->H_kv;
             backward_keys_range(p, &ws, BASE, bk / p->H_kv, hk * group, (hk + 1) * group, c * span,
                                 (c + 1) * span < nkt ? (c + 1) * span : nkt, WANT_KV);
-        }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < nbh * nqc; t++) {
+        });
+        PARALLEL_TASKS(nt, (dynamic, 1), nbh * nqc, t, tid, {
             const int64_t bh = t / nqc, c = nqc - 1 - t % nqc; /* causal: costlier chunks first */
             backward_queries_range(p, &ws, BASE, bh / p->H, bh % p->H, c * span,
                                    (c + 1) * span < nqt ? (c + 1) * span : nqt);
-        }
-        if (dst) {
-#pragma omp parallel for schedule(static) num_threads(nt)
-            for (int64_t t = 0; t < nbk; t++) grads_out(dst, p, t / p->H_kv, t % p->H_kv);
-        }
+        });
+        if (dst) PARALLEL_TASKS(nt, (static), nbk, t, tid, grads_out(dst, p, t / p->H_kv, t % p->H_kv););
     }
     if (p->dmask) {
         const int64_t *ms = p->dmask_shape;
         const int64_t mqt = ms[2] == p->T ? nqt : 1, mkt = ms[3] == p->S ? nkt : 1;
         const int64_t ntask = ms[0] * ms[1] * mqt * mkt;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-        for (int64_t t = 0; t < ntask; t++)
-            backward_mask_task(p, &ws, BASE, t / (mkt * mqt) / ms[1], t / (mkt * mqt) % ms[1], t / mkt % mqt, t % mkt);
+        PARALLEL_TASKS(nt, (dynamic, 1), ntask, t, tid,
+                       backward_mask_task(p, &ws, BASE, t / (mkt * mqt) / ms[1], t / (mkt * mqt) % ms[1],
+                                          t / mkt % mqt, t % mkt););
     }
 #undef BASE
     /* dw[h, l] = sum over b and key tiles of the partials (and over h when w is shared) */

@@ -84,6 +84,14 @@ typedef struct {
     unsigned long long dl_stream;
 } held;
 
+/* An empty held: the counts only.  Zeroing the whole struct (14 KiB of spans)
+ * was a fair part of a small call's binding time. */
+static inline void held_start(held *hd) {
+    hd->n = 0;
+    hd->nspans = 0;
+    hd->dl_stream = 0;
+}
+
 /* Deletes every tensor the call consumed, once (hd->n is reset).  A deleter may
  * run Python code (NumPy's drops its array), which must not find the call's
  * exception set: it is put aside meanwhile. */
@@ -950,9 +958,11 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
         p->out = (void *)ptr;
         note_span(hd, ot, "out", output);
     }
-    const DLTensor *lt = import_array(hd, lse, "lse");
-    if (!lt) goto done;
-    {
+    /* the forward's lse may be None on the CPU (a call that will not be
+     * differentiated: run_kernel gives it room in the workspace) */
+    const DLTensor *lt = output && lse == Py_None ? NULL : import_array(hd, lse, "lse");
+    if (!lt && !(output && lse == Py_None)) goto done;
+    if (lt) {
         int64_t want[3] = {p->B, p->H, p->T};
         if (check_real(lt, "lse", cref) || check_shape(lt, "lse", want, 3, "= (B, H, T)", 0) ||
             check_contiguous(lt, "lse"))
@@ -992,6 +1002,11 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
                          need);
             return -1;
         }
+        if (!backward && p->lse == NULL && p->B * p->H * p->T > 0) { /* lse=None */
+            PyErr_SetString(PyExc_ValueError, "lse: the CUDA forward writes lse into an array on q[0]'s device, "
+                            "(B, H, T); None is taken on the CPU only");
+            return -1;
+        }
         p->device_id = (int)q0->device.device_id;
         Py_BEGIN_ALLOW_THREADS
         rc = backward ? hkt_backward_cuda(p, err, sizeof err) : hkt_forward_cuda(p, err, sizeof err);
@@ -1007,12 +1022,19 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 #endif
     if (check_caller_stack()) return -1;
     const size_t per = hkt_workspace_bytes(p, backward);
+    /* the forward's lse when the caller passed None: (B, H, T) reals after the rest */
+    size_t lse_room = 0;
+    if (!backward && p->lse == NULL &&
+        (__builtin_mul_overflow((size_t)p->B * (size_t)p->H, (size_t)p->T, &lse_room) ||
+         __builtin_mul_overflow(lse_room, p->dtype == HKT_FLOAT64 ? 8u : 4u, &lse_room)))
+        lse_room = SIZE_MAX;
     /* the backward's delta and dw partials, then (bfloat16 gradients) their float32 sums, 64-byte aligned */
     const size_t partial = backward ? (hkt_dw_partial_bytes(p) + 63) / 64 * 64 : 0;
     const size_t acc = backward ? hkt_grad_acc_bytes(p) : 0;
     size_t total, extra = SIZE_MAX;
     char *mem = NULL;
-    if (!__builtin_add_overflow(partial, acc, &extra) && !__builtin_mul_overflow(per, (size_t)p->num_threads, &total) &&
+    if (!__builtin_add_overflow(partial, acc, &extra) && !__builtin_add_overflow(extra, lse_room, &extra) &&
+        !__builtin_mul_overflow(per, (size_t)p->num_threads, &total) &&
         !__builtin_add_overflow(total, extra, &total) && !__builtin_add_overflow(total, 64, &total))
         mem = malloc(total); /* PyMem_RawMalloc is not in the 3.10 limited API */
     if (!mem) {
@@ -1026,6 +1048,7 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
     p->workspace = mem;
     p->dw_partial = backward ? mem + per * (size_t)p->num_threads : NULL;
     p->grad_acc = acc ? mem + per * (size_t)p->num_threads + partial : NULL;
+    if (lse_room) p->lse = mem + per * (size_t)p->num_threads;
     Py_BEGIN_ALLOW_THREADS
     if (backward) hkt_backward_cpu(p);
     else hkt_forward_cpu(p);
@@ -1042,7 +1065,8 @@ PyDoc_STRVAR(forward_doc,
 "reads kv head h / (H / H_kv)); w (L,) or (H, L).  Writes out\n"
 "(B, H, T, Dv) (unit stride along features, any other strides) and lse\n"
 "(B, H, T) (C-contiguous), both of q's dtype, sharing no element with any\n"
-"other argument.  Inputs may have any strides with unit stride along\n"
+"other argument; lse=None on the CPU: not kept (a call nobody will\n"
+"differentiate).  Inputs may have any strides with unit stride along\n"
 "features.  bfloat16 q, k and v (CPU, where\n"
 "cpu_has_bf16(), even D) run natively and take w, a float mask and lse in\n"
 "float32, out in float32 or bfloat16 (summed in float32, each row rounded\n"
@@ -1076,7 +1100,8 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
                                      &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads,
                                      &stream, &key_cache_bytes))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_params p;
     const DLTensor *q0, *mt;
     void *stream_handle;
@@ -1229,7 +1254,8 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
                                      &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_params p;
     const DLTensor *q0, *mt, *t;
     void *stream_handle;
@@ -1298,7 +1324,8 @@ static PyObject *py_dropout_mask(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OKd:dropout_mask", kwlist, &keep, &seed, &dp))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     const DLTensor *t = import_array(&hd, keep, "keep");
     int rc = -1;
     if (!t) goto done;
@@ -1698,7 +1725,8 @@ static PyObject *py_varlen_forward(PyObject *self, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOO|OOpOO:varlen_forward", kwlist, &qs, &ks, &v, &w, &out,
                                      &lse, &cuq, &cuk, &maxq, &maxk, &causal, &scale, &nthreads))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_varlen_params vp;
     const DLTensor *q0;
     int rc = fill_varlen(&vp, &hd, qs, ks, v, w, out, lse, cuq, cuk, maxq, maxk, causal, scale, nthreads, 1, &q0);
@@ -1784,7 +1812,8 @@ static PyObject *py_varlen_backward(PyObject *self, PyObject *args, PyObject *kw
                                      &w, &out, &lse, &dq, &dk, &dv, &dw, &cuq, &cuk, &maxq, &maxk, &causal, &scale,
                                      &nthreads))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_varlen_params vp;
     const DLTensor *q0;
     int rc = fill_varlen(&vp, &hd, qs, ks, v, w, out, lse, cuq, cuk, maxq, maxk, causal, scale, nthreads, 0, &q0);
@@ -2038,7 +2067,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOOO:decode", kwlist, &qs, &kcs, &vc, &w, &seqlens, &out,
                                      &ks, &v, &scale, &nthreads))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_decode_params p;
     int64_t *lens = NULL;
     int rc = fill_decode(&p, &hd, qs, kcs, vc, w, seqlens, out, ks, v, scale, nthreads, &lens);
@@ -2146,7 +2176,8 @@ static PyObject *py_downsample_forward(PyObject *self, PyObject *args, PyObject 
     (void)self;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOO|O:downsample_forward", kwlist, &x, &taps, &out, &nthreads))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_downsample_params p;
     const DLTensor *xt = NULL, *ot;
     int rc = fill_downsample(&p, &hd, x, taps, nthreads, &xt);
@@ -2179,7 +2210,8 @@ static PyObject *py_downsample_backward(PyObject *self, PyObject *args, PyObject
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOO|O:downsample_backward", kwlist, &grad, &x, &taps, &gx, &gt,
                                      &nthreads))
         return NULL;
-    held hd = {.n = 0};
+    held hd;
+    held_start(&hd);
     hkt_downsample_params p;
     const DLTensor *xt = NULL, *t;
     char *mem = NULL;

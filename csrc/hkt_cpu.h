@@ -168,6 +168,7 @@ static inline int64_t level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l
 
 static inline int num_threads(const hkt_params *p) { return p->num_threads > 0 ? p->num_threads : 1; }
 
+
 static inline int thread_id(void) {
 #ifdef _OPENMP
     return omp_get_thread_num();
@@ -175,6 +176,33 @@ static inline int thread_id(void) {
     return 0;
 #endif
 }
+
+/* for (int64_t t = 0; t < n; t++) body, on nt threads with OpenMP's schedule
+ * sched (parenthesised: (dynamic, 1)), or as a plain loop when nt is 1: a
+ * team of one, even behind if(0), still costs libgomp a futex syscall at its
+ * end, one per call of the small calls that run on one thread (seen with
+ * strace; about half a microsecond).  The body gets tid, the thread's index
+ * in this loop's team (0 in the plain loop, even where the caller itself runs
+ * in an OpenMP team, as the packed calls' tasks do): what picks its workspace
+ * block.  The tasks are the same either way. */
+#define HKT_PRAGMA(x) _Pragma(#x)
+#define PARALLEL_TASKS(nt, sched, n, t, tid, ...)                                                 \
+    do {                                                                                          \
+        if ((nt) > 1) {                                                                           \
+            HKT_PRAGMA(omp parallel for schedule sched num_threads(nt))                           \
+            for (int64_t t = 0; t < (n); t++) {                                                   \
+                const int tid = thread_id();                                                      \
+                (void)tid;                                                                        \
+                __VA_ARGS__                                                                       \
+            }                                                                                     \
+        } else {                                                                                  \
+            for (int64_t t = 0; t < (n); t++) {                                                   \
+                const int tid = 0;                                                                \
+                (void)tid;                                                                        \
+                __VA_ARGS__                                                                       \
+            }                                                                                     \
+        }                                                                                         \
+    } while (0)
 
 /* The kv head that query head h reads (grouped-query attention; H_kv == H: h). */
 static inline int64_t kv_head(const hkt_params *p, int64_t h) { return h / (p->H / p->H_kv); }

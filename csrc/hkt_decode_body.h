@@ -216,13 +216,13 @@ static void decode(const hkt_decode_params *p) {
     for (int64_t x = 0; x < nbh; x++) done[x] = 0;
     /* a short cache is less work than waking the threads */
     const double work = (double)(nbh * p->Tn) * (double)pl.longest * (double)(p->D + p->Dv);
-    (void)nt, (void)work; /* read only by OpenMP's pragma */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && work > 65536.0)
-    for (int64_t t = 0; t < ntask; t++) {
+    const int team = nt > 1 && work > 65536.0 ? nt : 1;
+    (void)team; /* read only by OpenMP's pragma without OpenMP */
+    PARALLEL_TASKS(team, (dynamic, 1), ntask, t, tid, {
         const int64_t bh = t / nch, b = bh / p->H, h = bh % p->H;
-        chunk_task(p, &pl, (real *)(scratch0 + (size_t)thread_id() * pl.per_thread), part, b, h, t % nch);
+        chunk_task(p, &pl, (real *)(scratch0 + (size_t)tid * pl.per_thread), part, b, h, t % nch);
         /* acquire-release: the last task sees every other task's partials */
         if (__atomic_add_fetch(&done[bh], 1, __ATOMIC_ACQ_REL) == nch)
             for (int64_t i = 0; i < p->Tn; i++) combine_row(p, &pl, part, b, h, i);
-    }
+    });
 }

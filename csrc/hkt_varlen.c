@@ -231,20 +231,19 @@ static void run_all(const hkt_varlen_params *vp, int backward, void (*run)(const
     }
     if (ntask == 0) return;
     qsort(tasks, (size_t)ntask, sizeof *tasks, by_cost);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
-    for (int64_t x = 0; x < ntask; x++) {
+    PARALLEL_TASKS(nt, (dynamic, 1), ntask, x, tid, {
         hkt_params ps;
-        const size_t t = (size_t)thread_id();
+        const size_t t = (size_t)tid;
         seq_params(vp, offq, offk, tasks[x].s, backward, &ps);
         ps.dw = backward ? base + y.dws + (size_t)tasks[x].s * seq_dw : NULL;
         group_params(vp, tasks[x].g, backward, &ps);
-        /* the kernel's own parallel region is nested in this one: a team of one,
-         * whose thread 0 uses the first block at ps.workspace */
+        /* the kernel runs on one thread inside this task: a plain loop whose
+         * tid is 0 (PARALLEL_TASKS), using the first block at ps.workspace */
         ps.num_threads = 1;
         ps.workspace = base + y.ws + t * y.wsb;
         ps.dw_partial = backward ? base + y.dwp + t * y.dwpb : NULL;
         run(&ps);
-    }
+    });
 }
 
 void hkt_forward_varlen_cpu(const hkt_varlen_params *vp) { run_all(vp, 0, hkt_forward_cpu); }

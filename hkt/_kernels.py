@@ -132,11 +132,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-             is_causal: bool, dropout_p: float, scale: float, seed: int, like_inputs: bool = False
-             ) -> Tuple[Tensor, Tensor]:
+             is_causal: bool, dropout_p: float, scale: float, seed: int, like_inputs: bool = False,
+             want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype).
     like_inputs: out laid out in memory like q[0] (see _like), else contiguous
-    (what the custom op's fake kernel says)."""
+    (what the custom op's fake kernel says).  want_lse=False, on the CPU: lse
+    is None, never allocated (a forward nobody will differentiate: 2 us of a
+    small call's ~17)."""
     q0 = q[0]
     if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
         # the seed is read here, on the host: every replay would drop the same entries
@@ -151,7 +153,7 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
         out = _empty_like_layout(q0, out_dtype)
     else:
         out = _empty((*lead, v.shape[-1] if v.dim() else 0), out_dtype, q0)
-    lse = _empty(lead, dtype, q0)
+    lse = _empty(lead, dtype, q0) if want_lse or q0.is_cuda else None
     # native (and float32/float64): q, k, v as they are; w, mask, lse in the compute dtype
     if q0.dtype == _BF16 and not (native or _cuda_tc(q, v, dropout_p)):
         qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
@@ -175,21 +177,25 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     like q[0], k[0], v, of the dtype the kernels write gradients in: the
     compute dtype, or bfloat16 natively) that dq[0], dk[0] and dv are written
     in, instead of new ones."""
-    in_dtype = q[0].dtype
-    dtype, device = compute_dtype(in_dtype), q[0].device
-    native = in_dtype == _BF16 and _native_bf16(q[0], v.shape[-1] if v.dim() else 1)
+    # (tensor attributes read once each, is_cuda rather than device.type: a
+    # small call's backward is mostly such reads and calls, 0.1-1 us apiece)
+    q0 = q[0]
+    in_dtype = q0.dtype
+    dtype = torch.float32 if in_dtype == _BF16 else in_dtype  # compute_dtype
+    native = in_dtype == _BF16 and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
     # native bfloat16 on the CPU writes dq, dk and dv in bfloat16 (summed in float32 in the kernel)
     native_out = native and dout.dtype == out.dtype == in_dtype
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into, in_dtype if native_out else dtype)
-    dmask = torch.empty(attn_mask.shape, dtype=dtype, device=device) if mask_grad else None
-    scratch = _scratch(*lse.shape, len(q), dtype, device) if device.type == "cuda" else None
+    dmask = torch.empty(attn_mask.shape, dtype=dtype, device=q0.device) if mask_grad else None
+    scratch = _scratch(*lse.shape, len(q), dtype, q0.device) if q0.is_cuda else None
     qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: native or _cuda_tc(
         q, v, dropout_p, True, mask_grad))
     _C.backward(dos, qs, ks, vs, _arg(w), outs,
-                _dl(lse.contiguous()), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _mask_arg(attn_mask, dtype),
-                is_causal, scale, dropout_p, seed, _threads(), _dl(dmask), _stream(q[0]),
-                _dl(scratch))
-    dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
+                to_dlpack(lse.contiguous()), _dls(dq), _dls(dk), to_dlpack(dv), to_dlpack(dw),
+                _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, _threads(), _dl(dmask),
+                _stream(q0), _dl(scratch))
+    if dv.dtype != in_dtype or dw.dtype != in_dtype:
+        dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dw, dmask

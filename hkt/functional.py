@@ -1,6 +1,7 @@
 """The public functional API: hkt.hkt_attention."""
 import math
 import numbers
+import types
 from typing import Optional, Sequence
 
 import torch
@@ -78,6 +79,44 @@ def _recording() -> bool:
     must run (a trace of a direct call would replay whatever memory the output
     had: no op, no error)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def _c_apply(fn):
+    """fn.apply as the C function torch.autograd.Function.apply calls last,
+    without the Python layer before it, about 3.5 us of a small forward's ~30
+    (torch 2.13, Xeon model 167): binding default arguments (only when the
+    Function defines setup_context; hkt's do not) and unwrapping dead
+    torch.func wrappers, a generator over every argument.  hkt's Functions run
+    only with no torch.func transform active (_pick_backend); a dead wrapper
+    among their inputs (a tensor kept from inside a finished transform) fails
+    in DLPack instead, and hkt_attention unwraps it and calls again
+    (_unwrap_dead).  fn.apply itself where torch's classes are laid out
+    otherwise."""
+    base = getattr(super(torch.autograd.Function, fn), "apply", None)
+    if (isinstance(base, types.BuiltinMethodType) and getattr(base, "__self__", None) is fn
+            and not torch.autograd.function._is_setup_context_defined(fn.setup_context)):
+        return base
+    return fn.apply
+
+
+def _unwrap_dead(*args):
+    """The tensors among args with dead torch.func wrappers unwrapped, as
+    torch.autograd.Function.apply and torch's own ops take them; None when
+    there was none (lists of tensors are looked into; live wrappers, under a
+    running transform, stay as they are)."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    unwrap = torch._C._functorch.unwrap_if_dead
+    found = False
+
+    def one(x):
+        nonlocal found
+        if isinstance(x, Tensor) and wrapped(x):
+            y = unwrap(x)  # x itself while its transform is running
+            found = found or y is not x
+            return y
+        return x
+    out = [[one(x) for x in a] if isinstance(a, (list, tuple)) else one(a) for a in args]
+    return out if found else None
 
 
 def _refuse_trace(what: str) -> None:
@@ -225,6 +264,10 @@ def hkt_attention(
             return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
         return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
     except _CALL_FAILED:
+        dead = _unwrap_dead(q, k, v, w, attn_mask)
+        if dead is not None:  # failed in DLPack, before any kernel ran (with dropout: a new seed)
+            return hkt_attention(*dead[:4], attn_mask=dead[4], is_causal=is_causal, dropout_p=dropout_p,
+                                 scale=scale, backend=backend)
         _name_the_argument(q, k, v, w, attn_mask)
         raise
 
@@ -324,8 +367,9 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
                                     v.requires_grad or w.requires_grad or
                                     (attn_mask is not None and attn_mask.requires_grad)):
-        return _Attention.apply(len(q), len(k), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)[0]
+        return _ATTENTION_APPLY(len(q), len(k), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True,
+                             want_lse=False)[0]
 
 
 def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_allowed: bool):
@@ -445,6 +489,9 @@ class _Attention(torch.autograd.Function):
         return (None, None, None, None, None, None, dmask, *dq, *dk, dv, dw)
 
 
+_ATTENTION_APPLY = _c_apply(_Attention)
+
+
 def _save_forward(ctx, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
     """The eager forward's kernels: (out, results), results what its backward
     needs (out, lse and the mask) for save_for_backward after the inputs.  Never
@@ -520,6 +567,9 @@ class _QKVAttention(torch.autograd.Function):
         return (None, None, None, None, None, None, dmask, dqkv, dw, *dq[1:], *dk[1:])
 
 
+_QKV_APPLY = _c_apply(_QKVAttention)
+
+
 def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor,
                   attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float) -> Tensor:
     """hkt_attention(q, k, v, w, ...) for a module's packed self-attention
@@ -538,7 +588,7 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
             and not qkv.is_meta and not _recording() and _pick_backend(None, q, dropout_p) == "kernels"):
         try:
             mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)
-            return _QKVAttention.apply(q[0].shape[1], k[0].shape[1], is_causal, dropout_p, None,
+            return _QKV_APPLY(q[0].shape[1], k[0].shape[1], is_causal, dropout_p, None,
                                        _eager_seed(dropout_p), mask, qkv, w, *q[1:], *k[1:])
         except _CALL_FAILED:
             _name_the_argument(q, k, v, w, attn_mask)

@@ -18,7 +18,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from . import _kernels
 from . import kvcache as _kvcache
-from .functional import _heads, _recording, hkt_attention, qkv_attention
+from .functional import _c_apply, _heads, _recording, hkt_attention, qkv_attention
 from .reference import float_mask_in, masked_probs
 from .varlen import hkt_attention_varlen, pack_levels
 
@@ -120,7 +120,7 @@ def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
 @torch.jit.unused
 def _downsample_c(x: Tensor, taps: Tensor) -> Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or taps.requires_grad):
-        return _Downsample.apply(x, taps)
+        return _DOWNSAMPLE_APPLY(x, taps)
     return _kernels._downsample_forward(x, taps)
 
 
@@ -143,6 +143,9 @@ class _Downsample(torch.autograd.Function):
             return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
         gx, gt = _kernels._downsample_backward(grad, x, taps, bool(ctx.needs_input_grad[0]))
         return gx, (gt if ctx.needs_input_grad[1] else None)
+
+
+_DOWNSAMPLE_APPLY = _c_apply(_Downsample)  # never under torch.func transforms (_downsample_in_c)
 
 
 # torch.nn.utils' forward pre-hooks that recompute a module's tensor, on every

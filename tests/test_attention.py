@@ -217,6 +217,28 @@ def test_numpy_through_extension():
     np.testing.assert_allclose(out32, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("T", [0, 5, 200])
+def test_forward_without_lse_writes_the_same_out(dtype, threads, T):
+    # lse=None (what a call under no_grad passes): the kernels keep it in their
+    # workspace, and out is the same bits; T=200 runs on both threads
+    B, H, S, D, Dv, L = 2, 3, 170, 16, 8, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L)
+    q, k = [x.numpy().astype(dtype) for x in q], [x.numpy().astype(dtype) for x in k]
+    v, w = v.numpy().astype(dtype), w.numpy().astype(dtype)
+    want, lse = np.empty((B, H, T, Dv), dtype), np.empty((B, H, T), dtype)
+    _C.forward(q, k, v, w, want, lse, None, True, num_threads=threads)
+    got = np.full((B, H, T, Dv), np.nan, dtype)
+    _C.forward(q, k, v, w, got, None, None, True, num_threads=threads)
+    assert np.array_equal(got, want)
+    assert np.isfinite(got).all()
+    # the backward needs the forward's lse: None is refused by name
+    with pytest.raises(TypeError, match="^lse: "):
+        _C.backward(np.ones_like(want), q, k, v, w, want, None, [np.empty_like(x) for x in q],
+                    [np.empty_like(x) for x in k], np.empty_like(v), np.empty_like(w), None, True)
+
+
 def test_deterministic_and_thread_count_independent():
     q, k, v, w = sample_inputs(2, 3, 150, 140, 16, 8, 3, dtype=torch.float32, requires_grad=True)
     runs = []

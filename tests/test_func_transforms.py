@@ -162,3 +162,32 @@ def test_nn_multihead_attention_recipe_runs_the_same_way():
     a, b = per_sample(mha), per_sample(ours)
     for n in ("in_proj_weight", "out_proj.weight"):
         torch.testing.assert_close(b[n], a[n], **TOL)
+
+
+def _dead_wrapper(x):
+    """x as a dead torch.func wrapper: a tensor kept from inside a transform
+    that has finished (torch's own ops unwrap such a tensor and go on)."""
+    kept = []
+
+    def f(y):
+        kept.append(y * 1)
+        return y.sum()
+    grad(f)(x)
+    assert torch._C._functorch.is_functorch_wrapped_tensor(kept[0])
+    return kept[0]
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_a_dead_wrapper_among_the_inputs_is_taken_as_its_tensor(needs_grad):
+    # the eager paths skip torch.autograd.Function.apply's unwrapping (a small
+    # call's time) and unwrap only when the kernels could not take an input
+    q, k, v, w = sample_inputs(1, 2, 9, 9, 4, 4, 2, dtype=torch.float32, requires_grad=needs_grad)
+    want = hkt.hkt_attention(q, k, v, w)
+    dead = _dead_wrapper(v.detach())
+    got = hkt.hkt_attention(q, k, dead, w)
+    assert torch.equal(got, want)
+    assert got.requires_grad == needs_grad
+    if needs_grad:
+        g = torch.randn_like(want)
+        want_dq = torch.autograd.grad(want, q[0], g)[0]
+        assert torch.equal(torch.autograd.grad(got, q[0], g)[0], want_dq)
