@@ -93,8 +93,9 @@ def _c_apply(fn):
     (_unwrap_dead).  fn.apply itself where torch's classes are laid out
     otherwise."""
     base = getattr(super(torch.autograd.Function, fn), "apply", None)
+    own_setup = getattr(torch.autograd.function, "_is_setup_context_defined", None)
     if (isinstance(base, types.BuiltinMethodType) and getattr(base, "__self__", None) is fn
-            and not torch.autograd.function._is_setup_context_defined(fn.setup_context)):
+            and own_setup is not None and not own_setup(fn.setup_context)):
         return base
     return fn.apply
 
@@ -104,8 +105,10 @@ def _unwrap_dead(*args):
     torch.autograd.Function.apply and torch's own ops take them; None when
     there was none (lists of tensors are looked into; live wrappers, under a
     running transform, stay as they are)."""
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    unwrap = torch._C._functorch.unwrap_if_dead
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    unwrap = getattr(torch._C._functorch, "unwrap_if_dead", None)
+    if wrapped is None or unwrap is None:  # another torch's layout: nothing to do here
+        return None
     found = False
 
     def one(x):

@@ -177,12 +177,24 @@ def test_strided_inputs_read_as_they_are():
     assert all(torch.equal(x, y) for x, y in zip(ga, gb))
 
 
-def raw_forward(q, k, v, w, *, threads=2, key_cache_bytes=-1, causal=False, out_dtype=torch.float32):
+def raw_forward(q, k, v, w, *, threads=2, key_cache_bytes=-1, causal=False, out_dtype=torch.float32,
+                keep_lse=True):
     B, H, T, _ = q[0].shape
-    out, lse = torch.empty(B, H, T, v.shape[-1], dtype=out_dtype), torch.empty(B, H, T)
+    out, lse = torch.empty(B, H, T, v.shape[-1], dtype=out_dtype), torch.empty(B, H, T) if keep_lse else None
     _C.forward([to_dlpack(x) for x in q], [to_dlpack(x) for x in k], to_dlpack(v), to_dlpack(w.float()),
-               to_dlpack(out), to_dlpack(lse), None, causal, None, 0.0, 0, threads, None, key_cache_bytes)
+               to_dlpack(out), None if lse is None else to_dlpack(lse), None, causal, None, 0.0, 0, threads, None,
+               key_cache_bytes)
     return out, lse
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, BF])
+def test_forward_without_lse_writes_the_same_out(out_dtype):
+    # lse=None (hkt_attention under no_grad): the kernels keep it in their workspace
+    _, (q, k, v, w) = bf16_inputs(2, 4, 150, 140, 32, 24, 3, kv_heads=2)
+    for threads in (1, 2):
+        want, _ = raw_forward(q, k, v, w, threads=threads, causal=True, out_dtype=out_dtype)
+        got, _ = raw_forward(q, k, v, w, threads=threads, causal=True, out_dtype=out_dtype, keep_lse=False)
+        assert torch.equal(got, want) and torch.isfinite(got).all()
 
 
 @pytest.mark.parametrize("causal", [False, True])

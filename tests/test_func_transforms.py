@@ -191,3 +191,29 @@ def test_a_dead_wrapper_among_the_inputs_is_taken_as_its_tensor(needs_grad):
         g = torch.randn_like(want)
         want_dq = torch.autograd.grad(want, q[0], g)[0]
         assert torch.equal(torch.autograd.grad(got, q[0], g)[0], want_dq)
+
+
+def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothing_for_them():
+    import types
+    import hkt.functional as F
+    from hkt import modules
+    # with torch 2.13, the C apply itself (what makes the unwrapping above hkt's to do)
+    for fast in (F._ATTENTION_APPLY, F._QKV_APPLY, modules._DOWNSAMPLE_APPLY):
+        assert isinstance(fast, types.BuiltinMethodType)
+
+    class WithSetup(torch.autograd.Function):  # its defaults must be bound: Function.apply kept
+        @staticmethod
+        def forward(x, scale=2.0):
+            return x * scale
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.scale = inputs[1]
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.scale, None
+    apply = F._c_apply(WithSetup)
+    assert not isinstance(apply, types.BuiltinMethodType)
+    x = torch.ones(3, requires_grad=True)
+    assert torch.equal(apply(x), 2 * torch.ones(3))
