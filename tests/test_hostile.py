@@ -98,16 +98,20 @@ def calls(n):
 calls(2000)  # warm up: allocator pools, first-call caches
 gc.collect()
 refs0 = [sys.getrefcount(a) for a in arrays]
-# Three windows, and the least growth of them, times three: a leak grows in
-# every window, while an allocator's own swings (AddressSanitizer's quarantine
-# makes RSS rise and fall by a few MB, `make sanitize`) do not.
-windows = []
-for _ in range(3):
-    r0 = rss()
-    calls(N_CALLS // 3)
-    gc.collect()
-    windows.append(rss() - r0)
-r0, r1 = 0, 3 * min(windows)
+def growth(run, n):
+    # Three windows, and the least growth of them, times three: a leak grows in
+    # every window, while an allocator's own swings do not (under
+    # AddressSanitizer, `make sanitize`, a window of 666 autograd calls read
+    # +6.0, +2.5, -3.9, +2.3 MB in turn, where the plain build grows 0.00-0.01
+    # MB a window of 5,000; one window of 2,000 read 6.8 MB)
+    windows = []
+    for _ in range(3):
+        r = rss()
+        run(n // 3)
+        gc.collect()
+        windows.append(rss() - r)
+    return 3 * min(windows)
+ext_growth = growth(calls, N_CALLS)
 refs1 = [sys.getrefcount(a) for a in arrays]
 
 # autograd calls through the public function
@@ -123,19 +127,10 @@ def autograd_calls(n):
 autograd_calls(300)
 gc.collect()
 trefs0 = [sys.getrefcount(t) for t in [*tq, *tk, tv, tw, tm]]
-# three windows again, the least of them times three (one window under
-# AddressSanitizer once read 6.8 MB over 2,000 calls that grow nothing in the
-# plain build: 0.00-0.01 MB a window of 5,000 after the first)
-windows = []
-for _ in range(3):
-    r2 = rss()
-    autograd_calls(N_AUTOGRAD // 3)
-    gc.collect()
-    windows.append(rss() - r2)
-r2, r3 = 0, 3 * min(windows)
+autograd_growth = growth(autograd_calls, N_AUTOGRAD)
 trefs1 = [sys.getrefcount(t) for t in [*tq, *tk, tv, tw, tm]]
-print(json.dumps(dict(ext_growth=r1 - r0, refs0=refs0, refs1=refs1, autograd_growth=r3 - r2, trefs0=trefs0,
-                      trefs1=trefs1)))
+print(json.dumps(dict(ext_growth=ext_growth, refs0=refs0, refs1=refs1, autograd_growth=autograd_growth,
+                      trefs0=trefs0, trefs1=trefs1)))
 """
 
 
