@@ -35,9 +35,7 @@ static int threads_for(const hkt_downsample_params *p, int64_t work) {
         const real *x = (const real *)p->x, *taps = (const real *)p->taps;                             \
         real *out = (real *)p->out;                                                                    \
         const int nt = threads_for(p, B * m * C * K);                                                  \
-        (void)nt; /* unused without OpenMP */                                                          \
-        _Pragma("omp parallel for schedule(static) num_threads(nt) if(nt > 1)")                        \
-        for (int64_t row = 0; row < B * m; row++) {                                                    \
+        PARALLEL_TASKS(nt, (static), B * m, row, tid, {                                                \
             const int64_t b = row / m, pp = row % m;                                                   \
             const real *xb = x + b * p->x_stride[0];                                                   \
             real *restrict o = out + row * C;                                                          \
@@ -52,7 +50,7 @@ static int threads_for(const hkt_downsample_params *p, int64_t work) {
                     for (int64_t c = 0; c < C; c++) o[c] = o[c] + (real)0 * t[c];                      \
                 }                                                                                      \
             }                                                                                          \
-        }                                                                                              \
+        });                                                                                            \
     }
 
 /* The backward runs over the output rows of all batches, flattened (row = b * m
@@ -93,59 +91,53 @@ static int64_t chunks_of(const hkt_downsample_params *p) {
         double *part = (double *)p->workspace; /* (nch, K, C) */                                       \
         real *sub0 = (real *)(part + nch * KC); /* per thread (K, C) */                                \
         const int nt = threads_for(p, B * n * C * K);                                                  \
-        (void)nt; /* unused without OpenMP */                                                          \
-        _Pragma("omp parallel num_threads(nt) if(nt > 1)")                                             \
-        {                                                                                              \
-            real *sub = sub0 + thread_id() * KC;                                                       \
-            _Pragma("omp for schedule(static)")                                                        \
-            for (int64_t ch = 0; ch < nch; ch++) {                                                     \
-                double *pc = part + ch * KC;                                                           \
-                for (int64_t e = 0; e < KC; e++) pc[e] = 0;                                            \
-                const int64_t q1 = (ch + 1) * R < B * m ? (ch + 1) * R : B * m;                        \
-                for (int64_t q = ch * R; q < q1; q++) {                                                \
-                    const int64_t b = q / m, pp = q % m;                                               \
-                    const real *xb = x + b * p->x_stride[0], *gb = g + b * p->grad_stride[0];          \
-                    const real *restrict gp = gb + pp * p->grad_stride[1];                             \
-                    for (int64_t i = 2 * pp; gx && i < 2 * pp + 2 && i < n; i++) {                     \
-                        real *restrict o = gx + (b * n + i) * C;                                       \
-                        int64_t r = i % 2;                                                             \
-                        if (r >= K || (i + r) / 2 >= m) {                                              \
-                            for (int64_t c = 0; c < C; c++) o[c] = 0;                                  \
-                            continue;                                                                  \
-                        }                                                                              \
-                        const real *restrict t0 = taps + r * p->taps_stride;                           \
-                        const real *restrict g0 = gb + (i + r) / 2 * p->grad_stride[1];                \
-                        for (int64_t c = 0; c < C; c++) o[c] = t0[c] * g0[c];                          \
-                        for (r += 2; r < K && (i + r) / 2 < m; r += 2) {                               \
-                            const real *restrict t = taps + r * p->taps_stride;                        \
-                            const real *restrict gr = gb + (i + r) / 2 * p->grad_stride[1];            \
-                            for (int64_t c = 0; c < C; c++) o[c] = o[c] + t[c] * gr[c];                \
-                        }                                                                              \
+        PARALLEL_TASKS(nt, (static), nch, ch, tid, {                                                   \
+            real *sub = sub0 + tid * KC;                                                               \
+            double *pc = part + ch * KC;                                                               \
+            for (int64_t e = 0; e < KC; e++) pc[e] = 0;                                                \
+            const int64_t q1 = (ch + 1) * R < B * m ? (ch + 1) * R : B * m;                            \
+            for (int64_t q = ch * R; q < q1; q++) {                                                    \
+                const int64_t b = q / m, pp = q % m;                                                   \
+                const real *xb = x + b * p->x_stride[0], *gb = g + b * p->grad_stride[0];              \
+                const real *restrict gp = gb + pp * p->grad_stride[1];                                 \
+                for (int64_t i = 2 * pp; gx && i < 2 * pp + 2 && i < n; i++) {                         \
+                    real *restrict o = gx + (b * n + i) * C;                                           \
+                    int64_t r = i % 2;                                                                 \
+                    if (r >= K || (i + r) / 2 >= m) {                                                  \
+                        for (int64_t c = 0; c < C; c++) o[c] = 0;                                      \
+                        continue;                                                                      \
                     }                                                                                  \
-                    const int fresh = (q - ch * R) % DS_SUB == 0;                                      \
-                    for (int64_t r = 0; r < K; r++) {                                                  \
-                        real *restrict a = sub + r * C;                                                \
-                        if (2 * pp - r >= 0) {                                                         \
-                            const real *restrict xr = xb + (2 * pp - r) * p->x_stride[1];              \
-                            if (fresh) for (int64_t c = 0; c < C; c++) a[c] = gp[c] * xr[c];           \
-                            else for (int64_t c = 0; c < C; c++) a[c] = a[c] + gp[c] * xr[c];          \
-                        } else { /* the zero padding: inf or NaN in grad gives NaN, as in torch */     \
-                            if (fresh) for (int64_t c = 0; c < C; c++) a[c] = gp[c] * (real)0;         \
-                            else for (int64_t c = 0; c < C; c++) a[c] = a[c] + gp[c] * (real)0;        \
-                        }                                                                              \
+                    const real *restrict t0 = taps + r * p->taps_stride;                               \
+                    const real *restrict g0 = gb + (i + r) / 2 * p->grad_stride[1];                    \
+                    for (int64_t c = 0; c < C; c++) o[c] = t0[c] * g0[c];                              \
+                    for (r += 2; r < K && (i + r) / 2 < m; r += 2) {                                   \
+                        const real *restrict t = taps + r * p->taps_stride;                            \
+                        const real *restrict gr = gb + (i + r) / 2 * p->grad_stride[1];                \
+                        for (int64_t c = 0; c < C; c++) o[c] = o[c] + t[c] * gr[c];                    \
                     }                                                                                  \
-                    if ((q + 1 - ch * R) % DS_SUB == 0 || q + 1 == q1)                                 \
-                        for (int64_t e = 0; e < KC; e++) pc[e] += (double)sub[e];                      \
                 }                                                                                      \
+                const int fresh = (q - ch * R) % DS_SUB == 0;                                          \
+                for (int64_t r = 0; r < K; r++) {                                                      \
+                    real *restrict a = sub + r * C;                                                    \
+                    if (2 * pp - r >= 0) {                                                             \
+                        const real *restrict xr = xb + (2 * pp - r) * p->x_stride[1];                  \
+                        if (fresh) for (int64_t c = 0; c < C; c++) a[c] = gp[c] * xr[c];               \
+                        else for (int64_t c = 0; c < C; c++) a[c] = a[c] + gp[c] * xr[c];              \
+                    } else { /* the zero padding: inf or NaN in grad gives NaN, as in torch */         \
+                        if (fresh) for (int64_t c = 0; c < C; c++) a[c] = gp[c] * (real)0;             \
+                        else for (int64_t c = 0; c < C; c++) a[c] = a[c] + gp[c] * (real)0;            \
+                    }                                                                                  \
+                }                                                                                      \
+                if ((q + 1 - ch * R) % DS_SUB == 0 || q + 1 == q1)                                     \
+                    for (int64_t e = 0; e < KC; e++) pc[e] += (double)sub[e];                          \
             }                                                                                          \
-            /* the chunks' partials, added in chunk order */                                           \
-            _Pragma("omp for schedule(static)")                                                        \
-            for (int64_t e = 0; e < KC; e++) {                                                         \
-                double s = 0;                                                                          \
-                for (int64_t ch = 0; ch < nch; ch++) s += part[ch * KC + e];                           \
-                gt[e] = (real)s;                                                                       \
-            }                                                                                          \
-        }                                                                                              \
+        });                                                                                            \
+        /* the chunks' partials, added in chunk order */                                               \
+        PARALLEL_TASKS(nt, (static), KC, e, tid, {                                                     \
+            double s = 0;                                                                              \
+            for (int64_t ch = 0; ch < nch; ch++) s += part[ch * KC + e];                               \
+            gt[e] = (real)s;                                                                           \
+        });                                                                                            \
     }
 
 DS_FORWARD(float, forward_f32)
