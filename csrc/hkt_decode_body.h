@@ -217,7 +217,6 @@ static void decode(const hkt_decode_params *p) {
     /* a short cache is less work than waking the threads */
     const double work = (double)(nbh * p->Tn) * (double)pl.longest * (double)(p->D + p->Dv);
     const int team = nt > 1 && work > 65536.0 ? nt : 1;
-    (void)team; /* read only by OpenMP's pragma without OpenMP */
     PARALLEL_TASKS(team, (dynamic, 1), ntask, t, tid, {
         const int64_t bh = t / nch, b = bh / p->H, h = bh % p->H;
         chunk_task(p, &pl, (real *)(scratch0 + (size_t)tid * pl.per_thread), part, b, h, t % nch);
