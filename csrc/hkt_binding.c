@@ -960,8 +960,9 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     }
     /* the forward's lse may be None on the CPU (a call that will not be
      * differentiated: run_kernel gives it room in the workspace) */
-    const DLTensor *lt = output && lse == Py_None ? NULL : import_array(hd, lse, "lse");
-    if (!lt && !(output && lse == Py_None)) goto done;
+    const int no_lse = output && lse == Py_None;
+    const DLTensor *lt = no_lse ? NULL : import_array(hd, lse, "lse");
+    if (!lt && !no_lse) goto done;
     if (lt) {
         int64_t want[3] = {p->B, p->H, p->T};
         if (check_real(lt, "lse", cref) || check_shape(lt, "lse", want, 3, "= (B, H, T)", 0) ||

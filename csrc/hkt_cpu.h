@@ -168,7 +168,6 @@ static inline int64_t level_len(int64_t n, int l) { return n > 0 ? ((n - 1) >> l
 
 static inline int num_threads(const hkt_params *p) { return p->num_threads > 0 ? p->num_threads : 1; }
 
-
 static inline int thread_id(void) {
 #ifdef _OPENMP
     return omp_get_thread_num();

@@ -181,7 +181,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     # small call's backward is mostly such reads and calls, 0.1-1 us apiece)
     q0 = q[0]
     in_dtype = q0.dtype
-    dtype = torch.float32 if in_dtype == _BF16 else in_dtype  # compute_dtype
+    dtype = compute_dtype(in_dtype)
     native = in_dtype == _BF16 and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
     # native bfloat16 on the CPU writes dq, dk and dv in bfloat16 (summed in float32 in the kernel)
     native_out = native and dout.dtype == out.dtype == in_dtype
@@ -194,8 +194,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
                 to_dlpack(lse.contiguous()), _dls(dq), _dls(dk), to_dlpack(dv), to_dlpack(dw),
                 _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, _threads(), _dl(dmask),
                 _stream(q0), _dl(scratch))
-    if dv.dtype != in_dtype or dw.dtype != in_dtype:
-        dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
+    dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dw, dmask
