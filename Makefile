@@ -25,7 +25,7 @@ test: install
 	HKT_TEST_CUDA_EMULATION=1 $(BIN)/python -m pytest -q tests
 
 demo: install
-	$(BIN)/python -m hkt.demo
+	$(BIN)/python -m research.demo
 
 bench: install
 	$(BIN)/python benchmarks/bench_attention.py
@@ -84,7 +84,7 @@ sanitize: install
 	rm -rf $(SAN_DIR)/root
 	mkdir -p $(SAN_DIR)/root
 	HKT_SANITIZE=1 $(BIN)/python setup.py -q build_ext --build-lib $(SAN_DIR)/lib --build-temp $(SAN_DIR)/tmp
-	cp -r hkt tests examples README.md pyproject.toml $(SAN_DIR)/root/
+	cp -r hkt research tests examples docs README.md pyproject.toml $(SAN_DIR)/root/
 	rm -rf $(SAN_DIR)/root/hkt/_C*.so $$(find $(SAN_DIR)/root -name __pycache__)
 	cp $(SAN_DIR)/lib/hkt/_C*.so $(SAN_DIR)/root/hkt/
 	cd $(SAN_DIR)/root && $(SAN_ENV) $(abspath $(BIN))/python -c \

@@ -21,9 +21,11 @@ import textwrap
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
 import hkt
 from hkt import _C, _kernels
-from hkt.timing import (attention_callables, describe_machine, machine_info, max_error, paired_ratio, report_targets,
+from research.timing import (attention_callables, describe_machine, machine_info, max_error, paired_ratio, report_targets,
                         score_flops, sgemm_gflops, time_rounds)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,7 +48,7 @@ def check_correctness():
 MEMORY_SCRIPT = textwrap.dedent("""
     import sys, json, torch, hkt
     import torch.nn.functional as F
-    from hkt.timing import make_inputs
+    from research.timing import make_inputs
     kind, T, H, D, L = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(int(sys.argv[6]))
 
@@ -308,7 +310,7 @@ def main(argv=None):
          "<=", 64),
     ])
 
-    # "paired": every ratio is the median of per-round ratios (hkt.timing.paired_ratio)
+    # "paired": every ratio is the median of per-round ratios (research.timing.paired_ratio)
     result = {"config": {"heads": H, "dim": D, "threads": args.threads, "T": args.T, "torch": torch.__version__,
                          "ratios": "paired"},
               "machine": machine, "sgemm_gflops": sgemm, "forward_vs_sgemm": vs_sgemm,

@@ -32,9 +32,13 @@ import time
 
 import torch
 
-from hkt.experiments.bytelm import ByteLM, build_bytelm, generate, has_decode_api, load_checkpoint
-from hkt.experiments.stdlib_bytes import load_corpus
-from hkt.timing import describe_machine, machine_info, report_targets
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
+from research.bytelm import ByteLM, build_bytelm, generate, has_decode_api, load_checkpoint
+from research.stdlib_bytes import load_corpus
+from research.timing import describe_machine, machine_info, report_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CKPT = os.path.join(HERE, os.pardir, "results", "bytelm.pt")

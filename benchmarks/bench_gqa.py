@@ -18,9 +18,13 @@ import os
 
 import torch
 
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
 import hkt
 from hkt.reference import hkt_attention_reference
-from hkt.timing import describe_machine, machine_info, make_inputs, report_targets, time_interleaved
+from research.timing import describe_machine, machine_info, make_inputs, report_targets, time_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

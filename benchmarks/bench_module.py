@@ -17,8 +17,12 @@ import statistics
 import torch
 from torch import nn
 
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
 import hkt
-from hkt.timing import describe_machine, machine_info, paired_ratio, report_targets, time_rounds
+from research.timing import describe_machine, machine_info, paired_ratio, report_targets, time_rounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -73,7 +77,7 @@ def main(argv=None):
     print("check: " + ", ".join(f"{k} max |diff| {v:.1e}" for k, v in errs.items()))
     machine = machine_info()
     print(f"machine: {describe_machine(machine)}")
-    # ratios: each the median of the rounds' own (hkt.timing.paired_ratio)
+    # ratios: each the median of the rounds' own (research.timing.paired_ratio)
     result = {"config": {**{k: v for k, v in vars(args).items() if k != "out"}, "ratios": "paired"},
               "machine": machine, "check": errs,
               "rows": []}

@@ -21,8 +21,12 @@ import time
 
 import torch
 
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
 import hkt
-from hkt.timing import describe_machine, machine_info, report_targets
+from research.timing import describe_machine, machine_info, report_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

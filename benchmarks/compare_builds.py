@@ -23,8 +23,10 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
 import hkt._C as new
-from hkt.timing import describe_machine, machine_info
+from research.timing import describe_machine, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))

@@ -12,7 +12,11 @@ import json
 import os
 import re
 
-from hkt.timing import isa_limits_text
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
+
+from research.timing import isa_limits_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -8,8 +8,12 @@
                      pack_padding=False)   drop-in nn.MultiheadAttention; .init_cache / .decode for generation
     hkt.swap_attention(model, levels=3)      replace every nn.MultiheadAttention in a model
     hkt.reference                            plain-PyTorch definition, for checking
-    hkt.analysis                             the paper's claims as functions (cost, PSD, splits, error curves)
-    hkt.data                                 ListOps generator, sequential CIFAR-10 and byte-level IMDB loaders
+    import hkt.analysis                      the paper's claims as functions (cost, PSD, splits, error curves);
+                                             not loaded by ``import hkt``
+
+The experiments that reproduce the paper, their data loaders and the benchmarks'
+timing helpers are not part of the package: they live in research/ of the source
+repository.
 
 The exact contract (maths, masks, dropout, gradients, non-finite values, API):
 docs/contract.md in the source repository.
@@ -43,12 +47,12 @@ def _load_extension():
 
 _load_extension()
 
-from . import analysis, data, reference  # noqa: E402
+from . import reference  # noqa: E402
 from .functional import hkt_attention  # noqa: E402
 from .kvcache import hkt_attention_with_kvcache  # noqa: E402
 from .modules import MultiheadHKT, swap_attention  # noqa: E402
 from .varlen import hkt_attention_varlen, pack_levels, varlen_level_offsets  # noqa: E402
 
 __all__ = ["hkt_attention", "hkt_attention_with_kvcache", "hkt_attention_varlen", "varlen_level_offsets", "pack_levels",
-           "MultiheadHKT", "swap_attention", "reference", "analysis", "data"]
-__version__ = "0.1.0"
+           "MultiheadHKT", "swap_attention", "reference"]
+__version__ = "0.2.0"

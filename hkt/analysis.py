@@ -583,7 +583,7 @@ def approximation_error_curve(T: int = 256, *, rank: int = 4, max_levels: int = 
 def kernel_approximation_curve(kernels: Sequence[Tensor], *, rank: int, max_levels: int = 6,
                                sweeps: int = 10) -> Dict[str, list]:
     """Thm 4.3's error curve for given kernel matrices, e.g. X X^T of a trained
-    model's own activations (hkt.experiments.trained_analysis) instead of
+    model's own activations (research.trained_analysis) instead of
     :func:`multiscale_kernel`'s synthetic data.
 
     For each A (n, n) (sizes may differ) the error of L levels is

@@ -1,9 +1,18 @@
 """Helpers the test files share (imported as ``helpers``; pytest puts tests/ on
-the path): random HKT inputs and the attention masks the tests sweep."""
+the path): random HKT inputs and the attention masks the tests sweep.  It puts
+the source tree's root on the path too, for the research/ code some tests check
+(it is not installed with hkt)."""
+import os
+import sys
+
 import numpy as np
 import torch
 
-from hkt.timing import random_inputs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from research.timing import random_inputs  # noqa: E402
 
 
 def level_len(n, l):
@@ -13,7 +22,7 @@ def level_len(n, l):
 def sample_inputs(B, H, T, S, D, Dv, L, *, dtype=torch.float64, per_head=True, requires_grad=False,
                   device="cpu", seed=0, kv_heads=None):
     """Random HKT inputs: q, k lists of L levels, v, w; k and v with kv_heads
-    heads (default H).  The benchmarks' generator (hkt.timing.random_inputs)."""
+    heads (default H).  The benchmarks' generator (research.timing.random_inputs)."""
     return random_inputs(B, H, T, S, D, Dv, L, dtype=dtype, per_head=per_head, requires_grad=requires_grad,
                          device=device, seed=seed, kv_heads=kv_heads)
 

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import statistics
 
-from hkt import timing
+from research import timing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

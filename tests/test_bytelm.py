@@ -1,4 +1,4 @@
-"""hkt.experiments.stdlib_bytes / bytelm / lm_run: the standard-library corpus, the
+"""research.stdlib_bytes / bytelm / lm_run: the standard-library corpus, the
 byte-level language model, generation (with and without the attention cache), the
 command line and a smoke run of the resumable comparison."""
 import json
@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 
-from hkt.experiments import bytelm, stdlib_bytes
-from hkt.experiments.bytelm import ByteLM, bits_per_byte, build_bytelm, generate
-from hkt.experiments.train import training_step
+from research import bytelm, stdlib_bytes
+from research.bytelm import ByteLM, bits_per_byte, build_bytelm, generate
+from research.train import training_step
 from helpers import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 TINY = dict(d_model=32, n_layers=2, n_heads=2, max_len=256)
@@ -213,14 +213,14 @@ def test_cli_train_then_generate(tmp_path, capsys):
         assert "identical with and without cache: True" in text
 
 
-# ---- the resumable comparison (hkt.experiments.lm_run) ---------------------------------------------------------
+# ---- the resumable comparison (research.lm_run) ---------------------------------------------------------
 
 LM_CFG = dict(seq_len=32, seeds=[0, 1], levels=[1, 3], steps=6, warmup=2, batch_size=2, d_model=16, layers=1,
               heads=2, eval_every=2, eval_windows=2, chunk=2)
 
 
 def test_lm_run_resume_matches_uninterrupted(tmp_path, corpus):
-    from hkt.experiments import lm_run
+    from research import lm_run
     cfg = {**lm_run.LM_DEFAULTS, **LM_CFG}
     val = stdlib_bytes.eval_windows(corpus.val, 32, 2)
     full = lm_run.new_run(cfg, "L3", 0, corpus.train)
@@ -245,7 +245,7 @@ def test_lm_run_resume_matches_uninterrupted(tmp_path, corpus):
 
 
 def test_lm_run_command_resumes_and_writes_results(tmp_path):
-    from hkt.experiments import lm_run
+    from research import lm_run
     common = ["--seq-len", "32", "--seeds", "0", "1", "--levels", "1", "3", "--steps", "4", "--warmup", "1",
               "--batch-size", "2", "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-every", "2",
               "--eval-windows", "2", "--chunk", "2", "--no-progress", "--threads", "1"]
@@ -296,7 +296,7 @@ def test_lm_run_command_resumes_and_writes_results(tmp_path):
 
 
 def test_lm_run_dropout_resumed_in_pieces_is_bitwise_the_uninterrupted_one(tmp_path, corpus):
-    from hkt.experiments import lm_run
+    from research import lm_run
     cfg = {**LM_CFG, "seeds": [0], "dropout": 0.1}
     lm_run.run_all(cfg, str(tmp_path / "full"), None, progress=False, corpus=corpus)
     for _ in range(5):  # stops mid-chunk: 3 steps of 2-step chunks a call
@@ -319,7 +319,7 @@ def _small_root(tmp_path):
 
 
 def test_lm_run_refuses_a_checkpoint_of_another_corpus(tmp_path, corpus, capsys):
-    from hkt.experiments import lm_run
+    from research import lm_run
     argv = ["--seq-len", "32", "--seeds", "0", "--levels", "1", "--steps", "4", "--warmup", "1", "--batch-size", "2",
             "--d-model", "16", "--layers", "1", "--heads", "2", "--eval-every", "2", "--eval-windows", "2",
             "--chunk", "2", "--no-progress", "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "r.json")]
@@ -343,19 +343,19 @@ def test_lm_run_refuses_a_checkpoint_of_another_corpus(tmp_path, corpus, capsys)
 
 
 def test_equal_time_from_needs_every_arm_from_an_lm_run_file(tmp_path, capsys):
-    from hkt.experiments import lm_run
+    from research import lm_run
     lm_like = {"corpus": {}, "time_per_step": {"L1": 0.5, "L3": 0.6, "L3_over_L1": 1.2}}
     (tmp_path / "lm.json").write_text(json.dumps(lm_like))
     (tmp_path / "long.json").write_text(json.dumps({"config": {}, "time_per_step": {"hkt": 0.5, "standard": 0.4}}))
     assert lm_run.equal_time_steps(str(tmp_path / "lm.json"), 100, arms=["L1", "L3"]) == {"L1": 120, "L3": 100}
     with pytest.raises(ValueError, match=r"\['L2'\]"):
         lm_run.equal_time_steps(str(tmp_path / "lm.json"), 100, arms=["L1", "L2", "L3"])
-    with pytest.raises(ValueError, match="not an hkt.experiments.lm_run results file"):
+    with pytest.raises(ValueError, match="not an research.lm_run results file"):
         lm_run.equal_time_steps(str(tmp_path / "long.json"), 100)
     base = ["--seq-len", "32", "--seeds", "0", "--levels", "1", "2", "3", "--steps", "4", "--d-model", "16",
             "--layers", "1", "--heads", "2", "--eval-windows", "2", "--batch-size", "2", "--no-progress",
             "--ckpt-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o.json"), "--equal-time-from"]
-    for name, needle in (("lm.json", "L2"), ("long.json", "not an hkt.experiments.lm_run"), ("none.json", "cannot read")):
+    for name, needle in (("lm.json", "L2"), ("long.json", "not an research.lm_run"), ("none.json", "cannot read")):
         with pytest.raises(SystemExit) as e:
             lm_run.main(base + [str(tmp_path / name)])
         err = capsys.readouterr().err

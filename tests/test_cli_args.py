@@ -7,8 +7,8 @@ which looped forever) fails fast instead of training or hanging."""
 import pytest
 import torch
 
-from hkt.experiments import bytelm, listops_compare, lm_run, long_run, reproduce, theory
-from hkt.experiments import train as train_cli
+from research import bytelm, listops_compare, lm_run, long_run, reproduce, theory
+from research import train as train_cli
 from helpers import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 LONG = ["--seq-len", "32", "--steps", "4", "--seeds", "0", "--d-model", "16", "--heads", "2", "--layers", "1",

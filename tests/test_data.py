@@ -1,12 +1,12 @@
-"""hkt.data: ListOps generation, CIFAR-10 and IMDB loading (from tiny fixtures)."""
+"""research.data: ListOps generation, CIFAR-10 and IMDB loading (from tiny fixtures)."""
 import os
 
 import numpy as np
 import pytest
 import torch
 
-from hkt.data import LISTOPS_VOCAB, ListOps, evaluate_listops, generate_listops, load_cifar10, load_imdb
-from hkt.data.listops import tokens_to_string
+from research.data import LISTOPS_VOCAB, ListOps, evaluate_listops, generate_listops, load_cifar10, load_imdb
+from research.data.listops import tokens_to_string
 
 from data_fixtures import IMDB_TEXTS, write_fake_cifar, write_fake_imdb
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from hkt.timing import machine_info
+from research.timing import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "..", "csrc")

@@ -1,4 +1,4 @@
-"""hkt.experiments: tiny training runs that write JSON, on every task's loader."""
+"""research: tiny training runs that write JSON, on every task's loader."""
 import json
 import math
 
@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 import hkt
-from hkt.experiments import build_model, load_task, train_classifier
-from hkt.experiments import listops_compare, reproduce
-from hkt.experiments import train as train_cli
+import research.data
+from research import build_model, load_task, train_classifier
+from research import listops_compare, reproduce
+from research import train as train_cli
 
 from data_fixtures import write_fake_cifar, write_fake_imdb
 
@@ -50,7 +51,7 @@ def test_models_differ_only_in_attention():
     assert not any(isinstance(m, nn.MultiheadAttention) for m in hk.modules())
     assert all(m.levels == 3 for m in hk.modules() if isinstance(m, hkt.MultiheadHKT))
     # the swap keeps the function: same logits before training, in train and eval mode
-    x, _ = hkt.data.generate_listops(4, 32, seed=0)
+    x, _ = research.data.generate_listops(4, 32, seed=0)
     x[0, 20:] = 0  # some padding
     for mode in (True, False):
         std.train(mode)
@@ -131,7 +132,7 @@ def test_no_steps_no_nan_in_json(tmp_path):
 
 def test_theory_one_level_writes_null_rate(tmp_path, monkeypatch):
     from hkt import analysis
-    from hkt.experiments import theory
+    from research import theory
     monkeypatch.setattr(analysis, "measured_cost_ratio", lambda *a, **k: 1.0)  # the kernel count: not tested here
     theory.main(["--out", str(tmp_path), "--T", "16", "--max-levels", "1"])
     text = (tmp_path / "theory.json").read_text()

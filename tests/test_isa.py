@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import hkt
-from hkt.timing import machine_info
+from research.timing import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,12 +1,13 @@
-"""hkt.experiments.long_run: a checkpointed run resumes exactly; the results JSON has its structure."""
+"""research.long_run: a checkpointed run resumes exactly; the results JSON has its structure."""
 import json
 
 import pytest
 import torch
 
 import hkt
-from hkt.experiments import long_run
-from hkt.experiments.train import load_task
+import research.data
+from research import long_run
+from research.train import load_task
 from helpers import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 CFG = dict(task="listops", seq_len=32, seeds=[0, 1], steps=6, warmup=2, batch_size=8, d_model=16, heads=2,
@@ -111,7 +112,7 @@ def test_standard_arm_is_mha():
     mha = long_run.make_arm_model(_cfg(standard_impl="mha"), "standard", 0)
     assert sum(isinstance(m, hkt.MultiheadHKT) for m in fast.modules()) == 1
     assert not any(isinstance(m, hkt.MultiheadHKT) for m in mha.modules())
-    x, _ = hkt.data.generate_listops(4, 32, seed=0)
+    x, _ = research.data.generate_listops(4, 32, seed=0)
     for mode in (True, False):
         fast.train(mode)
         mha.train(mode)
@@ -148,7 +149,7 @@ def test_damaged_or_foreign_checkpoints_name_the_file(tmp_path):
     torch.save({"model": {}, "model_config": {}}, tmp_path / "bytelm.pt")  # another tool's checkpoint
     for name in [*cases, "bytelm.pt"]:
         path = str(tmp_path / name)
-        with pytest.raises(ValueError, match="checkpoint of hkt.experiments.long_run") as e:
+        with pytest.raises(ValueError, match="checkpoint of research.long_run") as e:
             long_run.load_run(path, cfg, "hkt", 0, 20)
         assert path in str(e.value)
         assert name == "bytelm.pt" or e.value.__cause__ is not None  # the original error kept

@@ -94,6 +94,7 @@ def test_commit_is_hkts_own_only(tmp_path):
     subprocess.run(["git", "-c", "user.name=u", "-c", "user.email=u@example.com", "commit", "-q", "--allow-empty",
                     "-m", "the project's"], cwd=project, check=True)
     _copy_package(project / "site", with_extension=True)
-    r = _import(project / "site", "from hkt.timing import _commit; print(_commit())")
+    shutil.copytree(ROOT / "research", project / "site" / "research", ignore=shutil.ignore_patterns("__pycache__"))
+    r = _import(project / "site", "from research.timing import _commit; print(_commit())")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "None"

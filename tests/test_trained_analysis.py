@@ -1,4 +1,4 @@
-"""hkt.experiments.trained_analysis on tiny checkpoints in the formats the
+"""research.trained_analysis on tiny checkpoints in the formats the
 training scripts write (long_run for ListOps, bytelm for the language model)."""
 import copy
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hkt import analysis as A
-from hkt.experiments import long_run
-from hkt.experiments import trained_analysis as TA
+from research import long_run
+from research import trained_analysis as TA
 from hkt.modules import MultiheadHKT
 
 CFG = dict(long_run.ARM_DEFAULTS, seq_len=32, d_model=16, heads=2, layers=2, ff=32, n_train=8, n_test=6, steps=10)
@@ -130,7 +130,7 @@ def test_maps_split_reconstructs_and_is_symmetric(tmp_path):
 
 
 def test_bytelm_checkpoint(tmp_path):
-    from hkt.experiments.bytelm import build_bytelm
+    from research.bytelm import build_bytelm
     src = tmp_path / "src"
     src.mkdir()
     for i in range(12):  # a small corpus; split seed chosen so validation is not empty

@@ -1,4 +1,5 @@
-"""Timing and checking helpers shared by ``python -m hkt.demo`` and benchmarks/.
+"""Timing and checking helpers shared by ``python -m research.demo`` and benchmarks/
+(research code: not part of the installed package).
 
 Every comparison checks the kernel against the plain-PyTorch reference before it
 times anything; timings are medians of interleaved runs, so the candidates see
@@ -13,9 +14,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
-from .analysis import cost_ratio
-from .functional import hkt_attention
-from .reference import hkt_attention_reference
+from hkt.analysis import cost_ratio
+from hkt.functional import hkt_attention
+from hkt.reference import hkt_attention_reference
 
 __all__ = ["make_inputs", "max_error", "time_interleaved", "time_rounds", "paired_ratio", "attention_callables",
            "score_flops", "machine_info", "sgemm_gflops", "report_targets"]
@@ -24,7 +25,7 @@ __all__ = ["make_inputs", "max_error", "time_interleaved", "time_rounds", "paire
 def machine_info() -> Dict[str, object]:
     """The CPU a figure was measured on: model, family/model, the ISA flags the
     kernels care about, which build of their hot loops runs, threads, torch."""
-    from . import _C
+    from hkt import _C
     info: Dict[str, object] = {"cpu": "unknown", "family": None, "model": None, "flags": [],
                                "logical_cpus": os.cpu_count()}
     try:
@@ -74,11 +75,12 @@ def isa_limits_text(info: Dict[str, object], quote: str = "") -> str:
 
 def _commit() -> Optional[str]:
     """The checkout's commit (with "+" when it has uncommitted changes), so a
-    figure says which code it measured; None outside a git checkout of hkt (an
-    installed package inside another project's checkout is not that project's
-    commit)."""
+    figure says which code it measured; None unless the hkt imported is the one
+    of a git checkout of hkt (an hkt installed elsewhere, or one inside another
+    project's checkout, was not built from this commit)."""
     import subprocess
-    here = os.path.dirname(os.path.abspath(__file__))
+    import hkt
+    here = os.path.dirname(os.path.abspath(hkt.__file__))
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
                              timeout=10)

@@ -1,6 +1,6 @@
 """The paper's theory as numbers and one plot (seconds on a CPU).
 
-    python -m hkt.experiments.theory --out results/
+    python -m research.theory --out results/
 
 Writes ``theory.json`` (score cost of L levels, by formula and as counted in the
 CPU kernel's tiles; the L-level approximation error on multi-scale and smooth
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from .. import analysis
+from hkt import analysis
 from . import cli
 from .train import finite_or_none, write_json
 
@@ -40,7 +40,7 @@ def theory(out_dir: str, *, T: int = 128, rank: int = 4, max_levels: int = 6, se
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.theory", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.theory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="results")
     ap.add_argument("--T", type=cli.positive_int, default=128)

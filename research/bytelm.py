@@ -1,7 +1,7 @@
 """A small byte-level causal language model on HKT attention, and text generation.
 
-    python -m hkt.experiments.bytelm train --threads 1            # a few minutes; results/bytelm.pt
-    python -m hkt.experiments.bytelm generate --checkpoint results/bytelm.pt --prompt "def "
+    python -m research.bytelm train --threads 1            # a few minutes; results/bytelm.pt
+    python -m research.bytelm generate --checkpoint results/bytelm.pt --prompt "def "
 
 :class:`ByteLM` reads bytes (vocabulary 256) and predicts the next one:
 embedding, sinusoidal positions, ``n_layers`` pre-norm blocks (LayerNorm ->
@@ -10,7 +10,7 @@ residual), a final LayerNorm and an output layer tied to the embedding.
 ``levels=1`` is standard multi-head attention (MultiheadHKT with one level
 computes exactly ``nn.MultiheadAttention``), the baseline arm of every
 comparison.  It trains on the Python standard library's own sources
-(:mod:`hkt.experiments.stdlib_bytes`; the figures depend on the Python version).
+(:mod:`research.stdlib_bytes`; the figures depend on the Python version).
 
 :func:`generate` continues a prompt greedily or by sampling, either recomputing
 the whole sequence for every new byte or, with ``use_cache=True``, through the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..modules import MultiheadHKT
+from hkt.modules import MultiheadHKT
 from . import cli
 from .resumable import load_state, lr_lambda, progress_bar
 
@@ -290,11 +290,11 @@ def generate(model: ByteLM, prompt_bytes: Union[bytes, bytearray, str], max_new_
 
 def load_checkpoint(path: str, *, max_len: Optional[int] = None) -> ByteLM:
     """The :class:`ByteLM` saved at ``path`` (by ``train``, or a finished
-    ``hkt.experiments.lm_run`` run), in eval mode; ``max_len`` overrides the
+    ``research.lm_run`` run), in eval mode; ``max_len`` overrides the
     saved one (positions are not parameters, so any length loads).
-    :class:`~hkt.experiments.resumable.CheckpointError` (a ValueError) naming
+    :class:`~research.resumable.CheckpointError` (a ValueError) naming
     ``path`` for a file that is no such checkpoint (damaged, another program's)."""
-    state = load_state(path, "hkt.experiments.bytelm (or a run of hkt.experiments.lm_run)", ("model", "model_config"))
+    state = load_state(path, "research.bytelm (or a run of research.lm_run)", ("model", "model_config"))
     cfg = dict(state["model_config"])
     if max_len is not None:
         cfg["max_len"] = max_len
@@ -308,7 +308,7 @@ def train_bytelm(*, steps: int = 1500, seq_len: int = 256, batch_size: int = 16,
                  eval_windows: int = 16, val_fraction: float = 0.05, split_seed: int = 0,
                  data_root: Optional[str] = None, progress: bool = True, model_kw: Optional[Dict] = None) -> Dict:
     """Trains one ByteLM on the standard-library corpus (AdamW, warm-up then
-    cosine decay, :func:`hkt.experiments.train.training_step`); returns the
+    cosine decay, :func:`research.train.training_step`); returns the
     checkpoint dict ("model", "model_config", "history", "corpus", ...).
 
     ``history`` holds, every ``eval_every`` steps and at the end, the step, the
@@ -439,7 +439,7 @@ def _cmd_generate(ap: argparse.ArgumentParser, args) -> Dict[str, object]:
 
 
 def main(argv: Optional[Sequence[str]] = None):
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.bytelm", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.bytelm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train a ByteLM on the standard library's sources and save a checkpoint")

@@ -1,23 +1,23 @@
 """Resumable byte-level language modelling: HKT levels 1, 2, 3 on the standard library's sources.
 
-    python -m hkt.experiments.lm_run --threads 1        # T=1024, 3 seeds x levels 1, 2, 3, equal steps (~4.5 h)
-    python -m hkt.experiments.lm_run --threads 1 --steps 40 --warmup 10 --seeds 0 --eval-every 1000 \\
+    python -m research.lm_run --threads 1        # T=1024, 3 seeds x levels 1, 2, 3, equal steps (~4.5 h)
+    python -m research.lm_run --threads 1 --steps 40 --warmup 10 --seeds 0 --eval-every 1000 \\
         --eval-windows 2 --chunk 40 --ckpt-dir /tmp/lm_timing --out results/lm1024_step_time.json  # step times
-    python -m hkt.experiments.lm_run --threads 1 --equal-time-from results/lm1024_step_time.json \\
+    python -m research.lm_run --threads 1 --equal-time-from results/lm1024_step_time.json \\
         --equal-time-anchor fastest --ckpt-dir results/lm1024_time_ckpt \\
         --out results/lm1024_time.json                  # equal wall-clock budgets (copy L1's checkpoints first)
 
 Our substitute for the paper's byte-level IMDB task (which needs a download):
-validation bits per byte of :class:`hkt.experiments.bytelm.ByteLM` on the
-Python standard library's own ``.py`` files (:mod:`hkt.experiments.stdlib_bytes`,
+validation bits per byte of :class:`research.bytelm.ByteLM` on the
+Python standard library's own ``.py`` files (:mod:`research.stdlib_bytes`,
 split by file, nothing downloaded; the figures depend on the Python version,
 recorded in the JSON).  Arms ``L1``, ``L2``, ``L3`` are the same model with
 ``levels`` 1, 2, 3; ``L1`` is standard attention (MultiheadHKT with one level
 computes exactly ``nn.MultiheadAttention``).  A seed's arms start from the same
-weights wherever their shapes agree (:func:`~hkt.experiments.bytelm.build_bytelm`)
+weights wherever their shapes agree (:func:`~research.bytelm.build_bytelm`)
 and see the same batches (one sampler seeded by the seed).
 
-As in :mod:`hkt.experiments.long_run`: each run's full state (model, AdamW,
+As in :mod:`research.long_run`: each run's full state (model, AdamW,
 LR schedule, sampler generator, the run's own RNG state (dropout's), step,
 loss average, step times, curve) is saved to ``--ckpt-dir/<arm>_seed<s>.pt``
 every ``--chunk`` steps and on SIGINT/SIGTERM; the same command again resumes
@@ -122,7 +122,7 @@ def _state_config(cfg: Dict, arm: str) -> Dict:
 
 def save_run(run: Dict, path: str, cfg: Dict, corpus: Corpus) -> None:
     """Writes the run's state atomically (temporary file, then rename).  The
-    file also loads with :func:`hkt.experiments.bytelm.load_checkpoint`."""
+    file also loads with :func:`research.bytelm.load_checkpoint`."""
     state = {
         "config": _state_config(cfg, run["arm"]), "arm": run["arm"], "seed": run["seed"], "corpus": corpus_id(corpus),
         **run_state(run), "model_config": run["model"].config, "sampler": run["sampler"].state_dict(),
@@ -132,12 +132,12 @@ def save_run(run: Dict, path: str, cfg: Dict, corpus: Corpus) -> None:
 
 
 def load_run(path: str, cfg: Dict, arm: str, seed: int, corpus: Corpus) -> Dict:
-    """A run restored from ``path``; :class:`~hkt.experiments.resumable.CheckpointError`
+    """A run restored from ``path``; :class:`~research.resumable.CheckpointError`
     (a ValueError) if it was made with another configuration or corpus, or is unreadable."""
     this = corpus_id(corpus)
     # checkpoints from before the corpus was recorded: all made on the standard library (the committed ones)
     legacy = {"corpus": this} if _is_stdlib(corpus) else None
-    state = read_checkpoint(path, _state_config(cfg, arm), arm, seed, tool="hkt.experiments.lm_run", legacy=legacy,
+    state = read_checkpoint(path, _state_config(cfg, arm), arm, seed, tool="research.lm_run", legacy=legacy,
                             corpus=this)
     run = restore(new_run(cfg, arm, seed, corpus.train), state)
     run["sampler"].load_state_dict(state["sampler"])
@@ -200,7 +200,7 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
 
     ``max_steps`` caps the training steps of this call (all runs together), for
     tests and short sessions; the state is saved before returning.  ``corpus``:
-    already loaded (by :func:`~hkt.experiments.stdlib_bytes.load_corpus` with
+    already loaded (by :func:`~research.stdlib_bytes.load_corpus` with
     ``cfg``'s split), else read from ``data_root``.
     """
     cfg = {**LM_DEFAULTS, **cfg}
@@ -243,7 +243,7 @@ def equal_time_steps(results_path: str, steps: int, anchor: str = "slowest",
     except (OSError, ValueError) as e:
         raise ValueError(f"equal_time_from: cannot read {results_path}: {e}") from e
     if not isinstance(res, dict) or not isinstance(res.get("time_per_step"), dict) or "corpus" not in res:
-        raise ValueError(f"equal_time_from: {results_path} is not an hkt.experiments.lm_run results file "
+        raise ValueError(f"equal_time_from: {results_path} is not an research.lm_run results file "
                          f"(no corpus and time_per_step entries)")
     tps = {a: t for a, t in res["time_per_step"].items() if not a.endswith("_over_L1") and t is not None}
     missing = sorted(set(arms or []) - set(tps))
@@ -269,7 +269,7 @@ def plot_curves(results: Dict, path: str) -> bool:
 
 
 def main(argv=None) -> Dict:
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.lm_run", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.lm_run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = LM_DEFAULTS
     # the ints a run needs at least one of; then those that may be 0 (warm-up, split seed, eval only at the end)

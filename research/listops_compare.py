@@ -1,19 +1,19 @@
 """A short ListOps run of HKT against standard attention (about 2-3 minutes on 2 cores).
 
-    python -m hkt.experiments.listops_compare [--steps 800] [--seq-len 128] [--threads 1]
+    python -m research.listops_compare [--steps 800] [--seq-len 128] [--threads 1]
 
 Trains the same small Transformer twice, from the same initialisation and
 batches, once with ``nn.MultiheadAttention`` and once after
 ``hkt.swap_attention``, with progress bars, and ends with a table of test
 accuracy and time per training step.  A few hundred steps show the mechanics,
-not the paper's numbers (see ``python -m hkt.experiments.reproduce``).
+not the paper's numbers (see ``python -m research.reproduce``).
 """
 import argparse
 import sys
 
 import torch
 
-from ..analysis import cost_ratio
+from hkt.analysis import cost_ratio
 from . import cli
 from .train import add_training_args, check_model_args, load_task, train_classifier, training_kwargs
 
@@ -31,14 +31,14 @@ def format_table(results, levels: int) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.listops_compare", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.listops_compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.set_defaults(steps=800, n_train=10000, n_test=1000, threads=1)
     args = ap.parse_args(argv)
     if args.task != "listops":
-        ap.error("this comparison runs ListOps only (use hkt.experiments.train for the other tasks)")
+        ap.error("this comparison runs ListOps only (use research.train for the other tasks)")
     check_model_args(ap, args)
     cli.set_threads(args.threads)
     kw = training_kwargs(args)

@@ -1,11 +1,11 @@
 """What a trained model learns: the paper's theory measured on trained weights and real activations.
 
-    python -m hkt.experiments.trained_analysis --checkpoint results/listops512_ckpt/hkt_seed0.pt \\
+    python -m research.trained_analysis --checkpoint results/listops512_ckpt/hkt_seed0.pt \\
         --out results/listops512_analysis
-    python -m hkt.experiments.trained_analysis --checkpoint results/bytelm.pt --out results/bytelm_analysis
+    python -m research.trained_analysis --checkpoint results/bytelm.pt --out results/bytelm_analysis
 
-Loads a checkpoint of :mod:`hkt.experiments.long_run` (ListOps classifier,
-``--kind listops``) or of :mod:`hkt.experiments.bytelm` / ``lm_run`` (byte-level
+Loads a checkpoint of :mod:`research.long_run` (ListOps classifier,
+``--kind listops``) or of :mod:`research.bytelm` / ``lm_run`` (byte-level
 LM, ``--kind bytelm``; ``auto`` tells them apart), runs it on validation data
 (the ListOps test set, or fixed windows of the standard-library validation
 files) and captures the input of every :class:`hkt.MultiheadHKT` with forward
@@ -55,8 +55,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .. import analysis as A
-from ..modules import MultiheadHKT
+from hkt import analysis as A
+from hkt.modules import MultiheadHKT
 from . import cli
 
 __all__ = ["load_trained", "validation_tokens", "capture_attention_inputs", "analyse_layer", "analyse", "main"]
@@ -412,7 +412,7 @@ def _summary(layers: List[Dict]) -> Dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict:
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.trained_analysis", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.trained_analysis", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a long_run, bytelm or lm_run checkpoint (read-only)")
     ap.add_argument("--kind", choices=KINDS, default="auto")
@@ -439,7 +439,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
     os.makedirs(args.out, exist_ok=True)
     plots = [] if args.no_plots else [os.path.relpath(p, args.out) for p in write_plots(layers, maps, args.out,
                                                                                          args.crop)]
-    res = {"command": "python -m hkt.experiments.trained_analysis " + " ".join(sys.argv[1:] if argv is None
+    res = {"command": "python -m research.trained_analysis " + " ".join(sys.argv[1:] if argv is None
                                                                                  else list(argv)),
            "checkpoint": info, "data": {**data, "lengths": lengths},
            "layout": {"level_weights": "[heads][levels]", "per-level statistics": "[levels][heads]",

@@ -3,7 +3,7 @@
 1. HKT attention (L = 1, 2, 3) side by side with torch's SDPA on random data: the
    largest error against the plain-PyTorch reference (float64, output and
    gradients) and the time per call in float32.
-2. A short ListOps run (``hkt.experiments.listops_compare``): the same small Transformer
+2. A short ListOps run (``research.listops_compare``): the same small Transformer
    trained with standard attention and with HKT, ending in an accuracy and
    per-step overhead table.  ``--no-listops`` skips it.
 """
@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from . import _C
+from hkt import _C
 from .timing import attention_callables, max_error, time_interleaved
 
 
@@ -46,7 +46,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     attention_table(H=args.heads, T=args.T, D=args.dim, is_causal=args.causal)
     if not args.no_listops:
-        from .experiments import listops_compare
+        from . import listops_compare
         print()
         listops_compare.main(["--steps", str(args.listops_steps)])
 

@@ -1,6 +1,6 @@
 """Several seeds of HKT and standard attention on one task, summarised in one JSON.
 
-    python -m hkt.experiments.reproduce --task listops --seeds 0 1 2 --out results/listops.json
+    python -m research.reproduce --task listops --seeds 0 1 2 --out results/listops.json
 
 Runs alternate (seed 0 standard, seed 0 HKT, seed 1 standard, ...) so that a
 change in machine load hits both attentions alike; all runs share one dataset.
@@ -70,7 +70,7 @@ def reproduce(task: str = "listops", seeds: Sequence[int] = (0, 1, 2), attention
 
 
 def main(argv=None) -> Dict:
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.reproduce", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.reproduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_args(ap)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

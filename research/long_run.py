@@ -1,6 +1,6 @@
 """Resumable multi-seed, multi-arm ListOps runs (long runs on few CPU cores).
 
-    python -m hkt.experiments.long_run --threads 1      # ListOps T=512, 3 seeds x 3 arms
+    python -m research.long_run --threads 1      # ListOps T=512, 3 seeds x 3 arms
 
 One command trains every (seed, arm) pair.  Each run's full state (model,
 AdamW, LR schedule, batch-order generator and permutation, its own RNG state, step,
@@ -10,7 +10,7 @@ the same command started again resumes every run from its checkpoint and skips
 finished ones.  A resumed run continues bitwise as if it had never stopped
 (dropout included: each run draws from its own RNG state, saved with it).
 
-Arms (all from the same seeded :func:`~hkt.experiments.train.build_model`, so a
+Arms (all from the same seeded :func:`~research.train.build_model`, so a
 seed's arms share batches and, where shapes agree, initial weights):
 
 - ``hkt``: ``hkt.swap_attention(model, levels=--levels)`` (L = 3), ff ``--ff``;
@@ -29,7 +29,7 @@ time per training step per arm, and a summary of finished runs; ``--plot``
 (default: ``--out`` with ``.png``) draws the test accuracy curves.
 
 ``--task cifar`` and ``--task imdb`` read their data from ``--data-dir`` (as
-:mod:`hkt.experiments.train`; their ``--seq-len`` defaults to 1024, the
+:mod:`research.train`; their ``--seq-len`` defaults to 1024, the
 length sequential CIFAR-10 has) and their checkpoints record that folder.
 """
 import argparse
@@ -82,7 +82,7 @@ def make_arm_model(cfg: Dict, arm: str, seed: int) -> nn.Module:
     model = build_model(cfg["task"], "standard", seq_len=cfg["seq_len"], seed=seed, d_model=cfg["d_model"],
                         heads=cfg["heads"], layers=cfg["layers"], ff=spec["ff"], dropout=cfg["dropout"])
     if spec["attention"] == "hkt" or cfg["standard_impl"] == "hkt1":
-        from .. import swap_attention
+        from hkt import swap_attention
         swap_attention(model, levels=spec["levels"])
     return model
 
@@ -111,7 +111,7 @@ def save_run(run: Dict, path: str, cfg: Dict) -> None:
 
 def load_run(path: str, cfg: Dict, arm: str, seed: int, n_train: int) -> Dict:
     """A run restored from ``path``; ValueError if it was made with another config."""
-    state = read_checkpoint(path, {k: cfg[k] for k in _STATE_KEYS}, arm, seed, tool="hkt.experiments.long_run",
+    state = read_checkpoint(path, {k: cfg[k] for k in _STATE_KEYS}, arm, seed, tool="research.long_run",
                             ff=arm_specs(cfg)[arm]["ff"], **_data_id(cfg))
     run = restore(new_run(cfg, arm, seed, n_train), state)
     run["gen"].set_state(state["gen"])
@@ -184,7 +184,7 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
     ``max_steps`` caps the training steps done by this call (all runs
     together), for tests and short sessions; the state is saved before
     returning.  ``data``: the task's (train_x, train_y, test_x, test_y) if
-    already loaded (as :func:`~hkt.experiments.train.load_task` gives them).
+    already loaded (as :func:`~research.train.load_task` gives them).
     """
     cfg = {**ARM_DEFAULTS, **cfg}
     if data is None:
@@ -225,7 +225,7 @@ def plot_curves(results: Dict, path: str) -> bool:
 
 
 def main(argv=None) -> Dict:
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.long_run", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.long_run", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = ARM_DEFAULTS
     ap.add_argument("--task", choices=sorted(TASKS), default=d["task"])

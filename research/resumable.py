@@ -1,5 +1,5 @@
 """The machinery shared by the resumable multi-run drivers
-(:mod:`hkt.experiments.long_run`, :mod:`hkt.experiments.lm_run`).
+(:mod:`research.long_run`, :mod:`research.lm_run`).
 
 A driver keeps a dict per run (its ``"arm"``, ``"seed"``, ``"model"``,
 ``"step"``, ``"loss_ema"``, ``"times"``, ``"history"`` and ``"final"``, plus
@@ -28,7 +28,7 @@ __all__ = ["lr_lambda", "progress_bar", "Stop", "stop_on_signals", "save_atomic"
 
 def lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
     """The LR factor at each step: linear warm-up over ``warmup`` steps, then cosine decay to 0 at ``steps``."""
-    def lr_at(step):  # the schedule of hkt.experiments.train
+    def lr_at(step):  # the schedule of research.train
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))

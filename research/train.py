@@ -1,6 +1,6 @@
 """Train one small Transformer classifier with standard or HKT attention.
 
-    python -m hkt.experiments.train --task listops --attention hkt --seed 0 --out run.json
+    python -m research.train --task listops --attention hkt --seed 0 --out run.json
 
 Tasks: ``listops`` (synthetic, built in), ``cifar`` (sequential CIFAR-10 from
 ``--data-dir``: the python pickle batches) and ``imdb`` (byte-level, the
@@ -51,7 +51,7 @@ def load_task(task: str, *, seq_len: Optional[int] = None, n_train: Optional[int
     ``n`` when the folder has that many).  ValueError for ``n_train`` or
     ``n_test`` < 1.
     """
-    from .. import data
+    from research import data
 
     if task not in TASKS:
         raise ValueError(f"task: expected one of {sorted(TASKS)}, got {task!r}")
@@ -76,7 +76,7 @@ def load_task(task: str, *, seq_len: Optional[int] = None, n_train: Optional[int
 def _balanced_imdb(data_dir: str, split: str, seq_len: int, n: Optional[int]):
     """IMDB's files come sorted, negatives then positives: ``n`` examples are
     the first ceil(n / 2) negatives and floor(n / 2) positives."""
-    from .. import data
+    from research import data
 
     x, y = data.load_imdb(data_dir, split, max_len=seq_len, limit=None if n is None else -(-n // 2))
     if n is not None:
@@ -121,7 +121,7 @@ def build_model(task: str, attention: str = "standard", *, seq_len: Optional[int
     torch.manual_seed(seed)
     model = Classifier(info["vocab"], info["classes"], seq_len or info["seq_len"], **kw)
     if attention == "hkt":
-        from .. import swap_attention
+        from hkt import swap_attention
         swap_attention(model, levels=levels)
     return model
 
@@ -261,7 +261,7 @@ def add_training_args(ap: argparse.ArgumentParser) -> None:
 def check_model_args(ap: argparse.ArgumentParser, args) -> None:
     """The checks of the classifier's options that need more than one value:
     heads must divide d_model; the task fixes or bounds the sequence length."""
-    from ..data.listops import MIN_LEN
+    from research.data.listops import MIN_LEN
 
     cli.check_heads(ap, args.d_model, args.heads)
     if args.task == "cifar" and args.seq_len not in (None, 1024):
@@ -305,7 +305,7 @@ def write_json(obj, path: str) -> None:
 
 
 def main(argv=None) -> Dict:
-    ap = argparse.ArgumentParser(prog="python -m hkt.experiments.train", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m research.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_args(ap)
     ap.add_argument("--attention", choices=["standard", "hkt"], default="hkt")
