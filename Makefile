@@ -33,12 +33,12 @@ bench: install
 
 # The same benchmarks with hkt's kernels, torch's and MKL's held to AVX2 (+FMA): what a
 # CPU without AVX-512 would see, as a stand-in on this one (its cores, caches and
-# clock are this CPU's).  Results in benchmarks/results/avx2-only/, which name the
+# clock are this CPU's).  Results in benchmarks/results/<cpu>-avx2/, which name the
 # restriction; readme_tables.py shows them as their own block.
 AVX2_ONLY = HKT_CPU_KERNELS=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 bench-avx2: install
-	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_attention.py --out benchmarks/results/avx2-only
-	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_module.py --out benchmarks/results/avx2-only
+	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_attention.py
+	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_module.py
 
 # One abi3 wheel (cp310-abi3) for every CPython >= 3.10; torch is not needed to build it.
 $(BIN)/python:

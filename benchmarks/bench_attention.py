@@ -8,7 +8,7 @@ fitted exponent of time against T, and the extra peak memory of a long sequence.
     python benchmarks/bench_attention.py                 # the README table
     python benchmarks/bench_attention.py --quick         # a smoke run
 
-Writes benchmarks/results/attention.json and attention.png.
+Writes benchmarks/results/<cpu>/attention.json and attention.png.
 """
 import argparse
 import json
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import hkt
 from hkt import _C, _kernels
-from research.timing import (attention_callables, describe_machine, machine_info, max_error, paired_ratio, report_targets,
+from research.timing import (results_dir, attention_callables, describe_machine, machine_info, max_error, paired_ratio, report_targets,
                         score_flops, sgemm_gflops, time_rounds)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -171,8 +171,9 @@ def main(argv=None):
     ap.add_argument("--min-time", type=float, default=1.5,
                     help="seconds of rounds each cell of the main table runs at least")
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<cpu>/)")
     args = ap.parse_args(argv)
+    args.out = args.out or results_dir(machine_info())
     if args.quick:
         args.T, args.repeats, args.memory_T, args.reference_max_T, args.bf16_T = [128, 512], 3, 2048, 512, [256]
         args.min_time = 0.0

@@ -19,7 +19,7 @@ figures to publish.
     python benchmarks/bench_decode.py            # S=4096 B=1 H=8 D=64 L=3, 2 threads, float32
     python benchmarks/bench_decode.py --quick
 
-Writes benchmarks/results/decode.json.
+Writes benchmarks/results/<cpu>/decode.json.
 """
 import argparse
 import json
@@ -36,7 +36,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt
-from research.timing import describe_machine, machine_info, report_targets
+from research.timing import results_dir, describe_machine, machine_info, report_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -109,8 +109,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=300, help="calls of each candidate (min and median over them)")
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<cpu>/)")
     args = ap.parse_args(argv)
+    args.out = args.out or results_dir(machine_info())
     if args.quick:
         args.repeats = 30
     torch.set_num_threads(args.threads)

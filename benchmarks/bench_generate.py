@@ -23,7 +23,7 @@ work on the machine, e.g. a training run on another core, only ever adds time).
 Prompts are real text: the start of the corpus's validation split.  The speed
 does not depend on the weights, so without a checkpoint a randomly initialised
 model of the default size is timed (its greedy tokens are still compared).
-Writes benchmarks/results/generate.json (not with ``--quick``).
+Writes benchmarks/results/<cpu>/generate.json (not with ``--quick``).
 """
 import argparse
 import json
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from research.bytelm import ByteLM, build_bytelm, generate, has_decode_api, load_checkpoint
 from research.stdlib_bytes import load_corpus
-from research.timing import describe_machine, machine_info, report_targets
+from research.timing import results_dir, describe_machine, machine_info, report_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CKPT = os.path.join(HERE, os.pardir, "results", "bytelm.pt")
@@ -120,8 +120,9 @@ def main(argv=None):
     ap.add_argument("--large-repeats", type=int, default=2, help="repeats of the d=512 model's target run")
     ap.add_argument("--no-large", action="store_true", help="skip the d=512, 8-head model")
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat, nothing written")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<cpu>/)")
     args = ap.parse_args(argv)
+    args.out = args.out or results_dir(machine_info())
     if args.quick:
         args.contexts, args.new, args.prompt_len, args.target_new = [256], 8, 64, 64
         args.repeats = args.large_repeats = 1

@@ -10,7 +10,7 @@ kernels load a key tile once per group, so GQA should cost no more.
     python benchmarks/bench_gqa.py --quick
 
 Checks the GQA kernels against the float64 reference first; writes
-benchmarks/results/gqa.json.
+benchmarks/results/<cpu>/gqa.json.
 """
 import argparse
 import json
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import hkt
 from hkt.reference import hkt_attention_reference
-from research.timing import describe_machine, machine_info, make_inputs, report_targets, time_interleaved
+from research.timing import results_dir, describe_machine, machine_info, make_inputs, report_targets, time_interleaved
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,8 +80,9 @@ def main():
                     max(r["ratio"] for r in rows), "<=", 1.05))
     met = report_targets(targets)
     if not args.quick:
-        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-        with open(os.path.join(HERE, "results", "gqa.json"), "w") as f:
+        out = results_dir(info)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gqa.json"), "w") as f:
             json.dump({"machine": info, "shape": dict(B=B, H=H, D=D, L=L), "rows": rows, "targets": met}, f, indent=1)
 
 

@@ -7,7 +7,7 @@ keeps the output, then times the candidates interleaved (medians).
     python benchmarks/bench_module.py            # T=1024, E=256, 4 heads, batch 8
     python benchmarks/bench_module.py --quick
 
-Writes benchmarks/results/module.json.
+Writes benchmarks/results/<cpu>/module.json.
 """
 import argparse
 import json
@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt
-from research.timing import describe_machine, machine_info, paired_ratio, report_targets, time_rounds
+from research.timing import results_dir, describe_machine, machine_info, paired_ratio, report_targets, time_rounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,8 +67,9 @@ def main(argv=None):
     # T=1024 ratio from 0.92 to 0.96 in one run, by where they were cut
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<cpu>/)")
     args = ap.parse_args(argv)
+    args.out = args.out or results_dir(machine_info())
     if args.quick:
         args.T, args.batch, args.repeats = 256, 2, 3
     torch.set_num_threads(args.threads)

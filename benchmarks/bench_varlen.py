@@ -12,7 +12,7 @@ least disturbed run.
     python benchmarks/bench_varlen.py            # the issue's target
     python benchmarks/bench_varlen.py --quick    # a smoke run
 
-Writes benchmarks/results/varlen.json.
+Writes benchmarks/results/<cpu>/varlen.json.
 """
 import argparse
 import json
@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt
-from research.timing import describe_machine, machine_info, report_targets
+from research.timing import results_dir, describe_machine, machine_info, report_targets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -120,8 +120,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="lengths up to 512, 2 repeats")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<cpu>/)")
     args = ap.parse_args(argv)
+    args.out = args.out or results_dir(machine_info())
     if args.quick:
         args.max_len, args.repeats = 512, 2
     torch.set_num_threads(args.threads)

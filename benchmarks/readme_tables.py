@@ -1,33 +1,56 @@
-"""Rewrites the README's measured-performance block from the benchmarks' results.
+"""Writes the performance figures users read, from the benchmarks' results only.
 
-    python benchmarks/readme_tables.py          # after bench_attention.py and bench_module.py
+    python benchmarks/readme_tables.py           # after make bench (on any CPU)
+    python benchmarks/readme_tables.py --check   # exit 1 if either file is out of date
 
-Reads benchmarks/results/attention.json and module.json, then those of every
-other CPU measured, each in a folder of its own under benchmarks/results/ (the
-benchmarks' --out), and replaces what lies between the README's
-``<!-- perf:begin -->`` and ``<!-- perf:end -->`` lines, so every figure there
-comes from a run and names the CPU it ran on.
+Each CPU measured has a folder benchmarks/results/<cpu>/ (research.timing.machine_slug)
+with attention.json and module.json (bench_attention.py, bench_module.py), and
+optionally notes.md (the profile behind a target missed there, by hand) and the
+other benchmarks' JSON. From them this writes:
+
+- README.md, between ``<!-- perf:begin -->`` and ``<!-- perf:end -->``: one table, a
+  row per CPU, and one plot (benchmarks/results/cpus.png);
+- docs/performance.md, whole: the method (benchmarks/notes/method.md), per CPU its
+  tables, the commit and date it ran at, its plot and notes; the other benchmarks;
+  the measurements behind the kernels' constants (benchmarks/notes/constants.md);
+  what was tried and not kept (benchmarks/notes/tried.md).
 """
+import argparse
 import json
 import os
 import re
-
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
-from research.timing import isa_limits_text
+from research.timing import isa_limits_text  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+NOTES = os.path.join(HERE, "notes")
+PLOT = os.path.join(RESULTS, "cpus.png")
+
+# the README's columns: (heading, the start of the target's measure in the results)
+SUMMARY = [("L=3 forward", "forward, L=3 / SDPA"),
+           ("L=3 fwd+bwd", "forward+backward, L=3 / SDPA, not causal"),
+           ("L=3 fwd+bwd, causal", "forward+backward, L=3 / SDPA, causal"),
+           ("bfloat16 L=3 fwd+bwd", "bfloat16 L=3 forward+backward / SDPA bfloat16"),
+           ("MultiheadHKT step", "MultiheadHKT(levels=3) step / MHA, T=1024")]
 
 
 def machine_line(m, threads):
     bf16 = f", bfloat16 {m['hkt_bf16']}" if "hkt_bf16" in m else ""
-    commit = f", hkt at {m['hkt_commit']}" if m.get("hkt_commit") else ""
     return (f"{m['cpu']} (family {m['family']}, model {m['model']}; {', '.join(m['flags'])}), "
-            f"hkt kernels built for `{m['hkt_cpu_kernels']}`{bf16}, {threads} threads, torch {m['torch']}{commit}"
+            f"hkt kernels built for `{m['hkt_cpu_kernels']}`{bf16}, {threads} threads, torch {m['torch']}"
             f"{isa_limits_text(m, quote='`')}")
+
+
+def cpu_title(m):
+    name = " ".join(m["cpu"].replace("(R)", "").replace("(TM)", "").replace(" Processor", "").split())
+    title = f"{name} (family {m['family']} model {m['model']})"
+    return title + (" held to AVX2" if m.get("isa_limits") else "")
 
 
 def attention_block(a):
@@ -46,7 +69,6 @@ def attention_block(a):
         for T in Ts:
             cells = [f"{rows[(n, T, causal, p)]['x_sdpa']:.2f}x" for p in ("fwd", "fwd+bwd")
                      for n in ("hkt L=1", "hkt L=3")]
-            cells = [cells[0], cells[1], cells[2], cells[3]]
             out.append(f"| {T} | {'yes' if causal else 'no'} | " + " | ".join(cells)
                        + f" | {rows[('sdpa', T, causal, 'fwd+bwd')]['ms']:.1f} ms |")
     return out
@@ -60,53 +82,185 @@ def targets_block(targets):
     return out
 
 
-def load(folder):
-    """A run's (attention.json, module.json)."""
-    with open(os.path.join(folder, "attention.json")) as f:
-        a = json.load(f)
-    with open(os.path.join(folder, "module.json")) as f:
-        return a, json.load(f)
-
-
-def machine_block(a, m):
-    lines = attention_block(a)
-    lines += ["", "Every target of the benchmarks, as they printed it (attention, then the module's training "
-              "step against `nn.MultiheadAttention`):", ""]
-    lines += targets_block(a["targets"] + m.get("targets", []))
-    small = a["small_call_seconds"]
-    lines += ["", f"One small call (T=16, B=1, H=4, D=32, L=3): forward under no_grad "
-              f"{small['hkt fwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd'] * 1e6:.0f} µs), forward+backward "
-              f"{small['hkt fwd+bwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd+bwd'] * 1e6:.0f} µs)."]
-    scaling = a.get("thread_speedup", {})
-    if "sgemm" in scaling:
-        lines += ["", f"2 threads / 1 thread at T=2048: HKT L=3 forward {scaling['fwd']:.2f}x, forward+backward "
-                  f"{scaling['fwd+bwd']:.2f}x; on the same machine SDPA forward+backward "
-                  f"{scaling['sdpa fwd+bwd']:.2f}x and sgemm {scaling['sgemm']:.2f}x."]
-    return lines
-
-
-def main():
-    results = os.path.join(HERE, "results")
-    lines = machine_block(*load(results))
-    others = [(d, load(os.path.join(results, d))) for d in os.listdir(results)
-              if os.path.isfile(os.path.join(results, d, "attention.json"))]
-    # other CPUs first, then runs of a CPU held to fewer instruction sets
-    for d, run in sorted(others, key=lambda x: (bool(x[1][0]["machine"].get("isa_limits")), x[0])):
-        m = run[0]["machine"]
-        title = (f"{m['cpu']} with its instruction sets restricted, a stand-in for a CPU without the rest"
-                 if m.get("isa_limits") else f"Another CPU: {m['cpu']}, family {m['family']} model {m['model']}")
-        lines += ["", f"**{title}** (`benchmarks/results/{d}/`)", ""] + machine_block(*run)
-    path = os.path.join(ROOT, "README.md")
+def _read(path):
     with open(path) as f:
-        text = f.read()
-    block = "<!-- perf:begin -->\n" + "\n".join(lines) + "\n<!-- perf:end -->"
+        return f.read()
+
+
+def load(folder):
+    """A CPU's (attention.json, module.json)."""
+    return (json.loads(_read(os.path.join(folder, "attention.json"))),
+            json.loads(_read(os.path.join(folder, "module.json"))))
+
+
+def cpus():
+    """[(folder name, attention, module)]: other CPUs by name, then runs held to
+    fewer instruction sets."""
+    found = [(d, *load(os.path.join(RESULTS, d))) for d in sorted(os.listdir(RESULTS))
+             if os.path.isfile(os.path.join(RESULTS, d, "attention.json"))
+             and os.path.isfile(os.path.join(RESULTS, d, "module.json"))]
+    return sorted(found, key=lambda x: (bool(x[1]["machine"].get("isa_limits")), x[0]))
+
+
+def run_date(folder, machine):
+    """The day a run was taken: the results' own record, else the day its file
+    was committed (runs from before the benchmarks recorded it)."""
+    if machine.get("date"):
+        return machine["date"]
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%cs", "--", os.path.join(folder, "attention.json")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() or "an unrecorded day"
+    except (OSError, subprocess.SubprocessError):
+        return "an unrecorded day"
+
+
+def find_target(targets, prefix):
+    return next((t for t in targets if t["measure"].startswith(prefix)), None)
+
+
+def kernels_text(m):
+    """Which of hkt's kernels ran: 'avx512f, bfloat16 on AMX'."""
+    bf16 = m.get("hkt_bf16", "")
+    how = "upcast" if not bf16.startswith("native") else "on " + bf16.split(", ", 1)[-1]
+    return f"{m['hkt_cpu_kernels']}, bfloat16 {how}"
+
+
+def summary_table(runs):
+    """One row per CPU: the worst ratio over T of each headline measure."""
+    head = "| CPU | kernels | " + " | ".join(h for h, _ in SUMMARY) + " | targets met |"
+    out = [head, "|" + "---|" * (len(SUMMARY) + 3)]
+    for _, a, m in runs:
+        targets = a["targets"] + m.get("targets", [])
+        cells = []
+        for _, prefix in SUMMARY:
+            t = find_target(targets, prefix)
+            cells.append("–" if t is None else f"{t['value']:.2f}x" + ("" if t["met"] is not False else " ✗"))
+        judged = [t for t in targets if t["met"] is not None]
+        out.append(f"| {cpu_title(a['machine'])} | {kernels_text(a['machine'])} | " + " | ".join(cells)
+                   + f" | {sum(t['met'] for t in judged)} of {len(judged)} |")
+    return out
+
+
+def plot(runs, path):
+    """L=3 forward+backward time over SDPA's against T, a line per CPU."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        for _, a, _ in runs:
+            rows = sorted((r for r in a["rows"] if r["name"] == "hkt L=3" and r["pass"] == "fwd+bwd"
+                           and r["causal"] == causal), key=lambda r: r["T"])
+            ax.plot([r["T"] for r in rows], [r["x_sdpa"] for r in rows], marker="o", label=cpu_title(a["machine"]))
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"HKT L=3 forward+backward / SDPA, {'causal' if causal else 'not causal'}")
+        ax.set_xlabel("sequence length T")
+    axes[0].set_ylabel("time ratio (lower is faster)")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def readme_block(runs):
+    return (["One row per CPU measured: each figure is HKT's time over torch SDPA's (flash, CPU) in the same "
+             "process, the worst over T = 512–4096 (B=1, H=8, D=64, float32 but for the bfloat16 column, "
+             "2 threads); the module step is `MultiheadHKT(levels=3)` over `nn.MultiheadAttention` "
+             "(T=1024, E=256, B=8). ✗ marks a target not met. Per-CPU tables, the method and the "
+             "profiles: [docs/performance.md](docs/performance.md). Run `make bench` on yours.", ""]
+            + summary_table(runs)
+            + ["", "![HKT L=3 forward+backward over SDPA, by CPU](benchmarks/results/cpus.png)"])
+
+
+def _other_benchmarks(folder):
+    """Lines for decode / gqa / varlen / generate results in a CPU's folder."""
+    out = []
+    for name, what in (("decode", "one decoding step against SDPA on the same cache (bench_decode.py)"),
+                       ("gqa", "grouped-query heads against full heads (bench_gqa.py)"),
+                       ("varlen", "packed sequences against the padded, masked batch (bench_varlen.py)"),
+                       ("generate", "text generation with the cache against recomputing (bench_generate.py)")):
+        path = os.path.join(folder, f"{name}.json")
+        if not os.path.isfile(path):
+            continue
+        targets = json.loads(_read(path)).get("targets") or []
+        if targets:
+            out += ["", f"{what[0].upper()}{what[1:]}:", ""] + targets_block(targets)
+    return out
+
+
+def performance_page(runs):
+    def note(*parts):
+        path = os.path.join(*parts)
+        return [_read(path).rstrip()] if os.path.isfile(path) else []
+
+    lines = ["# Performance", "",
+             "<!-- written by benchmarks/readme_tables.py from benchmarks/results/: edit those, not this -->", "",
+             "## Method", ""] + note(NOTES, "method.md")
+    lines += ["", "## Summary", ""] + readme_block(runs)[2:-1]
+    lines += ["", "![HKT L=3 forward+backward over SDPA, by CPU](../benchmarks/results/cpus.png)"]
+    for d, a, m in runs:
+        folder = os.path.join(RESULTS, d)
+        commit = a["machine"].get("hkt_commit") or "an unrecorded commit"
+        lines += ["", f"## {cpu_title(a['machine'])}", "",
+                  f"`benchmarks/results/{d}/`: hkt at {commit}, run on {run_date(folder, a['machine'])}.", ""]
+        lines += attention_block(a)
+        lines += ["", "Every target, as the benchmarks printed it (attention, then the module's training step "
+                  "against `nn.MultiheadAttention`):", ""] + targets_block(a["targets"] + m.get("targets", []))
+        small = a["small_call_seconds"]
+        lines += ["", f"One small call (T=16, B=1, H=4, D=32, L=3): forward under no_grad "
+                  f"{small['hkt fwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd'] * 1e6:.0f} µs), forward+backward "
+                  f"{small['hkt fwd+bwd'] * 1e6:.0f} µs (SDPA {small['sdpa fwd+bwd'] * 1e6:.0f} µs)."]
+        scaling = a.get("thread_speedup", {})
+        if "sgemm" in scaling:
+            lines += ["", f"2 threads / 1 thread at T=2048: HKT L=3 forward {scaling['fwd']:.2f}x, forward+backward "
+                      f"{scaling['fwd+bwd']:.2f}x; on the same machine SDPA forward+backward "
+                      f"{scaling['sdpa fwd+bwd']:.2f}x and sgemm {scaling['sgemm']:.2f}x."]
+        lines += _other_benchmarks(folder)
+        if os.path.isfile(os.path.join(folder, "attention.png")):
+            lines += ["", f"![{cpu_title(a['machine'])}](../benchmarks/results/{d}/attention.png)"]
+        notes = note(folder, "notes.md")
+        if notes:
+            lines += ["", "### Where the time goes", ""] + notes
+    for title, name in (("Other benchmarks", "other_benchmarks.md"),
+                        ("Constants and the measurements behind them", "constants.md"),
+                        ("Tried and not kept", "tried.md")):
+        body = note(NOTES, name)
+        if body:
+            lines += ["", f"## {title}", ""] + body
+    return "\n".join(lines) + "\n"
+
+
+def readme_text(runs):
+    text = _read(os.path.join(ROOT, "README.md"))
+    block = "<!-- perf:begin -->\n" + "\n".join(readme_block(runs)) + "\n<!-- perf:end -->"
     new, n = re.subn(r"<!-- perf:begin -->.*?<!-- perf:end -->", lambda _: block, text, flags=re.S)
     if n != 1:
         raise SystemExit("README.md: no <!-- perf:begin --> ... <!-- perf:end --> block")
-    with open(path, "w") as f:
-        f.write(new)
-    print("\n".join(lines))
+    return new
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only say whether README.md and docs/performance.md "
+                    "are what the results give (exit 1 if not); writes nothing")
+    args = ap.parse_args(argv)
+    runs = cpus()
+    want = {os.path.join(ROOT, "README.md"): readme_text(runs),
+            os.path.join(ROOT, "docs", "performance.md"): performance_page(runs)}
+    stale = [p for p, text in want.items() if not os.path.isfile(p) or _read(p) != text]
+    if args.check:
+        for p in stale:
+            print(f"{os.path.relpath(p, ROOT)} is not what benchmarks/readme_tables.py writes: run it")
+        return 1 if stale else 0
+    for p, text in want.items():
+        with open(p, "w") as f:
+            f.write(text)
+    plot(runs, PLOT)
+    print("wrote README.md's table, docs/performance.md and " + os.path.relpath(PLOT, ROOT))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,6 +7,7 @@ the same machine state.
 """
 import math
 import os
+import re
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -19,7 +20,7 @@ from hkt.functional import hkt_attention
 from hkt.reference import hkt_attention_reference
 
 __all__ = ["make_inputs", "max_error", "time_interleaved", "time_rounds", "paired_ratio", "attention_callables",
-           "score_flops", "machine_info", "sgemm_gflops", "report_targets"]
+           "score_flops", "machine_info", "machine_slug", "results_dir", "sgemm_gflops", "report_targets"]
 
 
 def machine_info() -> Dict[str, object]:
@@ -56,6 +57,7 @@ def machine_info() -> Dict[str, object]:
     info["threads"] = torch.get_num_threads()
     info["torch"] = torch.__version__
     info["hkt_commit"] = _commit()
+    info["date"] = time.strftime("%Y-%m-%d")
     # instruction sets narrowed for the run (hkt's kernels, torch's, MKL's): a
     # figure taken so stands for a smaller CPU, and must say so
     info["isa_limits"] = {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}
@@ -95,6 +97,24 @@ def _commit() -> Optional[str]:
         return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+
+
+def machine_slug(info: Dict[str, object]) -> str:
+    """The folder name of a CPU's results: vendor, model words, family and model
+    (``amd-epyc-25-17``, ``intel-xeon-6-167``), ``-avx2`` where the run held the
+    instruction sets to AVX2, so runs of different CPUs never overwrite each other."""
+    words = re.sub(r"\((?:R|TM)\)|\b(?:processor|cpu|\d+-core)\b", " ", str(info.get("cpu", "unknown")), flags=re.I)
+    words = [w for w in re.split(r"[^a-z0-9]+", words.lower()) if w][:2] or ["cpu"]
+    slug = "-".join(words + [str(info.get("family")), str(info.get("model"))])
+    return slug + ("-avx2" if info.get("isa_limits") else "")
+
+
+def results_dir(info: Dict[str, object]) -> str:
+    """benchmarks/results/<machine_slug>/: where a benchmark writes by default."""
+    return os.path.join(RESULTS, machine_slug(info))
 
 
 def describe_machine(info: Dict[str, object]) -> str:

@@ -5,7 +5,7 @@ One training step of each, each rank on its half of the batch, must leave the
 parameters where one process stepping on the whole batch leaves them (the
 loss is a mean over equal halves, so the averaged gradient is the full one).
 Both run in the same two spawned processes to pay the start-up once.  The
-README's torchrun example is run under torchrun with 2 processes too.
+docs/distributed.md's torchrun example is run under torchrun with 2 processes too.
 """
 import datetime
 import faulthandler
@@ -172,17 +172,17 @@ def test_one_step_equals_single_process(distributed_results, kind):
     assert any("coarse_k_proj_weight" in n for n in moved) and any("level_logits" in n for n in moved)
 
 
-def _readme_torchrun_block():
-    readme = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
+def _docs_torchrun_block():
+    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     found = [b for b in blocks if "torchrun --nproc-per-node" in b]
-    assert len(found) == 1, "README: expected one python block for torchrun"
+    assert len(found) == 1, "docs/distributed.md: expected one python block for torchrun"
     return found[0]
 
 
-def test_readme_example_under_torchrun(tmp_path):
+def test_docs_example_under_torchrun(tmp_path):
     script = tmp_path / "train_hkt.py"
-    script.write_text(_readme_torchrun_block())
+    script.write_text(_docs_torchrun_block())
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(script)]
