@@ -315,7 +315,7 @@ def train_bytelm(*, steps: int = 1500, seq_len: int = 256, batch_size: int = 16,
     training loss (moving average, bits per byte), the validation bits per byte
     on ``eval_windows`` fixed windows of ``seq_len`` and the training seconds so far.
     """
-    from .stdlib_bytes import BatchSampler, eval_windows as fixed_windows, load_corpus
+    from .stdlib_bytes import BatchSampler, describe, eval_windows as fixed_windows, load_corpus
     from .train import training_step
 
     corpus = load_corpus(data_root, val_fraction=val_fraction, seed=split_seed)
@@ -346,7 +346,7 @@ def train_bytelm(*, steps: int = 1500, seq_len: int = 256, batch_size: int = 16,
                                 refresh=False)
     if bar is not None:
         bar.close()
-    return {"model": model.state_dict(), "model_config": model.config, "history": history, "corpus": corpus.info,
+    return {"model": model.state_dict(), "model_config": model.config, "history": history, "corpus": describe(corpus.info),
             "train_config": {"steps": steps, "seq_len": seq_len, "batch_size": batch_size, "lr": lr,
                              "weight_decay": weight_decay, "warmup": warmup, "seed": seed, "eval_every": eval_every,
                              "eval_windows": eval_windows, "torch_threads": torch.get_num_threads()},

@@ -62,7 +62,7 @@ from . import cli, resumable
 from .bytelm import bits_per_byte, build_bytelm, evaluate_bpb
 from .resumable import (CheckpointError, advance, lr_lambda, median_by_arm, open_runs, progress_bar, progress_info,
                         read_checkpoint, restore, run_state, save_atomic, time_per_step, train_in_turns, turn_groups)
-from .stdlib_bytes import BatchSampler, Corpus, eval_windows, load_corpus, stdlib_dir
+from .stdlib_bytes import BatchSampler, Corpus, describe, eval_windows, load_corpus, stdlib_dir
 from .train import training_step, write_json
 
 __all__ = ["LM_DEFAULTS", "arm_levels", "arm_steps", "new_run", "save_run", "load_run", "train_steps", "run_all",
@@ -214,7 +214,7 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
 
     def write():
         if out:
-            write_json(summarise_runs(cfg, ordered, params, corpus.info), out)
+            write_json(summarise_runs(cfg, ordered, params, describe(corpus.info)), out)
 
     bar = progress_bar(sum(arm_steps(cfg, a) for a, _ in runs), "lm runs", progress,
                        initial=sum(r["step"] for r in ordered))
@@ -222,7 +222,7 @@ def run_all(cfg: Dict, ckpt_dir: str, out: Optional[str], *, progress: bool = Tr
                    train=lambda r, n, **kw: train_steps(r, cfg, val, n, **kw),
                    save=lambda r, p: save_run(r, p, cfg, corpus), write=write, chunk=cfg["chunk"], max_steps=max_steps,
                    bar=bar, describe_final=lambda f: f"validation {f['val_bpb']:.4f} bits per byte", log=log)
-    return summarise_runs(cfg, ordered, params, corpus.info)
+    return summarise_runs(cfg, ordered, params, describe(corpus.info))
 
 
 def equal_time_steps(results_path: str, steps: int, anchor: str = "slowest",

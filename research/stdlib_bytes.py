@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["stdlib_dir", "list_sources", "is_validation", "Corpus", "load_corpus", "BatchSampler",
+__all__ = ["stdlib_dir", "describe", "list_sources", "is_validation", "Corpus", "load_corpus", "BatchSampler",
            "eval_windows"]
 
 # Directory names skipped anywhere in the tree (see the module docstring for why).
@@ -122,6 +122,16 @@ def load_corpus(root: Optional[str] = None, *, val_fraction: float = 0.05, seed:
             "val_fraction": val_fraction, "train_files": len(parts["train"][0]), "val_files": len(parts["val"][0]),
             "train_bytes": tensors["train"].numel(), "val_bytes": tensors["val"].numel()}
     return Corpus(tensors["train"], tensors["val"], parts["train"][0], parts["val"][0], info)
+
+
+def describe(info: Dict) -> Dict:
+    """A corpus's info as a results file or checkpoint records it: the folder
+    read named without this machine's path ("the standard library" for
+    :func:`stdlib_dir`, else the folder's own name)."""
+    root = info["root"]
+    named = ("the standard library" if os.path.abspath(root) == os.path.abspath(stdlib_dir())
+             else os.path.basename(os.path.normpath(root)))
+    return {**info, "root": named}
 
 
 class BatchSampler:

@@ -147,11 +147,11 @@ def validation_tokens(info: Dict, n: int, seq_len: Optional[int] = None, data_ro
         _, _, x, _ = load_task(c["task"], seq_len=seq_len or c["seq_len"], n_train=1, n_test=c["n_test"])
         x = x[:n]
         return x, (x != 0).sum(1).tolist(), {"source": f"{c['task']} test set (first {len(x)} examples)"}
-    from .stdlib_bytes import eval_windows, load_corpus
+    from .stdlib_bytes import describe, eval_windows, load_corpus
     corpus = load_corpus(data_root, val_fraction=info["val_fraction"], seed=info["split_seed"])
     T = seq_len or info["seq_len"] or 1024
     x, _ = eval_windows(corpus.val, T, n)
-    desc = {"source": f"validation files of {corpus.info['root']}, {n} fixed windows of {T} bytes",
+    desc = {"source": f"validation files of {describe(corpus.info)['root']}, {n} fixed windows of {T} bytes",
             "python_version": corpus.info["python_version"], "trained_on_python": info.get("trained_on_python")}
     return x, [T] * len(x), desc
 
