@@ -106,9 +106,8 @@ def thread_scaling(H, D, threads, repeats, T=2048):
     the memory it shares differ with one or two cores busy, so no kernel can
     expect much more than sgemm's figure.  The thread counts take turns, call
     by call (each call sets its own), so that a change in the machine's load
-    during the measure weighs on both sides of the ratio alike (on the Zen 4
-    VM, sgemm's own 2-thread figure read 1.54 and 1.99 in two runs a minute
-    apart)."""
+    during the measure weighs on both sides of the ratio alike (what one
+    after the other read: docs/performance.md, "Tried and not kept")."""
     def at(n, f):
         def g():
             torch.set_num_threads(n)

@@ -62,9 +62,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    # 15: on the 2-core Zen 4 one step's time drifts by up to 20% over a run (the
-    # machine's own phases, MHA's as much as HKT's); medians of 7 read the
-    # T=1024 ratio from 0.92 to 0.96 in one run, by where they were cut
+    # a step's time drifts over a run with the machine's own phases, so fewer
+    # rounds let where the median is cut move the ratio (docs/performance.md,
+    # bench_module --repeats)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None, help="results folder (default: benchmarks/results/<cpu>/)")

@@ -34,8 +34,8 @@ summary of finished runs; ``--plot`` draws the curves against steps and against
 training time.
 
 Defaults: 3000 steps of 8 windows of 1024 bytes (24.6M bytes, about two passes
-over the 11.2M training bytes of Python 3.11), d=128, 2 layers, 4 heads; on one
-thread of a Zen 4 core a step takes about 0.5 s (L1) to 0.6 s (L3).
+over the 11.2M training bytes of Python 3.11), d=128, 2 layers, 4 heads (the time
+a step takes on one thread: docs/paper.md).
 
 Equal steps is the default.  ``--equal-time-from`` reads the time per step of
 each arm from an earlier results file and gives every arm as many steps as fit

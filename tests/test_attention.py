@@ -265,9 +265,8 @@ def test_causal_rows_are_the_same_bits_however_far_the_sequence_runs(L, dtype, D
     it.  The row then lands in other tile shapes: its keys fill a short last
     tile (leftover columns, done one by one) or part of a full one (vector
     tiles), and the causal diagonal's row blocks cover it differently.  Every
-    path must round each entry alike; before a244ee5 the leftover columns of
-    some GEMM copies added unfused products, and this failed in the AVX-512 and
-    AVX2 builds."""
+    path must round each entry alike: leftover columns that add unfused
+    products where the vector tiles fuse them fail here."""
     T2 = 200
     q, k, v, w = sample_inputs(1, 2, T2, T2, D, D, L, dtype=dtype, seed=3)
     dout = torch.randn(1, 2, T2, D, dtype=dtype, generator=torch.Generator().manual_seed(4))
