@@ -29,7 +29,8 @@ def test_sdist_holds_what_builds_and_tests_it(tmp_path):
     # tests with the helpers they import
     for path in ["csrc/hkt_attention_cuda.cu", "csrc/hkt.h", "csrc/dlpack.h", "tests/conftest.py",
                  "tests/helpers.py", "tests/hostile_cases.py", "tests/data_fixtures.py", "docs/contract.md",
-                 "examples/quickstart.ipynb", "benchmarks/readme_tables.py", "results/listops512.json", "MANIFEST.in"]:
+                 "examples/quickstart.ipynb", "benchmarks/readme_tables.py", "results/listops512.json", "MANIFEST.in",
+                 "research/timing.py"]:
         assert path in names, path
     assert not any(n.endswith(".pt") or "__pycache__" in n for n in names)  # no checkpoints, no bytecode
 
