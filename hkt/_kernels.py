@@ -12,12 +12,15 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from . import _C
-from .reference import float_mask_in
+from ._checks import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
-           "_downsample_backward", "dropout_keep_mask", "has_cuda"]
+           "_downsample_backward", "dropout_keep_mask", "has_cuda", "cpu_tile"]
 
 has_cuda = bool(_C.has_cuda)
+# the CPU kernels' query and key tile size, as the extension was built with it
+# (hkt.analysis counts the kernels' work by tiles)
+cpu_tile = _C.cpu_tile
 
 
 # Every tensor goes over as a bare DLPack capsule (to_dlpack): Tensor.__dlpack__
@@ -53,15 +56,15 @@ def _arg(x: Tensor):
     compute bfloat16 in float32), unit stride along the feature dimension (any
     other strides are fine), then through DLPack.  This runs for every array of
     every call, so the common case (contiguous float32/float64) costs two cheap
-    checks: is_contiguous() first, 0.1 us, where stride(-1) and size(-1) took 0.4
+    checks: is_contiguous() first, cheaper than reading stride(-1) and size(-1)
     (Python attribute lookups and calls are most of a small call's time)."""
     return _feat(x.float() if x.dtype == _BF16 else x)
 
 
 def _empty(shape, dtype: torch.dtype, like: Tensor) -> Tensor:
     """An uninitialised contiguous tensor on like's device: like.new_empty when
-    the dtype is like's (1.5 us, against 2.8 for torch.empty with dtype= and
-    device=: this runs for every output of every call)."""
+    the dtype is like's (cheaper than torch.empty with dtype= and device=:
+    this runs for every output of every call)."""
     if like.dtype == dtype:
         return like.new_empty(shape)
     return torch.empty(shape, dtype=dtype, device=like.device)
@@ -78,7 +81,7 @@ def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 def _stream(x: Tensor) -> Optional[int]:
     """The cudaStream_t (an int) of torch's current stream on x's CUDA device: the
     kernels are queued there, in order with torch's own work (None on the CPU;
-    is_cuda, 0.1 us, where reading x.device and its type took 0.6)."""
+    is_cuda, cheaper than reading x.device and its type)."""
     return torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
 
 
@@ -126,19 +129,14 @@ def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float, backward: bool = 
             and _C.cuda_tc_refusal(q0.shape[-1], v.shape[-1], len(q), dropout_p, backward, mask_grad) is None)
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the kernels' outputs and sums: float32 or float64 (float32 for bfloat16 inputs)."""
-    return torch.float32 if dtype == torch.bfloat16 else dtype
-
-
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
              is_causal: bool, dropout_p: float, scale: float, seed: int, like_inputs: bool = False,
              want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype).
     like_inputs: out laid out in memory like q[0] (see _like), else contiguous
     (what the custom op's fake kernel says).  want_lse=False, on the CPU: lse
-    is None, never allocated (a forward nobody will differentiate: 2 us of a
-    small call's ~17)."""
+    is None, never allocated (a forward nobody will differentiate: a fair
+    part of a small call's time)."""
     q0 = q[0]
     if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
         # the seed is read here, on the host: every replay would drop the same entries
@@ -178,7 +176,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     compute dtype, or bfloat16 natively) that dq[0], dk[0] and dv are written
     in, instead of new ones."""
     # (tensor attributes read once each, is_cuda rather than device.type: a
-    # small call's backward is mostly such reads and calls, 0.1-1 us apiece)
+    # small call's backward is mostly such reads and calls)
     q0 = q[0]
     in_dtype = q0.dtype
     dtype = compute_dtype(in_dtype)
@@ -220,10 +218,9 @@ def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     like_inputs, dq, dk and dv lie in memory like their inputs where _like
     allows (dw is always contiguous).  into: the caller's dq[0], dk[0] and dv,
     taken in their places."""
-    # empty_like: 1.2 us a tensor, against 2.2 for new_empty(shape): eight or more per backward.
+    # empty_like, cheaper than new_empty(shape): eight or more per backward.
     # Eager calls (like_inputs) with a contiguous input of the compute dtype take
-    # it without arguments (preserve_format, of a contiguous x): 1.0 us, against
-    # 1.5 with them.  The custom op's outputs stay strictly contiguous_format,
+    # it without arguments (preserve_format, of a contiguous x), cheaper still.  The custom op's outputs stay strictly contiguous_format,
     # as its fake kernel says (a size-1 dimension's stride included).
     cf = torch.contiguous_format
     gdtype = qkv_dtype or dtype
@@ -247,7 +244,7 @@ def _like(x: Tensor) -> bool:
     projections, (B, T, H, D) memory seen as (B, H, T, D), are the case that
     matters: gradients and outputs in that layout turn the module's reshapes
     back to (B, T, H * D) into views, where contiguous ones cost a transposing
-    copy each (about a tenth of a ListOps-size training step)."""
+    copy each (a sizeable part of a ListOps-size training step)."""
     return x.dim() > 0 and (x.stride(-1) == 1 or x.size(-1) <= 1)
 
 
@@ -298,7 +295,7 @@ def _feat(x: Tensor):
 
 def _feats(xs: Sequence[Tensor]) -> List:
     """[_feat(x) for x in xs] with the contiguous case inline: a Python call per
-    array is a fair part of a small call's time (0.2 us of _feat's 0.45)."""
+    array is a fair part of a small call's time."""
     return [to_dlpack(x) if x.is_contiguous() and not x.is_neg() else _feat(x) for x in xs]
 
 
@@ -374,7 +371,7 @@ def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
 
 
 def _downsample_forward(x: Tensor, taps: Tensor) -> Tensor:
-    """hkt.modules.causal_downsample of a CPU float32/float64 x (B, n, C) with
+    """hkt.downsample.causal_downsample of a CPU float32/float64 x (B, n, C) with
     taps (K, C) of its dtype, in one pass: (B, ceil(n / 2), C), the expression's bits."""
     out = x.new_empty((x.shape[0], (x.shape[1] + 1) // 2, x.shape[2]))
     _C.downsample_forward(_feat(x), _feat(taps), _dl(out), _threads())

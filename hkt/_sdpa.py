@@ -44,15 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .reference import float_mask_in
+from ._checks import float_mask_in
 
 __all__ = ["sdpa_attention", "concat_levels"]
-
-_MAX_LEVELS = 24
-
-
-def _level_len(n: int, l: int) -> int:
-    return ((n - 1) >> l) + 1 if n > 0 else 0
 
 
 def _repeat_rows(x: Tensor, l: int, n: int) -> Tensor:
@@ -74,71 +68,6 @@ def concat_levels(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor):
         qs.append(_repeat_rows(q[l] * wl, l, T))
         ks.append(_repeat_rows(k[l], l, S))
     return torch.cat(qs, dim=-1), torch.cat(ks, dim=-1)
-
-
-def _shape_error(name: str, want, meaning: str, got) -> ValueError:
-    return ValueError(f"{name}: expected shape {tuple(want)} {meaning}, got {tuple(got)}")
-
-
-def check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=False) -> None:
-    """What the extension checks for the kernels, for the inputs SDPA would
-    otherwise take silently (a level one row too long is sliced away by the
-    concatenation, for example), and for meta tensors, which never reach the
-    extension (dropout_allowed: the kernels' fake kernel takes dropout).  Types,
-    devices and dtypes are checked by the caller (functional._check_inputs)."""
-    L = len(q)
-    dtype = q[0].dtype
-    named = [(f"q[{l}]", x) for l, x in enumerate(q)] + [(f"k[{l}]", x) for l, x in enumerate(k)]
-    for name, x in named + [("v", v), ("w", w)]:
-        if x.dtype != dtype:
-            raise TypeError(f"{name}: dtype {str(x.dtype)[6:]} does not match q[0]'s {str(dtype)[6:]}")
-    if L > _MAX_LEVELS:
-        raise ValueError(f"q: expected 1 to {_MAX_LEVELS} levels, got {L}")
-    if len(k) != L:
-        raise ValueError(f"k: expected {L} levels like q, got {len(k)}")
-    if q[0].dim() != 4:
-        raise ValueError(f"q[0]: expected 4 dimensions (B, H, T, D), got {q[0].dim()}")
-    B, H, T, D = q[0].shape
-    if D < 1:
-        raise ValueError("q[0]: head dimension D must be at least 1")
-    if k[0].dim() != 4:
-        raise ValueError(f"k[0]: expected 4 dimensions (B, H_kv, S, D), got {k[0].dim()}")
-    Hk, S = k[0].shape[1], k[0].shape[2]
-    if (Hk < 1 and (H != 0 or Hk != 0)) or (Hk >= 1 and H % Hk != 0):
-        raise ValueError(f"k[0]: its {Hk} heads (H_kv) must divide q[0]'s {H} heads (H)")
-    for l in range(L):
-        f = 1 << l
-        if q[l].shape != (B, H, _level_len(T, l), D):
-            raise _shape_error(f"q[{l}]", (B, H, _level_len(T, l), D), f"= (B, H, ceil(T/{f}), D)", q[l].shape)
-        if k[l].shape != (B, Hk, _level_len(S, l), D):
-            raise _shape_error(f"k[{l}]", (B, Hk, _level_len(S, l), D), f"= (B, H_kv, ceil(S/{f}), D)",
-                               k[l].shape)
-    if v.dim() != 4:
-        raise ValueError(f"v: expected 4 dimensions (B, H_kv, S, Dv), got {v.dim()}")
-    if v.shape[:3] != (B, Hk, S):
-        raise _shape_error("v", (B, Hk, S, v.shape[3]), "= (B, H_kv, S, Dv)", v.shape)
-    if w.dim() == 1:
-        if w.shape != (L,):
-            raise _shape_error("w", (L,), "= (L,)", w.shape)
-    elif w.shape != (H, L):
-        raise _shape_error("w", (H, L), "= (H, L) or (L,)", w.shape)
-    if attn_mask is not None:
-        full = (B, H, T, S)
-        if attn_mask.dim() != 4 or any(m != 1 and m != n for m, n in zip(attn_mask.shape, full)):
-            raise ValueError(f"attn_mask: expected 4 dimensions, each 1 or that of (B, H, T, S) = {full}, "
-                             f"got {tuple(attn_mask.shape)}")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p: must be in [0, 1], got {dropout_p!r}")
-    if dropout_p > 0 and not dropout_allowed:
-        raise ValueError("dropout_p: the 'sdpa' backend has no dropout (SDPA's own dropout pattern is not the "
-                         "kernels' one); use backend='kernels' (backend=None picks them when dropout_p > 0)")
-    if scale is not None:
-        try:
-            finite = math.isfinite(float(scale))
-        except OverflowError:  # an int beyond the float range
-            finite = False
-        if not finite:
-            raise ValueError(f"scale: must be a finite number, got {scale!r}")
 
 
 def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],

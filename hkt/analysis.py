@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple, Union
 
 import torch
-
-from . import _C
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._kernels import cpu_tile
 from .modules import MultiheadHKT
 from .reference import level_terms, repeat_kv, upsample_level
 
@@ -45,7 +44,7 @@ __all__ = [
 ]
 
 # The CPU kernel's query and key tile size, as the extension was built with it.
-KERNEL_TILE = _C.cpu_tile
+KERNEL_TILE = cpu_tile
 
 
 # --------------------------------------------------------------------------- cost

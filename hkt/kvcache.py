@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _kernels
-from .functional import _autocast_inputs, _check_tensor, _heads, _refuse_meta, _refuse_trace
+from ._autograd import _heads
+from ._checks import _CALL_FAILED, _check_tensor
+from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -117,7 +119,7 @@ def hkt_attention_with_kvcache(
             # in place, cannot be cast), as autocast promotes a mixed call to its widest
             q, k, v, w = _autocast_inputs(q, k, v, w, to=v_cache.dtype)
         return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
-    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
+    except _CALL_FAILED:
         # nothing is checked in Python on the way in; when something failed, say
         # which argument the extension could not see was wrong, if one was
         _check_decode_inputs(q, k_cache, v_cache, w, k, v)
@@ -324,8 +326,7 @@ class _Constants:
 def _step_constants(mha, cache: DecodeCache) -> _Constants:
     """The module's :class:`_Constants`, kept in the cache between steps: they
     are a few dozen slicing and stacking ops and a softmax per step otherwise,
-    most of a small model's step (2.5x a step's time when made every step,
-    E=256, measured).  Made again whenever a parameter they read was replaced
+    most of a small model's step when made every step.  Made again whenever a parameter they read was replaced
     or changed in place where autograd's version counter sees it (a foreach
     or single-tensor optimiser step, load_state_dict, an in-place op under
     no_grad).  Updates it does not see (a fused optimiser's step, edits

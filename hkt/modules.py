@@ -5,65 +5,25 @@ Shapes below: B batch, T query length, S key length, E embed_dim, H heads,
 hd = E / H, L levels, K downsample_kernel.
 """
 import math
-import warnings
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
-from torch.nn.utils import parametrize, prune
-from torch.nn.utils.spectral_norm import SpectralNorm
-from torch.nn.utils.weight_norm import WeightNorm
 
-from . import _kernels
 from . import kvcache as _kvcache
-from .functional import _c_apply, _heads, _recording, hkt_attention, qkv_attention
-from .reference import float_mask_in, masked_probs
+from ._autograd import _heads
+from ._checks import float_mask_in
+from ._guards import _symbolic
+from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coarse_off
+# (tests name hkt.modules._downsample_expr and _DOWNSAMPLE_APPLY)
+from .downsample import _DOWNSAMPLE_APPLY, _downsample_expr, causal_downsample  # noqa: F401
+from .functional import hkt_attention, qkv_attention
+from .reference import masked_probs
 from .varlen import hkt_attention_varlen, pack_levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
-
-
-def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
-    """Trainable causal depthwise downsampling, stride 2 (docs/contract.md section 2.2).
-
-        out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]    (x = 0 before the start)
-
-    On the CPU in float32/float64 the extension computes it in one pass, to
-    the bits of the torch expression (:func:`_downsample_expr`), which runs
-    everywhere else (other devices and dtypes, torch.compile, TorchScript),
-    and its gradients in one pass each, equal to the expression's within
-    rounding (the taps' sums are taken in another order).
-
-    Args:
-        x: (B, n, C).
-        taps: (K, C).
-
-    Returns:
-        (B, ceil(n / 2), C); row p depends only on rows <= 2p of ``x``.
-    """
-    if not torch.jit.is_scripting():
-        if _downsample_in_c(x, taps):
-            return _downsample_c(x, taps)
-    return _downsample_expr(x, taps)
-
-
-def _downsample_expr(x: Tensor, taps: Tensor) -> Tensor:
-    """causal_downsample in torch ops: a sum over r in order, each product rounded."""
-    K = taps.shape[0]
-    m = (x.shape[1] + 1) // 2
-    # K - 1 zero rows in front turn index 2p - r into 2p + (K - 1 - r) >= 0; the
-    # last index read, 2(m - 1), is < n, so no padding is needed at the end.
-    xp = F.pad(x, [0, 0, K - 1, 0])
-    out = xp[:, K - 1:K - 1 + 2 * m - 1:2] * taps[0]
-    for r in range(1, K):
-        start = K - 1 - r
-        out = out + xp[:, start:start + 2 * m - 1:2] * taps[r]
-    return out
-
-
-_DS_DTYPES = (torch.float32, torch.float64)
 
 
 @torch.jit.unused
@@ -76,13 +36,6 @@ def _refuse_fx_proxy(query) -> None:
         raise TypeError("query: torch.fx.symbolic_trace cannot trace into MultiheadHKT (its forward branches on "
                         "shapes and values); keep it whole with a tracer whose is_leaf_module(m, name) returns True "
                         "for it, as torch.fx does for nn.MultiheadAttention, or use torch.export")
-
-
-def _symbolic() -> bool:
-    """Whether this call is recorded (torch.compile, torch.jit.trace) or runs
-    under a torch.func transform: its tensors' values cannot be read here, nor
-    the extension called directly."""
-    return _recording() or torch._C._are_functorch_transforms_active()
 
 
 def _one_input(a: Tensor, b: Tensor) -> bool:
@@ -103,98 +56,6 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
         if _symbolic():
             return False
     return a.is_set_to(b)
-
-
-@torch.jit.unused
-def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
-    """Whether the extension takes this call: CPU float32/float64 of one dtype,
-    the ranks it wants (a malformed call goes to the expression, whose error
-    torch raises), and not while torch.compile traces (it fuses the expression)
-    or torch.jit.trace records (it records ops, not the extension's calls), or
-    under torch.func transforms (the extension takes plain arrays)."""
-    return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
-            and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
-            and taps.shape[1] == x.shape[2] and not _symbolic())
-
-
-@torch.jit.unused
-def _downsample_c(x: Tensor, taps: Tensor) -> Tensor:
-    if torch.is_grad_enabled() and (x.requires_grad or taps.requires_grad):
-        return _DOWNSAMPLE_APPLY(x, taps)
-    return _kernels._downsample_forward(x, taps)
-
-
-class _Downsample(torch.autograd.Function):
-    """causal_downsample's autograd on the extension's two passes.  A backward
-    run with create_graph=True differentiates the torch expression instead, so
-    double backward works too."""
-
-    @staticmethod
-    def forward(ctx, x, taps):
-        ctx.save_for_backward(x, taps)
-        return _kernels._downsample_forward(x, taps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, taps = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
-            need = [t for t, n in zip((x, taps), ctx.needs_input_grad[:2]) if n]
-            got = iter(torch.autograd.grad(_downsample_expr(x, taps), need, grad, create_graph=True))
-            return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
-        gx, gt = _kernels._downsample_backward(grad, x, taps, bool(ctx.needs_input_grad[0]))
-        return gx, (gt if ctx.needs_input_grad[1] else None)
-
-
-_DOWNSAMPLE_APPLY = _c_apply(_Downsample)  # never under torch.func transforms (_downsample_in_c)
-
-
-# torch.nn.utils' forward pre-hooks that recompute a module's tensor, on every
-# call, from parameters they keep beside it (prune and spectral_norm: <name>_orig;
-# the old weight_norm: <name>_g and <name>_v)
-_RECOMPUTING_HOOKS = (prune.BasePruningMethod, WeightNorm, SpectralNorm)
-
-
-@torch.jit.unused
-def _computed_from(owner: nn.Module, name: str) -> Optional[Tuple[str, List[Tensor]]]:
-    """How ``owner.<name>`` is computed when the module does not store it as a
-    parameter: (what computes it, the tensors it is computed from, which are
-    what trains).  A parametrization (torch.nn.utils.parametrize: weight_norm,
-    spectral_norm, orthogonal, torch.ao's pruning masks) computes it from its
-    originals whenever it is read; a forward pre-hook of torch.nn.utils
-    (prune, the old weight_norm and spectral_norm) from the module's parameters
-    named ``<name>_...``, on every call of the module.  None for a stored
-    parameter."""
-    if parametrize.is_parametrized(owner, name):
-        plist = owner.parametrizations[name]
-        return "its parametrization " + ", ".join(type(p).__name__ for p in plist), _originals(owner, name)
-    if name in owner._parameters:
-        return None
-    for hook in owner._forward_pre_hooks.values():
-        if isinstance(hook, _RECOMPUTING_HOOKS) and getattr(hook, "_tensor_name", getattr(hook, "name", None)) == name:
-            sources = [p for n, p in owner._parameters.items() if p is not None and n.startswith(name + "_")]
-            return f"the forward pre-hook {type(hook).__name__}", sources
-    return None
-
-
-@torch.jit.unused
-def _originals(owner: nn.Module, name: str) -> List[Tensor]:
-    """The tensors the parametrization of ``owner.<name>`` computes it from."""
-    plist = owner.parametrizations[name]
-    if plist.is_tensor:
-        return [plist.original]
-    return [getattr(plist, f"original{i}") for i in range(plist.ntensors)]
-
-
-@torch.jit.unused
-def _stored(owner: nn.Module, name: str) -> Tensor:
-    """``owner.<name>``, or for a parametrized one its (first) original, which
-    reading does not compute: for its dtype and device.  Computing a
-    parametrization more than once per call costs, and changes what a stateful
-    one gives (spectral_norm advances its power iteration on every read in
-    training)."""
-    if parametrize.is_parametrized(owner, name):
-        return _originals(owner, name)[0]
-    return getattr(owner, name)
 
 
 def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -224,6 +85,21 @@ def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor
     else:
         seed = torch.zeros([], dtype=torch.int64, device="cpu")
     return torch.ops.hkt.attention_forward(qs, ks, v, w, mask, is_causal, dropout_p, scale, seed)[0]
+
+
+def _attention_weights(qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor], causal: bool,
+                       real: Optional[Tensor], average: bool, dtype: torch.dtype) -> Tensor:
+    """MultiheadHKT's returned weights: the combined HKT probabilities, in plain
+    torch (O(T*S) memory, as MHA's weights), (B, T, S') averaged over heads or
+    (B, H, T, S'); with pack_padding (real, (B, T)) zero at padded query rows."""
+    probs = masked_probs(qs, ks, w, mask, causal, None)
+    if real is not None:
+        B, T = real.shape[0], real.shape[1]
+        probs = probs.masked_fill(~real.view(B, 1, T, 1), 0.0)
+    weights = probs.mean(dim=1) if average else probs
+    if weights.dtype != dtype:  # under autocast: the projections' dtype, as MHA's weights (w stays float32)
+        weights = weights.to(dtype)
+    return weights
 
 
 class MultiheadHKT(nn.Module):
@@ -630,57 +506,9 @@ class MultiheadHKT(nn.Module):
                   add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
                   vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
                   levels=levels, downsample_kernel=downsample_kernel)
-        copied = set()
-
-        def take(dst: Tensor, owner: nn.Module, name: str) -> None:
-            """dst = owner.<name>, a copy that trains only if its source did: for a
-            computed weight, if what it is computed from does (read under no_grad,
-            the computed value itself never requires grad)."""
-            src, how = getattr(owner, name), _computed_from(owner, name)
-            trains = src.requires_grad if how is None else any(t.requires_grad for t in how[1])
-            if how is not None:
-                path = name if owner is mha else "out_proj." + name
-                warnings.warn(f"mha.{path}: is computed by {how[0]}, which does not carry over: the copy holds its "
-                              "current value and trains without it, so its constraint (a weight norm, "
-                              "orthogonality, a pruning mask) no longer holds", UserWarning, stacklevel=3)
-            dst.copy_(src)
-            dst.requires_grad_(trains)
-            copied.add(id(dst))
-        with torch.no_grad():
-            if mha._qkv_same_embed_dim:
-                if new._packed_in_proj:
-                    take(new.in_proj_weight, mha, "in_proj_weight")
-                else:  # cannot happen: same kdim/vdim; kept for safety
-                    raise AssertionError("packed MHA but unpacked MultiheadHKT")
-            else:
-                take(new.q_proj_weight, mha, "q_proj_weight")
-                take(new.k_proj_weight, mha, "k_proj_weight")
-                take(new.v_proj_weight, mha, "v_proj_weight")
-            if mha.in_proj_bias is not None:
-                take(new.in_proj_bias, mha, "in_proj_bias")
-            take(new.out_proj.weight, mha.out_proj, "weight")
-            if mha.out_proj.bias is not None:
-                take(new.out_proj.bias, mha.out_proj, "bias")
-            if mha.bias_k is not None:
-                take(new.bias_k, mha, "bias_k")
-                take(new.bias_v, mha, "bias_v")
-            if levels > 1:
-                # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives softmax weight w0 to level 0.
-                new.level_logits.zero_()
-                new.level_logits[:, 0] = math.log(level0_weight * (levels - 1) / (1.0 - level0_weight))
-                w0 = torch.softmax(new.level_logits, dim=-1)[:, 0]  # (H,), in the module's dtype
-                inv = (1.0 / w0).repeat_interleave(new.head_dim)  # (E,): one factor per query row
-                wq, wk, _, bq, bk, _ = new.in_projections()
-                wq.mul_(inv[:, None])
-                if bq is not None:
-                    bq.mul_(inv)
-                new.coarse_q_proj_weight.zero_()
-                new.coarse_k_proj_weight.copy_(wk.unsqueeze(0).expand_as(new.coarse_k_proj_weight))
-                if bq is not None:
-                    new.coarse_q_proj_bias.zero_()
-                    new.coarse_k_proj_bias.copy_(bk.unsqueeze(0).expand_as(new.coarse_k_proj_bias))
-                new.q_downsample.fill_(1.0 / downsample_kernel)
-                new.k_downsample.fill_(1.0 / downsample_kernel)
+        copied = _copy_level0(new, mha)
+        if levels > 1:
+            _switch_coarse_off(new, levels, level0_weight, downsample_kernel)
         # what trained before trains after: the copies as their sources (above), and
         # the parameters hkt adds (coarse projections, taps, level weights) if any of
         # mha's did, so a frozen attention stays frozen
@@ -823,6 +651,85 @@ class MultiheadHKT(nn.Module):
                 mask = mask + m if use_float else mask & m
         return mask, is_causal
 
+    def _batch_first(self, query: Tensor, key: Tensor, value: Tensor, unbatched: bool
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
+        """forward's inputs as (B, T, E), (B, S, kdim), (B, S, vdim) views."""
+        # Keep `query is key is value` through the reshape: self-attention then takes
+        # one packed projection.
+        same_kv, same_qk = key is value, query is key
+        if unbatched:
+            query = query.unsqueeze(0)
+            key = query if same_qk else key.unsqueeze(0)
+            value = key if same_kv else value.unsqueeze(0)
+        elif not self.batch_first:
+            query = query.transpose(0, 1)
+            key = query if same_qk else key.transpose(0, 1)
+            value = key if same_kv else value.transpose(0, 1)
+        return query, key, value
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor
+                 ) -> Tuple[List[Tensor], List[Tensor], Tensor, Optional[Tensor], int]:
+        """forward's projections of its batch-first (B, T, E), (B, S, kdim),
+        (B, S, vdim) inputs: (q per level (B, H, ceil(T/2^l), hd), k per level
+        (B, H_kv, ceil(S'/2^l), hd), v (B, H_kv, S', hd), the packed
+        self-attention projection qkv (B, T, E + 2 kv_dim) or None, n_extra:
+        the key slots add_bias_kv / add_zero_attn appended, S' = S + n_extra)."""
+        B, E = query.shape[0], query.shape[2]
+        H, hd = self.num_heads, self.head_dim
+
+        # each parameter read once: a parametrization on it is computed once per call
+        packed, in_bias = self.in_proj_weight, self.in_proj_bias
+        wq, wk, wv, bq, bk, bv = self._split_in_proj(packed, in_bias)
+        Hk, Ekv = self.num_kv_heads, self.kv_dim
+        qkv: Optional[Tensor] = None
+        if packed is not None and query is key and key is value:
+            qkv = F.linear(query, packed, in_bias)
+            q0, k0, v = qkv.split([E, Ekv, Ekv], dim=-1)
+        else:
+            q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+
+        n_extra = 0
+        bias_k, bias_v = self.bias_k, self.bias_v
+        if bias_k is not None and bias_v is not None:
+            k0 = torch.cat([k0, bias_k.expand(B, 1, Ekv)], dim=1)
+            v = torch.cat([v, bias_v.expand(B, 1, Ekv)], dim=1)
+            n_extra += 1
+        if self.add_zero_attn:
+            k0 = torch.cat([k0, k0.new_zeros(B, 1, Ekv)], dim=1)
+            v = torch.cat([v, v.new_zeros(B, 1, Ekv)], dim=1)
+            n_extra += 1
+
+        qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
+        if self.levels > 1:
+            # appended slots: zero inputs of the key stream
+            xqs, xks = self.level_inputs(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
+            projs = self._with_coarse(wq, bq, wk, bk)
+            for l in range(1, self.levels):
+                cwq, cbq, cwk, cbk = projs[l]
+                qs.append(_heads(F.linear(xqs[l], cwq, cbq), H, hd))
+                ks.append(_heads(F.linear(xks[l], cwk, cbk), Hk, hd))
+        return qs, ks, _heads(v, Hk, hd), qkv, n_extra
+
+    def _attend(self, qs: List[Tensor], ks: List[Tensor], vh: Tensor, w: Tensor, qkv: Optional[Tensor],
+                mask: Optional[Tensor], causal: bool, dropout_p: float, real: Optional[Tensor], n_extra: int,
+                attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor]) -> Tensor:
+        """The attention (B, H, T, hd) of forward's projected heads, by one of
+        four ways: the registered op in TorchScript; pack_padding's packed call
+        (real: its (B, S) real tokens); the packed self-attention projection's
+        call, whose gradient the kernels write as qkv's; else hkt_attention."""
+        if torch.jit.is_scripting():
+            out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
+        elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
+              and qs[0].device.type == "cpu" and not _symbolic()
+              # the packed call never reads the mask: a float mask's gradient needs the padded one
+              and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
+            out = self._packed_attention(qs, ks, vh, w, real, causal)
+        elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
+            out = qkv_attention(qkv, qs, ks, vh, w, mask, causal, dropout_p)
+        else:
+            out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+        return out
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
@@ -867,17 +774,7 @@ class MultiheadHKT(nn.Module):
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
                              f"{value.dim()}-D")
-        # Keep `query is key is value` through the reshape: self-attention then takes
-        # one packed projection.
-        same_kv, same_qk = key is value, query is key
-        if unbatched:
-            query = query.unsqueeze(0)
-            key = query if same_qk else key.unsqueeze(0)
-            value = key if same_kv else value.unsqueeze(0)
-        elif not self.batch_first:
-            query = query.transpose(0, 1)
-            key = query if same_qk else key.transpose(0, 1)
-            value = key if same_kv else value.transpose(0, 1)
+        query, key, value = self._batch_first(query, key, value, unbatched)
         # Now (B, T, E), (B, S, kdim), (B, S, vdim).
         B, T, E = query.shape[0], query.shape[1], query.shape[2]
         S = key.shape[1]
@@ -890,73 +787,24 @@ class MultiheadHKT(nn.Module):
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
             raise ValueError(f"key, value: batch and length must match each other and query's batch {B}; got "
                              f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
-        H, hd = self.num_heads, self.head_dim
-
-        # each parameter read once: a parametrization on it is computed once per call
-        packed, in_bias = self.in_proj_weight, self.in_proj_bias
-        wq, wk, wv, bq, bk, bv = self._split_in_proj(packed, in_bias)
-        Hk, Ekv = self.num_kv_heads, self.kv_dim
-        qkv: Optional[Tensor] = None
-        if packed is not None and query is key and key is value:
-            qkv = F.linear(query, packed, in_bias)
-            q0, k0, v = qkv.split([E, Ekv, Ekv], dim=-1)
-        else:
-            q0, k0, v = F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
-
-        n_extra = 0
-        bias_k, bias_v = self.bias_k, self.bias_v
-        if bias_k is not None and bias_v is not None:
-            k0 = torch.cat([k0, bias_k.expand(B, 1, Ekv)], dim=1)
-            v = torch.cat([v, bias_v.expand(B, 1, Ekv)], dim=1)
-            n_extra += 1
-        if self.add_zero_attn:
-            k0 = torch.cat([k0, k0.new_zeros(B, 1, Ekv)], dim=1)
-            v = torch.cat([v, v.new_zeros(B, 1, Ekv)], dim=1)
-            n_extra += 1
-
-        qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
-        if self.levels > 1:
-            # appended slots: zero inputs of the key stream
-            xqs, xks = self.level_inputs(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
-            projs = self._with_coarse(wq, bq, wk, bk)
-            for l in range(1, self.levels):
-                cwq, cbq, cwk, cbk = projs[l]
-                qs.append(_heads(F.linear(xqs[l], cwq, cbq), H, hd))
-                ks.append(_heads(F.linear(xks[l], cwk, cbk), Hk, hd))
+        qs, ks, v, qkv, n_extra = self._project(query, key, value)
         w = self.level_weights()
-
+        dtype = qs[0].dtype
         mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,
-                                        q0.dtype, q0.device)
+                                        dtype, qs[0].device)
         dropout_p = float(self.dropout) if self.training else 0.0
-        vh = _heads(v, Hk, hd)
         # whether the call is self-attention matters only to pack_padding
         packs = self.pack_padding and key_padding_mask is not None
         real = self._pack_padding_rows(key_padding_mask, packs and _one_input(query, key) and _one_input(key, value),
                                        B, S)
-        if torch.jit.is_scripting():
-            out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
-        elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
-              and q0.device.type == "cpu" and not _symbolic()
-              # the packed call never reads the mask: a float mask's gradient needs the padded one
-              and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
-            out = self._packed_attention(qs, ks, vh, w, real, causal)
-        elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
-            out = qkv_attention(qkv, qs, ks, vh, w, mask, causal, dropout_p)
-        else:
-            out = hkt_attention(qs, ks, vh, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p)
+        out = self._attend(qs, ks, v, w, qkv, mask, causal, dropout_p, real, n_extra, attn_mask, key_padding_mask)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))
         if real is not None:  # pack_padding: padded query rows give zeros, whichever path ran
             out = out.masked_fill(~real.unsqueeze(-1), 0.0)
 
         weights: Optional[Tensor] = None
         if need_weights:
-            # the combined HKT probabilities, in plain torch (O(T*S) memory, as MHA's weights)
-            probs = masked_probs(qs, ks, w, mask, causal, None)
-            if real is not None:
-                probs = probs.masked_fill(~real.view(B, 1, T, 1), 0.0)
-            weights = probs.mean(dim=1) if average_attn_weights else probs
-            if weights.dtype != q0.dtype:  # under autocast: the projections' dtype, as MHA's weights (w stays float32)
-                weights = weights.to(q0.dtype)
+            weights = _attention_weights(qs, ks, w, mask, causal, real, average_attn_weights, dtype)
         if unbatched:
             out = out.squeeze(0)
             if weights is not None:

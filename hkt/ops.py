@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
+from ._checks import compute_dtype
 from .reference import hkt_attention_reference
 
 __all__ = ["attention_forward", "attention_backward"]
@@ -60,7 +61,7 @@ def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, at
 def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
     B, H, T, _ = q[0].shape
     out = q[0].new_empty((B, H, T, v.shape[-1]))
-    lse = q[0].new_empty((B, H, T), dtype=_kernels.compute_dtype(q[0].dtype))
+    lse = q[0].new_empty((B, H, T), dtype=compute_dtype(q[0].dtype))
     return out, lse
 
 
@@ -167,7 +168,7 @@ def _double_backward(ctx, grads):
         S = k[0].shape[2]
         keep = _kernels.dropout_keep_mask(_seed_value(seed), p, B, H, T, S).to(q[0].device)
 
-    cd = _kernels.compute_dtype(q[0].dtype)
+    cd = compute_dtype(q[0].dtype)
     create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
         dout_ = _slot(dout, cd, True)

@@ -7,8 +7,12 @@ probabilities, which are O(T*S) whatever computes them (as
 nn.MultiheadAttention's are), so it takes them from :func:`masked_probs` here
 rather than from a second copy of the same formula; its output still comes
 from the kernels.
+
+It imports nothing of hkt: the definition the kernels are tested against must
+not lean on the code under test (its argument checks are its own, below).
 """
 import math
+import numbers
 from typing import List, Optional, Sequence
 
 import torch
@@ -16,6 +20,10 @@ from torch import Tensor
 
 __all__ = ["hkt_attention_reference", "attention_probs", "masked_probs", "combined_scores", "level_terms",
            "upsample_level", "repeat_kv"]
+
+# the most levels a call may have (docs/contract.md section 1; the kernels'
+# per-level arrays are sized for it)
+_MAX_LEVELS = 24
 
 
 def repeat_kv(x: Tensor, H: int) -> Tensor:
@@ -142,18 +150,14 @@ def hkt_attention_reference(
 ):
     """HKT attention exactly as docs/contract.md section 1 defines it.
 
-    Same arguments as :func:`hkt.hkt_attention`, checked as it checks them
-    (the same TypeError / ValueError naming the argument; k and v may have
+    Same arguments as :func:`hkt.hkt_attention`, refused as it refuses them
+    (a TypeError / ValueError naming the argument; k and v may have
     fewer heads than q: grouped-query attention, :func:`repeat_kv`).  Dropout needs an explicit
     ``dropout_mask`` (B, H, T, S) of kept entries (e.g. from
     ``hkt._C.dropout_mask``), so results are reproducible.  With
     ``return_probs`` also returns P (B, H, T, S) before dropout.
     """
-    # the arguments checked as hkt_attention checks them, with its messages
-    # (imported here: hkt.functional's own imports reach this module)
-    from .functional import check_call
-    attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
-                                             dropout_allowed=True)
+    dropout_p, scale = _checked(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
     P = attention_probs(q, k, w, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     Pd = P
     if dropout_p > 0:
@@ -165,3 +169,94 @@ def hkt_attention_reference(
         Pd = P * dropout_mask.to(P.dtype) / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(P)
     out = Pd @ repeat_kv(v, P.shape[1])
     return (out, P) if return_probs else out
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _checked(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
+    """The arguments of :func:`hkt_attention_reference` refused where
+    hkt.hkt_attention refuses them, with a TypeError or ValueError whose
+    message starts with the argument's name.  Returns (dropout_p, scale) as
+    floats (scale None for the default)."""
+    for name, xs in (("q", q), ("k", k)):
+        if not isinstance(xs, (list, tuple)):
+            raise TypeError(f"{name}: expected a list or tuple of tensors (one per level), got {type(xs).__name__}")
+    if not 1 <= len(q) <= _MAX_LEVELS:
+        raise ValueError(f"q: expected 1 to {_MAX_LEVELS} levels, got {len(q)}")
+    if len(k) != len(q):
+        raise ValueError(f"k: expected {len(q)} levels, as q has, got {len(k)}")
+    named = [(f"q[{l}]", x) for l, x in enumerate(q)] + [(f"k[{l}]", x) for l, x in enumerate(k)]
+    named += [("v", v), ("w", w)]
+    for name, x in named:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if q[0].dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        raise TypeError(f"q[0]: dtype must be float32, float64 or bfloat16, got {q[0].dtype}")
+    for name, x in named:
+        if x.dtype != q[0].dtype:
+            raise TypeError(f"{name}: dtype {x.dtype} is not q[0]'s {q[0].dtype}")
+        if x.device != q[0].device:
+            raise ValueError(f"{name}: on {x.device}, q[0] on {q[0].device}")
+    _check_shapes(q, k, v, w)
+    if attn_mask is not None:
+        _check_mask(attn_mask, q[0], k[0])
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+    if not _is_real(dropout_p):
+        raise TypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1], got {dropout_p!r}")
+    if scale is None:
+        return float(dropout_p), None
+    if not _is_real(scale):
+        raise TypeError(f"scale: expected a real number or None, got {type(scale).__name__}")
+    try:
+        scale_f = float(scale)
+    except OverflowError:  # an int beyond the float range
+        scale_f = math.inf
+    if not math.isfinite(scale_f):
+        raise ValueError(f"scale: must be a finite number, got {scale!r}")
+    return float(dropout_p), scale_f
+
+
+def _check_shapes(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor) -> None:
+    """q[l] (B, H, ceil(T/2^l), D), k[l] (B, H_kv, ceil(S/2^l), D) with H_kv
+    dividing H, v (B, H_kv, S, Dv), w (L,) or (H, L): else a ValueError naming
+    the first argument that is not so."""
+    if q[0].dim() != 4 or q[0].shape[3] < 1:
+        raise ValueError(f"q[0]: expected (B, H, T, D) with D >= 1, got shape {tuple(q[0].shape)}")
+    if k[0].dim() != 4:
+        raise ValueError(f"k[0]: expected (B, H_kv, S, D), got shape {tuple(k[0].shape)}")
+    B, H, T, D = q[0].shape
+    Hk, S = k[0].shape[1], k[0].shape[2]
+    if (Hk == 0 and H != 0) or (Hk > 0 and H % Hk != 0):
+        raise ValueError(f"k[0]: its {Hk} heads must divide q[0]'s {H}")
+    for l in range(len(q)):
+        # -(-n >> l): ceil(n / 2^l)
+        for name, x, want in ((f"q[{l}]", q[l], (B, H, -(-T >> l), D)), (f"k[{l}]", k[l], (B, Hk, -(-S >> l), D))):
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, Hk, S):
+        raise ValueError(f"v: expected shape (B, H_kv, S, Dv) with (B, H_kv, S) = {(B, Hk, S)}, got "
+                         f"{tuple(v.shape)}")
+    if tuple(w.shape) not in ((len(q),), (H, len(q))):
+        raise ValueError(f"w: expected shape (L,) = {(len(q),)} or (H, L) = {(H, len(q))}, got {tuple(w.shape)}")
+
+
+def _check_mask(attn_mask, q0: Tensor, k0: Tensor) -> None:
+    """A bool or floating tensor on q[0]'s device that broadcasts to (B, H, T, S)."""
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask: dtype must be bool or floating point, got {attn_mask.dtype}")
+    if attn_mask.device != q0.device:
+        raise ValueError(f"attn_mask: on {attn_mask.device}, q[0] on {q0.device}")
+    full = (*q0.shape[:3], k0.shape[2])
+    try:
+        fits = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, full) == full
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask: shape {tuple(attn_mask.shape)} does not broadcast to (B, H, T, S) = {full}")

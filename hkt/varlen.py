@@ -6,7 +6,9 @@ import torch
 from torch import Tensor
 
 from . import _kernels
-from .functional import _autocast_inputs, _check_inputs, _check_scalars, _refuse_meta, _refuse_trace
+from ._checks import _CALL_FAILED, _check_inputs, _check_scalars, compute_dtype
+from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
+from .reference import hkt_attention_reference
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -121,7 +123,7 @@ def hkt_attention_varlen(
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)
         return _varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
-    except (TypeError, ValueError, AttributeError, IndexError, RuntimeError, BufferError):
+    except _CALL_FAILED:
         # what the extension cannot name: not tensors at all, mixed bfloat16
         _check_inputs(q, k, v, w)
         _refuse_meta(q[0], "variable-length attention")
@@ -176,8 +178,7 @@ def _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale):
     sequence's attention recomputed by hkt.reference in the compute dtype (its
     (T_s, S_s) scores and probabilities: O(T_s S_s) memory, as the padded call's
     double backward), then differentiated by autograd with create_graph=True."""
-    from .reference import hkt_attention_reference
-    L, cd = len(q), _kernels.compute_dtype(q[0].dtype)
+    L, cd = len(q), compute_dtype(q[0].dtype)
     oq = [x.tolist() for x in varlen_level_offsets(cu_q, L)]
     ok = [x.tolist() for x in varlen_level_offsets(cu_k, L)]
     with torch.enable_grad():

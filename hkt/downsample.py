@@ -1,0 +1,98 @@
+"""The causal downsampling that makes MultiheadHKT's coarse levels, and its
+autograd: the extension's one-pass kernels on the CPU in float32/float64, the
+torch expression everywhere else (and for double backward).
+
+Shapes: x (B, n, C), taps (K, C) -> (B, ceil(n / 2), C).
+"""
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _kernels
+from ._guards import _c_apply, _symbolic
+
+__all__ = ["causal_downsample"]
+
+
+def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
+    """Trainable causal depthwise downsampling, stride 2 (docs/contract.md section 2.2).
+
+        out[b, p, c] = sum_{r < K} taps[r, c] * x[b, 2p - r, c]    (x = 0 before the start)
+
+    On the CPU in float32/float64 the extension computes it in one pass, to
+    the bits of the torch expression (:func:`_downsample_expr`), which runs
+    everywhere else (other devices and dtypes, torch.compile, TorchScript),
+    and its gradients in one pass each, equal to the expression's within
+    rounding (the taps' sums are taken in another order).
+
+    Args:
+        x: (B, n, C).
+        taps: (K, C).
+
+    Returns:
+        (B, ceil(n / 2), C); row p depends only on rows <= 2p of ``x``.
+    """
+    if not torch.jit.is_scripting():
+        if _downsample_in_c(x, taps):
+            return _downsample_c(x, taps)
+    return _downsample_expr(x, taps)
+
+
+def _downsample_expr(x: Tensor, taps: Tensor) -> Tensor:
+    """causal_downsample in torch ops: a sum over r in order, each product rounded."""
+    K = taps.shape[0]
+    m = (x.shape[1] + 1) // 2
+    # K - 1 zero rows in front turn index 2p - r into 2p + (K - 1 - r) >= 0; the
+    # last index read, 2(m - 1), is < n, so no padding is needed at the end.
+    xp = F.pad(x, [0, 0, K - 1, 0])
+    out = xp[:, K - 1:K - 1 + 2 * m - 1:2] * taps[0]
+    for r in range(1, K):
+        start = K - 1 - r
+        out = out + xp[:, start:start + 2 * m - 1:2] * taps[r]
+    return out
+
+
+_DS_DTYPES = (torch.float32, torch.float64)
+
+
+@torch.jit.unused
+def _downsample_in_c(x: Tensor, taps: Tensor) -> bool:
+    """Whether the extension takes this call: CPU float32/float64 of one dtype,
+    the ranks it wants (a malformed call goes to the expression, whose error
+    torch raises), and not while torch.compile traces (it fuses the expression)
+    or torch.jit.trace records (it records ops, not the extension's calls), or
+    under torch.func transforms (the extension takes plain arrays)."""
+    return (x.dtype in _DS_DTYPES and taps.dtype == x.dtype and x.device.type == "cpu"
+            and taps.device.type == "cpu" and x.dim() == 3 and taps.dim() == 2 and taps.shape[0] >= 1
+            and taps.shape[1] == x.shape[2] and not _symbolic())
+
+
+@torch.jit.unused
+def _downsample_c(x: Tensor, taps: Tensor) -> Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or taps.requires_grad):
+        return _DOWNSAMPLE_APPLY(x, taps)
+    return _kernels._downsample_forward(x, taps)
+
+
+class _Downsample(torch.autograd.Function):
+    """causal_downsample's autograd on the extension's two passes.  A backward
+    run with create_graph=True differentiates the torch expression instead, so
+    double backward works too."""
+
+    @staticmethod
+    def forward(ctx, x, taps):
+        ctx.save_for_backward(x, taps)
+        return _kernels._downsample_forward(x, taps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, taps = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
+            need = [t for t, n in zip((x, taps), ctx.needs_input_grad[:2]) if n]
+            got = iter(torch.autograd.grad(_downsample_expr(x, taps), need, grad, create_graph=True))
+            return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
+        gx, gt = _kernels._downsample_backward(grad, x, taps, bool(ctx.needs_input_grad[0]))
+        return gx, (gt if ctx.needs_input_grad[1] else None)
+
+
+_DOWNSAMPLE_APPLY = _c_apply(_Downsample)  # never under torch.func transforms (_downsample_in_c)
