@@ -116,7 +116,7 @@ if (( T >= 30 )); then
         --progress "$OUT/tests.jsonl" --summary "$OUT/tests.json" --log "$OUT/tests.log" -- \
         tests/test_cuda.py --deselect tests/test_cuda.py::test_kernels_compile_for_sm80_and_sm90_without_spills
     rc=$?
-    (( rc != 0 )) && { STATUS=1; say "tests: exit status $rc (tests.json: first_failure)"; }
+    (( rc != 0 )) && { STATUS=1; say "tests: exit status $rc (tests.json: first_failure, gpu_skipped, not_run)"; }
 else
     STATUS=1
     say "3. tests skipped: ${T}s left before the timing step's share"

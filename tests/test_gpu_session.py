@@ -63,15 +63,27 @@ def test_dry_run_ends_within_a_minute_with_its_probe(tmp_path):
         assert probe["build"]["libcudart_static"].endswith("libcudart_static.a")
 
 
-def test_what_travels_to_the_gpu_machine_fits():
-    """Tracked files and untracked ones git does not ignore (and shared/): what the
-    device tool copies to the GPU machine, which takes at most 64 MiB."""
+def what_travels():
+    """Tracked files and untracked ones git does not ignore: what the device tool
+    copies to the GPU machine (with shared/)."""
     if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):
         pytest.skip("not a git checkout")
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
+    return list(filter(None, names))
+
+
+def copy_what_travels(to):
+    for n in what_travels():
+        if os.path.isfile(os.path.join(ROOT, n)):
+            os.makedirs(to / os.path.dirname(n), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, n), to / n)
+
+
+def test_what_travels_to_the_gpu_machine_fits():
+    """What the device tool copies to the GPU machine, which takes at most 64 MiB."""
     sizes = {}
-    for n in filter(None, names):
+    for n in what_travels():
         p = os.path.join(ROOT, n)
         if os.path.lexists(p):  # a tracked file deleted in the worktree does not travel
             sizes[n] = os.lstat(p).st_size
@@ -285,12 +297,7 @@ def test_build_with_an_older_setuptools(tmp_path):
     """The extension builds with the interpreter named, in a copy of the tree (as
     the GPU machine gets it), and imports."""
     py = os.environ["HKT_TEST_OLD_SETUPTOOLS_PYTHON"]
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for n in filter(None, names):
-        if os.path.isfile(os.path.join(ROOT, n)):
-            os.makedirs(tmp_path / os.path.dirname(n), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, n), tmp_path / n)
+    copy_what_travels(tmp_path)
     v = subprocess.run([py, "-c", "import setuptools; print(setuptools.__version__)"], capture_output=True,
                        text=True, check=True).stdout
     assert int(v.split(".")[0]) < 77, f"{py} has setuptools {v}: this test is for an older one"
@@ -317,3 +324,24 @@ def test_runner_limits_each_test(tmp_path):
     s = json.loads(open(p[1]).read())
     assert (s["died_in"], s["passed"], s["not_run"]) == (["test_slow.py::test_a_hangs"], 1, [])
     assert "Timeout" in open(p[2]).read()  # pytest-timeout's report, with the stacks, is in the log
+
+
+@pytest.mark.skipif(os.environ.get("HKT_TEST_GPU_SESSION_REHEARSAL") != "1",
+                    reason="opt-in: HKT_TEST_GPU_SESSION_REHEARSAL=1 (~3 min: it builds hkt._C in a copy)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a rehearsal is what runs without a GPU")
+def test_rehearsal_runs_every_step_on_the_cpu(tmp_path):
+    """GPU_SESSION_REHEARSAL=1: every step of the session on the CPU, in a copy of
+    what travels; it fails only for the GPU tests that skipped."""
+    tree, out = tmp_path / "tree", tmp_path / "out"
+    copy_what_travels(tree)
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, GPU_SESSION_REHEARSAL="1")
+    r = subprocess.run(["bash", "benchmarks/gpu_session.sh"], cwd=tree, env=env, capture_output=True, text=True,
+                       timeout=700)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert out_files(out) == ["build.log", "gpu.json", "probe.json", "session.log", "tests.json", "tests.jsonl",
+                              "tests.log"]
+    rep = json.loads((out / "gpu.json").read_text())
+    assert len(rep["failures"]) == 1 and "GPU tests skipped" in rep["failures"][0], rep["failures"]
+    assert rep["machine"]["hkt_extension"].startswith(str(tree))
+    assert rep["tests_test_cuda"]["passed"] > 0 and rep["tests_test_cuda"]["not_run"] == []
+    assert "sdpa_fastest_variant" in rep
