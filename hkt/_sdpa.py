@@ -59,7 +59,6 @@ fastest under ``"sdpa_fastest_variant"`` in its gpu.json, keyed the same way
 benchmarks/results/gpu.json, and tests/test_gpu_session.py checks that the
 two agree.
 """
-import functools
 import math
 import os
 from typing import List, Optional, Sequence
@@ -83,14 +82,20 @@ variant = os.environ.get("HKT_SDPA_VARIANT", "auto")
 MEASURED_FASTEST: dict = {}
 
 
-@functools.lru_cache(maxsize=None)
+_CUDA_NAMES: dict = {}  # device index -> "cuda sm_XY" (a plain dict: dynamo warns of lru_cache)
+
+
 def _device_name(device: torch.device) -> str:
     """"cpu", or "cuda sm_90" (its compute capability): what the measurement's
     key names, since the variant's speed depends on the kernels SDPA has for it."""
     if device.type != "cuda":
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"cuda sm_{major}{minor}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _CUDA_NAMES.get(index)
+    if name is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        name = _CUDA_NAMES[index] = f"cuda sm_{major}{minor}"
+    return name
 
 
 def variant_key(device: torch.device, dtype: torch.dtype, backward: bool) -> str:

@@ -6,6 +6,7 @@ each variant of handing the level vectors to SDPA (hkt._sdpa.variant)."""
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -289,3 +290,17 @@ def test_variant_comes_from_the_environment():
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HKT_SDPA_VARIANT="pad_v"),
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "pad_v"
+
+
+def test_auto_with_a_measurement_compiles_whole(monkeypatch):
+    """"auto"'s lookup and pad_v trace into one graph (no break, no warning)."""
+    monkeypatch.setattr(_sdpa, "variant", "auto")
+    monkeypatch.setattr(_sdpa, "MEASURED_FASTEST", {"cpu float64 forward+backward": "pad_v"})
+    q, k, v, w = sample_inputs(1, 2, 16, 16, 8, 8, 3, requires_grad=True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, w: sdpa(q, k, v, w, is_causal=True), fullgraph=True, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = outputs_and_grads(lambda q, k, v, w, attn_mask: f(q, k, v, w), q, k, v, w, None)
+    want = outputs_and_grads(reference, q, k, v, w, None, is_causal=True)
+    assert_close_all(got, want, 1e-10)
