@@ -402,7 +402,7 @@ def failures_in_tests(s):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_session", "gpu.json"))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test of this script)")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds this script may take")
