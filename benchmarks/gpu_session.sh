@@ -45,10 +45,15 @@ TIMING=${GPU_SESSION_TIMING:-180}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 exec > >(tee -a "$OUT/session.log") 2>&1
+TEE=$!
 
 say() { echo "[gpu_session $(( $(date +%s) - START ))s] $*"; }
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-finish() { say "$2"; say "results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"; exit "$1"; }
+# the last lines reach session.log before the exit: tee is waited for
+finish() {
+    say "$2"; say "results in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+    exec >&- 2>&-; wait "$TEE" 2>/dev/null; exit "$1"
+}
 
 say "start $(date -u +%FT%TZ), budget ${BUDGET}s (${TIMING}s kept for correctness and timings), OUT=$OUT"
 if command -v git >/dev/null 2>&1 && git rev-parse HEAD >/dev/null 2>&1; then
