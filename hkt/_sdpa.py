@@ -36,8 +36,31 @@ multiplies a zero probability by v.
 No data-dependent branch: the fix-up is applied unconditionally (masked_fill
 with a mask that is usually all False), so this traces under torch.compile and
 can be captured in a CUDA graph.
+
+Variants: how Q~, K~ and v are handed to SDPA (``variant``, below):
+
+- ``"concat"``: as they are, Q~ and K~ of head size L*D against v of Dv.  SDPA
+  picks its kernel; on CUDA FlashAttention refuses unequal head sizes, so with
+  Dv != L*D this runs on the memory-efficient kernel (or the math one).
+- ``"pad_v"``: the narrower side zero-padded to the wider head size (v to L*D,
+  or Q~ and K~ to Dv, which leaves every score as it is), the output sliced
+  back to Dv.  Equal head sizes let FlashAttention take it, at the cost of
+  L*D/Dv times the P.V work (3x at D = Dv, L = 3); the padding's gradient is
+  sliced away by autograd.
+
+``variant`` is this module's attribute (``hkt._sdpa.variant = "pad_v"``),
+initialised from the environment variable ``HKT_SDPA_VARIANT`` at import:
+``"concat"``, ``"pad_v"`` or ``"auto"`` (the default).  ``"auto"`` takes the
+variant that ``MEASURED_FASTEST`` records for the call's device, dtype and
+mode (forward, or forward+backward), and ``"concat"`` where nothing is
+recorded.  benchmarks/gpu_session.sh times every variant and writes the
+fastest under ``"sdpa_fastest_variant"`` in its gpu.json, keyed the same way
+(``variant_key``); ``MEASURED_FASTEST`` is copied from a committed
+benchmarks/results/gpu.json, and tests/test_gpu_session.py checks that the
+two agree.
 """
 import math
+import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -47,6 +70,60 @@ from torch import Tensor
 from ._checks import float_mask_in
 
 __all__ = ["sdpa_attention", "concat_levels"]
+
+VARIANTS = ("concat", "pad_v")
+variant = os.environ.get("HKT_SDPA_VARIANT", "auto")
+
+# variant_key(...) -> the fastest variant there, as measured by
+# benchmarks/gpu_session.sh (its gpu.json's "sdpa_fastest_variant"); empty
+# until a GPU run has been committed, so "auto" is "concat" everywhere
+MEASURED_FASTEST: dict = {}
+
+
+_CUDA_NAMES: dict = {}  # device index -> "cuda sm_XY" (a plain dict: dynamo warns of lru_cache)
+
+
+def _device_name(device: torch.device) -> str:
+    """"cpu", or "cuda sm_90" (its compute capability): what the measurement's
+    key names, since the variant's speed depends on the kernels SDPA has for it."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    name = _CUDA_NAMES.get(index)
+    if name is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        name = _CUDA_NAMES[index] = f"cuda sm_{major}{minor}"
+    return name
+
+
+def variant_key(device: torch.device, dtype: torch.dtype, backward: bool) -> str:
+    """The key of MEASURED_FASTEST, e.g. "cuda sm_90 bfloat16 forward+backward"."""
+    return f"{_device_name(device)} {str(dtype)[6:]} {'forward+backward' if backward else 'forward'}"
+
+
+def _pick_variant(qt: Tensor, v: Tensor) -> str:
+    chosen = variant
+    if chosen == "auto":
+        if not MEASURED_FASTEST:
+            return "concat"
+        backward = torch.is_grad_enabled() and (qt.requires_grad or v.requires_grad)
+        chosen = MEASURED_FASTEST.get(variant_key(qt.device, qt.dtype, backward), "concat")
+    if chosen not in VARIANTS:
+        raise ValueError(f"hkt._sdpa.variant (or HKT_SDPA_VARIANT): expected 'auto' or one of {VARIANTS}, "
+                         f"got {chosen!r}")
+    return chosen
+
+
+def _equal_head_sizes(qt: Tensor, kt: Tensor, v: Tensor):
+    """(Q~, K~, v) zero-padded to one head size (zeros in Q~ and K~ add nothing
+    to a score; zero columns of v give output columns sliced away)."""
+    n, dv = qt.shape[-1], v.shape[-1]
+    if dv < n:
+        v = F.pad(v, (0, n - dv))
+    elif n < dv:
+        qt, kt = F.pad(qt, (0, dv - n)), F.pad(kt, (0, dv - n))
+    return qt, kt, v
+
 
 
 def _repeat_rows(x: Tensor, l: int, n: int) -> Tensor:
@@ -80,12 +157,16 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     qt, kt = concat_levels(q, k, w)
+    Dv = v.shape[-1]
+    if _pick_variant(qt, v) == "pad_v":
+        qt, kt, v = _equal_head_sizes(qt, kt, v)
     gqa = kt.shape[1] != qt.shape[1]  # grouped-query: SDPA reads kv head h // (H // H_kv), as the kernels do
     scale = float(scale)
     if attn_mask is None and (not is_causal or scale > 0):
         # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
         # where SDPA gives zeros
-        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return out[..., :Dv] if out.shape[-1] != Dv else out
     if attn_mask is None:
         # is_causal with a scale <= 0: torch 2.13's CPU kernel for is_causal gives
         # NaN rows there (finite inputs, Dv = L * D); with an explicit mask it is
@@ -106,4 +187,6 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
         mask = mask.masked_fill(empty, 0.0)
     out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if out.shape[-1] != Dv:
+        out = out[..., :Dv]
     return out.masked_fill(empty, 0.0)

@@ -1,12 +1,18 @@
 """hkt_attention(..., backend="sdpa"): HKT through torch's scaled_dot_product_attention
 on concatenated level vectors (hkt/_sdpa.py), against the float64 reference:
 forward and every gradient (q[l], k[l], v, w and a float mask's), masks of every
-kind with and without is_causal, shared and per-head w, rows with no visible key."""
+kind with and without is_causal, shared and per-head w, rows with no visible key;
+each variant of handing the level vectors to SDPA (hkt._sdpa.variant)."""
+import os
+import subprocess
+import sys
+import warnings
+
 import pytest
 import torch
 
 import hkt
-from hkt import functional
+from hkt import _sdpa, functional
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import MASKS, assert_within_lowp_error, make_mask, sample_inputs
@@ -195,3 +201,106 @@ def test_compiles_fullgraph():
     torch._dynamo.reset()
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(*q, *k, v, w)
     torch.testing.assert_close(got, f(*q, *k, v, w), rtol=1e-6, atol=1e-6)
+
+
+# ---- variants (hkt._sdpa.variant): how Q~, K~ and v are handed to SDPA
+
+def sdpa_calls(monkeypatch):
+    """The (q, k, v) head sizes of every F.scaled_dot_product_attention call."""
+    seen, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *a, **kw):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_pad_v_matches_reference_float64(monkeypatch, size, mask, causal):
+    """v zero-padded to L*D (or Q~ and K~ to Dv where Dv is wider: 1x2x7x7x4x9x2):
+    the reference's values and every gradient, the padding's sliced away."""
+    monkeypatch.setattr(_sdpa, "variant", "pad_v")
+    seen = sdpa_calls(monkeypatch)
+    B, H, T, S, D, Dv, L = size
+    q, k, v, w = sample_inputs(*size, requires_grad=True)
+    am = make_mask(mask, B, H, T, S, torch.float64)
+    if mask == "float":
+        am.requires_grad_()
+    got = outputs_and_grads(sdpa, q, k, v, w, am, is_causal=causal)
+    want = outputs_and_grads(reference, q, k, v, w, am, is_causal=causal)
+    assert_close_all(got, want, 1e-10)
+    assert seen == [(max(L * D, Dv),) * 3]
+    assert got[0].shape == (B, H, T, Dv)
+
+
+def test_pad_v_rows_with_no_visible_key_and_grouped_heads(monkeypatch):
+    monkeypatch.setattr(_sdpa, "variant", "pad_v")
+    B, H, T, S, D, Dv, L = 2, 4, 20, 24, 4, 3, 3
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, requires_grad=True, kv_heads=2)
+    am = torch.ones(B, 1, T, S, dtype=torch.bool)
+    am[0, :, 3] = False
+    got = outputs_and_grads(sdpa, q, k, v, w, am, is_causal=True)
+    want = outputs_and_grads(reference, q, k, v, w, am, is_causal=True)
+    assert (got[0][0, :, 3] == 0).all()
+    assert_close_all(got, want, 1e-10)
+
+
+def test_concat_hands_sdpa_the_level_vectors_as_they_are(monkeypatch):
+    monkeypatch.setattr(_sdpa, "variant", "concat")
+    seen = sdpa_calls(monkeypatch)
+    q, k, v, w = sample_inputs(1, 2, 16, 16, 8, 8, 3)
+    sdpa(q, k, v, w, is_causal=True)
+    assert seen == [(24, 24, 8)]
+
+
+def test_auto_follows_the_measured_variant(monkeypatch):
+    """"auto" takes MEASURED_FASTEST's variant for the call's device, dtype and
+    mode (forward+backward when a gradient is to be taken), "concat" where none
+    is recorded."""
+    monkeypatch.setattr(_sdpa, "variant", "auto")
+    key = _sdpa.variant_key(torch.device("cpu"), torch.float64, True)
+    assert key == "cpu float64 forward+backward"
+    monkeypatch.setattr(_sdpa, "MEASURED_FASTEST", {key: "pad_v"})
+    seen = sdpa_calls(monkeypatch)
+    q, k, v, w = sample_inputs(1, 2, 16, 16, 8, 8, 3, requires_grad=True)
+    sdpa(q, k, v, w)
+    with torch.no_grad():  # forward: nothing recorded for it
+        sdpa(q, k, v, w)
+    sdpa([x.detach() for x in q], [x.detach() for x in k], v.detach(), w.detach())
+    assert seen == [(24, 24, 24), (24, 24, 8), (24, 24, 8)]
+
+
+def test_unknown_variant_is_named(monkeypatch):
+    q, k, v, w = sample_inputs(1, 1, 4, 4, 2, 2, 2)
+    monkeypatch.setattr(_sdpa, "variant", "flash")
+    with pytest.raises(ValueError, match=r"HKT_SDPA_VARIANT.*'flash'"):
+        sdpa(q, k, v, w)
+    monkeypatch.setattr(_sdpa, "variant", "auto")
+    monkeypatch.setattr(_sdpa, "MEASURED_FASTEST", {"cpu float64 forward": "padded"})
+    with pytest.raises(ValueError, match=r"'padded'"):
+        sdpa(q, k, v, w)
+
+
+def test_variant_comes_from_the_environment():
+    code = "import hkt._sdpa as s; print(s.variant)"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HKT_SDPA_VARIANT="pad_v"),
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "pad_v"
+
+
+def test_auto_with_a_measurement_compiles_whole(monkeypatch):
+    """"auto"'s lookup and pad_v trace into one graph (no break, no warning)."""
+    monkeypatch.setattr(_sdpa, "variant", "auto")
+    monkeypatch.setattr(_sdpa, "MEASURED_FASTEST", {"cpu float64 forward+backward": "pad_v"})
+    q, k, v, w = sample_inputs(1, 2, 16, 16, 8, 8, 3, requires_grad=True)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, w: sdpa(q, k, v, w, is_causal=True), fullgraph=True, backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = outputs_and_grads(lambda q, k, v, w, attn_mask: f(q, k, v, w), q, k, v, w, None)
+    want = outputs_and_grads(reference, q, k, v, w, None, is_causal=True)
+    assert_close_all(got, want, 1e-10)
