@@ -246,3 +246,16 @@ def test_frozen_attention_stays_frozen():
         layer.self_attn.requires_grad_(False)
     ht.convert(model)
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".hkt." in n)
+
+
+def test_static_cache():
+    """levels=1 is the model's attention with any cache; the coarse levels need
+    the dynamic one (a static cache's prefill leaves the new tokens' positions
+    among empty slots)."""
+    x = ids(1, 6)
+    one = ht.convert(tiny("llama"), levels=1)
+    want = one.generate(x, max_new_tokens=4, do_sample=False)
+    assert torch.equal(one.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static"), want)
+    three = ht.convert(tiny("llama"), levels=3)
+    with pytest.raises(NotImplementedError, match="static cache"):
+        three.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static")

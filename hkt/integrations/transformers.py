@@ -140,8 +140,9 @@ class _DecodeState:
         self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
 
 
-def _unsupported(what: str) -> NotImplementedError:
-    return NotImplementedError(f"attn_implementation='hkt': {what} is not supported")
+def _unsupported(what: str, instead: str = "") -> NotImplementedError:
+    return NotImplementedError(f"attn_implementation='hkt': {what} is not supported" + (f"; {instead}" if instead
+                                                                                          else ""))
 
 
 def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
@@ -151,8 +152,9 @@ def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Ten
     average neighbouring tokens, which another mask (packed sequences, sliding
     windows, bidirectional blocks) would have to cut, and they cannot."""
     if mask is None:
-        if T != S and T != 1:
-            raise ValueError(f"attention_mask: None for {T} queries against {S} keys, whose positions it leaves open")
+        if T != S and T != 1:  # transformers' prefill into a static cache (its later slots empty)
+            raise _unsupported("a static cache (cache_implementation='static') with levels > 1",
+                               "use the default dynamic cache")
         return None
     if mask.dim() != 4 or mask.shape[-2:] != (T, S) or mask.shape[0] not in (1, B):
         raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, {T}, {S}), got shape {tuple(mask.shape)}")
@@ -172,7 +174,8 @@ def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Ten
     # from its last row alone
     if not torch.equal(visible, causal & real[:, None, :]):
         raise _unsupported("an attention mask other than causal attention over each row's tokens (packed "
-                           "sequences, sliding windows, bidirectional blocks, a custom 4-D mask)")
+                           "sequences, sliding windows, bidirectional blocks, a static cache's unfilled slots, a "
+                           "custom 4-D mask)")
     first = torch.where(real.any(dim=1), real.int().argmax(dim=1), 0)
     count = real.sum(dim=1)
     if not torch.equal(real, (pos >= first[:, None]) & (pos < (first + count)[:, None])):
@@ -217,21 +220,21 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         raise _unsupported("non-causal attention (HKT's coarse levels here are causal)")
     B, H, T, D = query.shape
     S = key.shape[2]
-    real = _real_tokens(attention_mask, B, T, S)
     w = levels.level_weights(query)
-    if levels.levels == 1:
-        out = _level0(query, key, value, w, attention_mask, real, scaling, dropout)
-    elif S == T:
+    if levels.levels == 1:  # the model's own attention: any mask it builds
+        return _level0(query, key, value, w, attention_mask, scaling, dropout).transpose(1, 2), None
+    real = _real_tokens(attention_mask, B, T, S)
+    if S == T:
         out = _prefill(levels, query, key, value, w, real, scaling, dropout, bool(kwargs.get("use_cache")))
     else:
         out = _decode(levels, query, key, value, w, real, scaling, dropout)
     return out.transpose(1, 2), None
 
 
-def _level0(query, key, value, w, mask, real, scaling, dropout):
+def _level0(query, key, value, w, mask, scaling, dropout):
     """levels=1: the model's attention, on hkt's kernels, with its own mask."""
-    S, T = key.shape[2], query.shape[2]
-    if mask is None:  # causal with no padding, T = S, or one new token that sees every key
+    T = query.shape[2]
+    if mask is None:  # causal with no padding (T = S, or a static cache's first T of S), or one new token
         return hkt.hkt_attention([query], [key], value, w, is_causal=T > 1, dropout_p=dropout, scale=scaling)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
@@ -300,13 +303,14 @@ def _decode(levels: HKTLevels, query, key, value, w, real, scaling, dropout):
     if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
         raise _unsupported(
             "a cache that changed between steps other than by appending (beam search reordering, assisted or "
-            "speculative decoding's cropping, a cache from another call); HKT's coarse levels are kept per step. "
-            "Use greedy search or sampling with num_beams=1")
+            "speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
+            "per step", "use greedy search or sampling with num_beams=1")
     pad, count = _row_layout(real, B, S, query.device)
     if not torch.equal(pad, state.pad):
         raise _unsupported("padding that changes during decoding")
     if not bool((pad + count == S).all()):
-        raise _unsupported("padded new tokens during decoding (right padding)")
+        raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
+                           "unfilled slots)", "pad on the left, and use the default dynamic cache")
     L, K = levels.levels, levels.downsample_kernel
     top = 2 ** (L - 1)
     t0 = count - T  # each row's position (tokens only) of the first new query
@@ -367,8 +371,8 @@ def _write_blocks(caches: List[Tensor], new: List[Tensor], rows: Tensor, S: int)
 def _refuse_reorder(cache, beam_idx):
     """Beam search's cache reordering: the coarse levels' decoding state is not
     reordered with HF's cache, so refuse rather than decode from the wrong beams."""
-    raise _unsupported("beam search (num_beams > 1: the cache is reordered between steps); use greedy search or "
-                       "sampling with num_beams=1")
+    raise _unsupported("beam search (num_beams > 1: the cache is reordered between steps)",
+                       "use greedy search or sampling with num_beams=1")
 
 
 def _attention_modules(model: nn.Module) -> List[nn.Module]:
@@ -470,7 +474,19 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
         raise ValueError(f"path: the config in {path} has no '{CONFIG_KEY}' entry: not saved from a model converted "
                          "by hkt.integrations.transformers.convert")
     options = dict(options)
-    model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    # transformers' own list of checkpoint keys the class does not define but expects:
+    # the HKT parameters, which convert adds after it loads the rest (its load
+    # report would otherwise call them unexpected)
+    own = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__
+    before = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    model_class._keys_to_ignore_on_load_unexpected = list(before or []) + [r"\.hkt\."]
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    finally:
+        if own:
+            model_class._keys_to_ignore_on_load_unexpected = before
+        else:
+            del model_class._keys_to_ignore_on_load_unexpected
     convert(model, options.pop("levels"), options.pop("downsample_kernel"), **options)
     names = [n for n in model.state_dict() if ".hkt." in n]
     loaded = _checkpoint_tensors(path, names)
