@@ -135,9 +135,25 @@ def test_cached_chunks_equal_the_whole_sequence(family, levels, kernel, decode_k
     monkeypatch.setattr(ht, "_DECODE_KERNEL", decode_kernel)
     model = scramble(ht.convert(tiny(family), levels=levels, downsample_kernel=kernel))
     x = ids(2, 30)
-    want = model(x, use_cache=False).logits
-    got = _stepwise(model, x, [5, 1, 3, 1, 1, 7, 2, 10])
+    with torch.no_grad():  # as in generate: the decoding kernel runs only without gradients
+        want = model(x, use_cache=False).logits
+        got = _stepwise(model, x, [5, 1, 3, 1, 1, 7, 2, 10])
     assert rel(got, want) < 1e-4
+
+
+def test_gradients_flow_across_cached_calls():
+    """Training through a cache (chunks of a sequence, each attending to the
+    cached ones): the gradients of every parameter are the whole sequence's."""
+    model = scramble(ht.convert(tiny("llama"), levels=3))
+    x = ids(2, 19)
+    grads = []
+    for run in (lambda: model(x, use_cache=False).logits, lambda: _stepwise(model, x, [6, 1, 5, 7])):
+        model.zero_grad()
+        run().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert rel(grads[1][name], g) < 1e-4, name
+    assert all(bool(g.abs().sum() > 0) for n, g in grads[0].items() if ".hkt." in n)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -186,10 +186,10 @@ def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Ten
     return real
 
 
-def _shift_index(pad: Tensor, n: int, start: int = 0) -> Tensor:
-    """(B, n) indices pad[b] + start + i, clamped to [0, ...) by the caller's use:
-    row b read from its first token on."""
-    return pad[:, None] + start + torch.arange(n, device=pad.device)
+def _shift_index(pad: Tensor, n: int) -> Tensor:
+    """(B, n) indices pad[b] + i: n positions of row b from position pad[b] on
+    (for :func:`_take`, which clamps them into range)."""
+    return pad[:, None] + torch.arange(n, device=pad.device)
 
 
 def _take(x: Tensor, index: Tensor) -> Tensor:
@@ -268,11 +268,9 @@ def _prefill(levels: HKTLevels, query, key, value, w, real, scaling, dropout, us
     qs = [q0] + levels.coarse(q0, "q")
     ks = [k0] + levels.coarse(k0, "k")
     out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=True, dropout_p=dropout, scale=scaling)
-    if use_cache:
-        # copies where autograd holds the originals: decoding writes into the coarse keys
-        keep = [k.detach().clone() if k.requires_grad else k.detach() for k in ks[1:]]
-        levels.decode_state = _DecodeState(T, pad, key[:, :, -1].detach(),
-                                           query[:, :, -_tail_length(levels):].detach(), keep)
+    if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
+        levels.decode_state = _DecodeState(T, pad, key[:, :, -1].detach(), query[:, :, -_tail_length(levels):],
+                                           ks[1:])
     if shifted:  # back to the model's layout
         out = _take(out, _shift_index(-pad, T))
     if real is not None:  # padding rows give zeros
@@ -323,12 +321,9 @@ def _decode(levels: HKTLevels, query, key, value, w, real, scaling, dropout):
     q_win = _take(q_all, window - (S - q_all.shape[2]))
     k_win = _take(key, window)
     new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
-    qs, new_k = [query], []
-    for l, (qc, kc) in enumerate(zip(levels.coarse(q_win, "q"), levels.coarse(k_win, "k")), start=1):
-        local = (new_rows >> l) - (start[:, None] >> l)  # the new positions' blocks, in the window
-        qs.append(_take(qc, local))
-        new_k.append(_take(kc, local))
-    coarse_k = _write_blocks(state.coarse_k, new_k, new_rows, S)
+    qs = [query]  # level l: the new positions' blocks, found in the window's level l
+    qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l)) for l, qc in enumerate(levels.coarse(q_win, "q"), 1)]
+    coarse_k = _write_blocks(state.coarse_k, levels.coarse(k_win, "k"), start, new_rows, S)
     shifted = bool(pad.any())
     k0 = _take(key, _shift_index(pad, S)) if shifted else key
     v0 = _take(value, _shift_index(pad, S)) if shifted else value
@@ -343,28 +338,37 @@ def _decode(levels: HKTLevels, query, key, value, w, real, scaling, dropout):
                                   attn_mask=(keys <= (t0 + i)[:, None])[:, None, None, :], dropout_p=dropout,
                                   scale=scaling) for i in range(T)]
         out = torch.cat(rows, dim=2)
-    state.length, state.coarse_k = S, [c.detach() for c in coarse_k]
+    state.length, state.coarse_k = S, coarse_k
     state.last_key = key[:, :, -1].detach()
-    state.q_tail = q_all[:, :, -_tail_length(levels):].detach()
+    state.q_tail = q_all[:, :, -_tail_length(levels):]
     return out
 
 
-def _write_blocks(caches: List[Tensor], new: List[Tensor], rows: Tensor, S: int) -> List[Tensor]:
-    """The coarse key caches with the new positions' blocks written in (slot
-    rows >> l of level l), grown to hold ceil(S / 2^l) slots.  In place where
-    no gradient is wanted (generation); else a new tensor, the new blocks'
-    gradients flowing to them."""
+def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, rows: Tensor, S: int) -> List[Tensor]:
+    """The coarse key caches with the blocks of the new positions ``rows``
+    (B, T) written in, from the levels of the window that begins at each row's
+    position ``start``, grown to hold ceil(S / 2^l) slots.  In place where no
+    gradient is wanted (generation); else a new tensor through which the
+    gradient reaches the old blocks and each new one once (several new
+    positions share a block: a scatter of each would count its gradient as
+    many times)."""
     out = []
-    for l, (cache, k) in enumerate(zip(caches, new), start=1):
+    for l, (cache, kc) in enumerate(zip(caches, window), start=1):
         need = -(-S // 2 ** l)
         if cache.shape[2] < need:  # doubled, so that growing costs O(1) per token
             grow = max(need, 2 * cache.shape[2]) - cache.shape[2]
             cache = torch.cat([cache, cache.new_zeros(*cache.shape[:2], grow, cache.shape[3])], dim=2)
-        index = (rows >> l)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        if torch.is_grad_enabled() and k.requires_grad:
-            out.append(cache.scatter(2, index, k))
-        else:
-            out.append(cache.scatter_(2, index, k))
+        offset = start[:, None] >> l  # the window's first block
+        if torch.is_grad_enabled() and (kc.requires_grad or cache.requires_grad):
+            slots = torch.arange(cache.shape[2], device=cache.device)[None, :]
+            new = (slots >= rows[:, :1] >> l) & (slots <= rows[:, -1:] >> l)  # (B, slots)
+            out.append(torch.where(new[:, None, :, None], _take(kc, slots - offset), cache))
+            continue
+        if cache.requires_grad:  # part of an earlier call's graph, which a backward may still read
+            cache = cache.detach().clone()
+        block = rows >> l
+        index = block[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])
+        out.append(cache.scatter_(2, index, _take(kc, block - offset)))
     return out
 
 
