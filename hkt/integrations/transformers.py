@@ -23,6 +23,7 @@ with its own trainable (head_dim x head_dim) matrix.  The attention itself is
 import json
 import math
 import os
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -145,7 +146,24 @@ def _unsupported(what: str, instead: str = "") -> NotImplementedError:
                                                                                           else ""))
 
 
+# the last mask _real_tokens read and what it found: a model hands every layer the same mask
+_last_mask = (lambda: None, None, None)
+
+
 def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
+    """:func:`_read_mask`, once per mask object (and version) a model builds."""
+    global _last_mask
+    if mask is None:
+        return _read_mask(mask, B, T, S)
+    ref, key, real = _last_mask
+    if ref() is mask and key == (mask._version, B, T, S):
+        return real
+    real = _read_mask(mask, B, T, S)
+    _last_mask = (weakref.ref(mask), (mask._version, B, T, S), real)
+    return real
+
+
+def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
     """Which of the S keys of each row are tokens (not padding), (B, S) bool, from
     the 4-D mask the model built (None: no padding), after checking that it is
     causal attention over each row's tokens, and nothing else: the coarse levels
