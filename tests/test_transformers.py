@@ -266,3 +266,14 @@ def test_static_cache():
     three = ht.convert(tiny("llama"), levels=3)
     with pytest.raises(NotImplementedError, match="static cache"):
         three.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static")
+
+
+def test_bfloat16_generation():
+    """bfloat16 decodes on hkt_attention one token at a time (the decoding
+    kernel takes float32 and float64): the same tokens as without a cache."""
+    model = scramble(ht.convert(tiny("qwen2"), levels=3)).to(torch.bfloat16)
+    x = ids(2, 9)
+    seq, logits = _generate(model, x)
+    seq_nc, logits_nc = _generate(model, x, use_cache=False)
+    assert torch.equal(seq, seq_nc)
+    assert rel(logits.float(), logits_nc.float()) < 2e-2
