@@ -277,3 +277,19 @@ def test_bfloat16_generation():
     seq_nc, logits_nc = _generate(model, x, use_cache=False)
     assert torch.equal(seq, seq_nc)
     assert rel(logits.float(), logits_nc.float()) < 2e-2
+
+
+def test_gradient_checkpointing():
+    """transformers' gradient checkpointing recomputes each layer in the
+    backward: the same gradients (the attention keeps no state without a cache)."""
+    model = scramble(ht.convert(tiny("llama"), levels=3)).train()
+    x = ids(2, 15)
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if ".hkt." in n})
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-7), name
