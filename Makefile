@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test,experiments]"
+	$(BIN)/python -m pip install -q -e ".[test,experiments,transformers]"
 	touch $@
 
 install: $(BIN)/.installed

@@ -1,0 +1,524 @@
+"""HKT attention in Hugging Face transformers models (docs/transformers.md).
+
+Importing this module registers ``"hkt"`` with transformers' ``AttentionInterface``
+(and its mask interface, so that models build the boolean causal-and-padding mask
+for it).  Then:
+
+    convert(model, levels=3, downsample_kernel=2, level0_weight=0.5) -> model
+        gives every attention module of a loaded decoder HKT's trainable parts,
+        initialised so that the model computes what it computed before, and
+        switches it to attn_implementation="hkt";
+    from_pretrained(ModelClass, path, **kwargs) -> model
+        loads a converted model saved with save_pretrained, HKT parameters included.
+
+The attention function receives the projected, rotary-embedded query and key of
+each head.  Level 0 is them; level l >= 1 causally downsamples the previous
+level's query (key) sequence, per channel, with trainable taps
+(:func:`hkt.modules.causal_downsample`) and maps each head's downsampled vector
+with its own trainable (head_dim x head_dim) matrix.  The attention itself is
+:func:`hkt.hkt_attention`; decoding steps with a cache run
+:func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
+:func:`hkt.hkt_attention` one new token at a time.
+"""
+import json
+import math
+import os
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # the extra is optional: say how to get it
+    raise ImportError('hkt.integrations.transformers needs transformers 5: pip install "hkt[transformers]"') from e
+
+import hkt
+from hkt.modules import causal_downsample
+
+__all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
+
+NAME = "hkt"
+# the key in model.config (and config.json) that says a model is converted, and how
+CONFIG_KEY = "hkt"
+# hkt_attention_with_kvcache for decoding steps where it can run (tests turn it off
+# to check the other path, hkt_attention one token at a time, against it)
+_DECODE_KERNEL = True
+
+
+class HKTLevels(nn.Module):
+    """The parameters HKT adds to one attention module (its ``hkt`` child), for
+    H query heads, H_kv key/value heads of D features and L levels (K taps):
+
+    * ``q_downsample`` (L-1, K, H D), ``k_downsample`` (L-1, K, H_kv D): the taps
+      of level l's causal downsampling of level l-1's query and key sequences
+      (channels = the heads' features side by side);
+    * ``coarse_q_proj`` (L-1, H, D, D), ``coarse_k_proj`` (L-1, H_kv, D, D):
+      level l's map of each head's downsampled vector (torch layout, out x in);
+    * ``level_logits`` (H, L): the level weights are ``softmax(level_logits) *
+      level_scale``, ``level_scale`` (a buffer, not saved: it follows from the
+      config) being 1 / (level 0's weight at conversion), so that level 0's
+      score starts as the model's own.
+
+    ``levels=1`` has none of them (level 0 is the model's attention unchanged).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, levels: int, downsample_kernel: int,
+                 level0_weight: float, *, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.levels, self.downsample_kernel, self.level0_weight = levels, downsample_kernel, level0_weight
+        self.decode_state: Optional[_DecodeState] = None
+        if levels == 1:
+            return
+        H, Hk, D, Lc, K = num_heads, num_kv_heads, head_dim, levels - 1, downsample_kernel
+        kw = {"device": device, "dtype": dtype}
+        self.q_downsample = nn.Parameter(torch.empty(Lc, K, H * D, **kw))
+        self.k_downsample = nn.Parameter(torch.empty(Lc, K, Hk * D, **kw))
+        self.coarse_q_proj = nn.Parameter(torch.empty(Lc, H, D, D, **kw))
+        self.coarse_k_proj = nn.Parameter(torch.empty(Lc, Hk, D, D, **kw))
+        self.level_logits = nn.Parameter(torch.empty(H, levels, **kw))
+        self.register_buffer("level_scale", torch.empty(H, 1, **kw), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The conversion's initialisation, MultiheadHKT.from_mha's for these
+        parameters: coarse queries zero (every coarse score 0, the model's
+        function unchanged), coarse keys the block averages of the model's keys
+        (taps 1/K, identity maps: a meaningful target for the coarse queries),
+        level 0's weight ``level0_weight`` and the rest split evenly."""
+        if self.levels == 1:
+            return
+        L, K, w0 = self.levels, self.downsample_kernel, self.level0_weight
+        self.q_downsample.fill_(1.0 / K)
+        self.k_downsample.fill_(1.0 / K)
+        self.coarse_q_proj.zero_()
+        eye = torch.eye(self.head_dim, dtype=self.coarse_k_proj.dtype, device=self.coarse_k_proj.device)
+        self.coarse_k_proj.copy_(eye.expand_as(self.coarse_k_proj))
+        # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives level 0 the softmax weight w0
+        self.level_logits.zero_()
+        self.level_logits[:, 0] = math.log(w0 * (L - 1) / (1.0 - w0))
+        self.level_scale.copy_(1.0 / torch.softmax(self.level_logits, dim=-1)[:, :1])
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"levels={self.levels}, downsample_kernel={self.downsample_kernel}")
+
+    def level_weights(self, like: Tensor) -> Tensor:
+        """w (H, L) for hkt_attention, in ``like``'s dtype."""
+        if self.levels == 1:
+            return like.new_ones(self.num_heads, 1)
+        return (torch.softmax(self.level_logits, dim=-1) * self.level_scale).to(like.dtype)
+
+    def coarse(self, x: Tensor, stream: str) -> List[Tensor]:
+        """Levels 1 .. L-1 of the query (``stream="q"``) or key (``"k"``)
+        sequence x (B, heads, N, D): level l (B, heads, ceil(N / 2^l), D), the
+        block p of which depends only on x's rows <= 2^l p."""
+        taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
+                                                                                  self.coarse_k_proj)
+        B, Hx, N, D = x.shape
+        flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
+        out = []
+        for l in range(1, self.levels):
+            flat = causal_downsample(flat, taps[l - 1])
+            n = flat.shape[1]
+            out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))
+        return out
+
+
+class _DecodeState:
+    """What a converted attention module keeps between the forward calls of one
+    cached generation, beyond HF's key/value cache (which holds level 0): the
+    coarse keys of every block so far, per row in its own positions (padding
+    removed: slot p of level l is the row's block p), the latest full-resolution
+    queries the next blocks' queries are downsampled from, and what checks that
+    the next call continues this cache (its length, its padding, its last key)."""
+
+    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor]):
+        self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
+
+
+def _unsupported(what: str, instead: str = "") -> NotImplementedError:
+    return NotImplementedError(f"attn_implementation='hkt': {what} is not supported" + (f"; {instead}" if instead
+                                                                                          else ""))
+
+
+# the last mask _real_tokens read and what it found: a model hands every layer the same mask
+_last_mask = (lambda: None, None, None)
+
+
+def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
+    """:func:`_read_mask`, once per mask object (and version) a model builds."""
+    global _last_mask
+    if mask is None:
+        return _read_mask(mask, B, T, S)
+    ref, key, real = _last_mask
+    if ref() is mask and key == (mask._version, B, T, S):
+        return real
+    real = _read_mask(mask, B, T, S)
+    _last_mask = (weakref.ref(mask), (mask._version, B, T, S), real)
+    return real
+
+
+def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
+    """Which of the S keys of each row are tokens (not padding), (B, S) bool, from
+    the 4-D mask the model built (None: no padding), after checking that it is
+    causal attention over each row's tokens, and nothing else: the coarse levels
+    average neighbouring tokens, which another mask (packed sequences, sliding
+    windows, bidirectional blocks) would have to cut, and they cannot."""
+    if mask is None:
+        if T != S and T != 1:  # transformers' prefill into a static cache (its later slots empty)
+            raise _unsupported("a static cache (cache_implementation='static') with levels > 1",
+                               "use the default dynamic cache")
+        return None
+    if mask.dim() != 4 or mask.shape[-2:] != (T, S) or mask.shape[0] not in (1, B):
+        raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, {T}, {S}), got shape {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        visible = mask[:, 0]
+    elif mask.is_floating_point():
+        if bool((mask[:, 0] > torch.finfo(mask.dtype).min / 2).logical_and(mask[:, 0] != 0).any()):
+            raise _unsupported("a float attention_mask with biases other than 0 and -inf (or the dtype's minimum)")
+        visible = mask[:, 0] > torch.finfo(mask.dtype).min / 2
+    else:
+        raise TypeError(f"attention_mask: dtype must be bool or floating point, got {mask.dtype}")
+    visible = visible.expand(B, T, S)
+    real = visible[:, -1]  # the last query (position S - 1) sees every token of its row
+    pos = torch.arange(S, device=mask.device)
+    causal = pos[None, :] <= (pos[S - T:, None])  # query i is position S - T + i
+    # every row, padding queries too: packed sequences' mask looks like left padding
+    # from its last row alone
+    if not torch.equal(visible, causal & real[:, None, :]):
+        raise _unsupported("an attention mask other than causal attention over each row's tokens (packed "
+                           "sequences, sliding windows, bidirectional blocks, a static cache's unfilled slots, a "
+                           "custom 4-D mask)")
+    first = torch.where(real.any(dim=1), real.int().argmax(dim=1), 0)
+    count = real.sum(dim=1)
+    if not torch.equal(real, (pos >= first[:, None]) & (pos < (first + count)[:, None])):
+        raise _unsupported("padding inside a sequence (each row's tokens must be one run, padded on the left "
+                           "and/or the right)")
+    if bool(real.all()):
+        return None
+    return real
+
+
+def _shift_index(pad: Tensor, n: int) -> Tensor:
+    """(B, n) indices pad[b] + i: n positions of row b from position pad[b] on
+    (for :func:`_take`, which clamps them into range)."""
+    return pad[:, None] + torch.arange(n, device=pad.device)
+
+
+def _take(x: Tensor, index: Tensor) -> Tensor:
+    """x (B, h, N, D) at positions index (B, n) of dim 2 (clamped into range:
+    the rows read past the end lie after every token, where causality keeps
+    them from mattering)."""
+    index = index.clamp(0, x.shape[2] - 1)
+    return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                          attention_mask: Optional[Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                          **kwargs):
+    """The function transformers calls for attn_implementation="hkt": query
+    (B, H, T, D), key and value (B, H_kv, S, D) with S - T cached positions
+    before the T new ones, ``attention_mask`` the model's 4-D boolean mask (or
+    None: causal, no padding).  Returns (output (B, T, H, D), None)."""
+    levels = getattr(module, "hkt", None)
+    if not isinstance(levels, HKTLevels):
+        raise RuntimeError(f"{type(module).__name__}: has no HKT parameters; run "
+                           "hkt.integrations.transformers.convert(model) before attn_implementation='hkt'")
+    for name in ("softcap", "position_bias", "sliding_window", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(name)
+    if kwargs.get("output_attentions"):
+        raise _unsupported("output_attentions=True (the kernels never form the attention weights)")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise _unsupported("non-causal attention (HKT's coarse levels here are causal)")
+    B, H, T, D = query.shape
+    S = key.shape[2]
+    w = levels.level_weights(query)
+    if levels.levels == 1:  # the model's own attention: any mask it builds
+        return _level0(query, key, value, w, attention_mask, scaling, dropout).transpose(1, 2), None
+    real = _real_tokens(attention_mask, B, T, S)
+    if S == T:
+        out = _prefill(levels, query, key, value, w, real, scaling, dropout, bool(kwargs.get("use_cache")))
+    else:
+        out = _decode(levels, query, key, value, w, real, scaling, dropout)
+    return out.transpose(1, 2), None
+
+
+def _level0(query, key, value, w, mask, scaling, dropout):
+    """levels=1: the model's attention, on hkt's kernels, with its own mask."""
+    T = query.shape[2]
+    if mask is None:  # causal with no padding (T = S, or a static cache's first T of S), or one new token
+        return hkt.hkt_attention([query], [key], value, w, is_causal=T > 1, dropout_p=dropout, scale=scaling)
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return hkt.hkt_attention([query], [key], value, w, attn_mask=mask, dropout_p=dropout, scale=scaling)
+
+
+def _row_layout(real: Optional[Tensor], B: int, S: int, device):
+    """(pad, count): each row's padding before its tokens and its token count (B,)."""
+    if real is None:
+        return torch.zeros(B, dtype=torch.long, device=device), torch.full((B,), S, dtype=torch.long, device=device)
+    count = real.sum(dim=1)
+    pad = torch.where(count > 0, real.int().argmax(dim=1), 0)
+    return pad, count
+
+
+def _prefill(levels: HKTLevels, query, key, value, w, real, scaling, dropout, use_cache: bool):
+    """No cached positions: the whole causal op over the sequence.  Each row is
+    first shifted so that its first token is at position 0, so its coarse
+    blocks are those of the row alone (left padding would otherwise move their
+    boundaries and average padding into them); right padding is masked."""
+    B, H, T, D = query.shape
+    pad, count = _row_layout(real, B, T, query.device)
+    shifted = real is not None and bool(pad.any())
+    q0, k0, v0 = query, key, value
+    if shifted:
+        index = _shift_index(pad, T)
+        q0, k0, v0 = _take(query, index), _take(key, index), _take(value, index)
+    mask = None
+    if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
+        mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
+    qs = [q0] + levels.coarse(q0, "q")
+    ks = [k0] + levels.coarse(k0, "k")
+    out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=True, dropout_p=dropout, scale=scaling)
+    if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
+        levels.decode_state = _DecodeState(T, pad, key[:, :, -1].detach(), query[:, :, -_tail_length(levels):],
+                                           ks[1:])
+    if shifted:  # back to the model's layout
+        out = _take(out, _shift_index(-pad, T))
+    if real is not None:  # padding rows give zeros
+        out = out.masked_fill(~real[:, None, :, None], 0.0)
+    return out
+
+
+def _tail_length(levels: HKTLevels) -> int:
+    """How many of the latest full-resolution queries a decoding step can need
+    beyond its own: level l's block of a position t is downsampled from
+    positions >= t - K (2^l - 1) (K taps, 2^l - 1 back to the block's first
+    position), read from a start aligned to 2^(L-1)."""
+    top = 2 ** (levels.levels - 1)
+    return levels.downsample_kernel * (top - 1) + top
+
+
+def _decode(levels: HKTLevels, query, key, value, w, real, scaling, dropout):
+    """T new positions after S - T cached ones (HF's cache holds level 0's keys
+    and values, the module's decode state the coarse levels)."""
+    B, H, T, D = query.shape
+    S = key.shape[2]
+    state = levels.decode_state
+    past = S - T
+    if state is None:
+        raise RuntimeError("attn_implementation='hkt': a call with cached positions, but this layer kept no HKT "
+                           "decoding state: the cache must be filled by this model's forward with use_cache=True, "
+                           "starting from an empty cache")
+    if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
+        raise _unsupported(
+            "a cache that changed between steps other than by appending (beam search reordering, assisted or "
+            "speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
+            "per step", "use greedy search or sampling with num_beams=1")
+    pad, count = _row_layout(real, B, S, query.device)
+    if not torch.equal(pad, state.pad):
+        raise _unsupported("padding that changes during decoding")
+    if not bool((pad + count == S).all()):
+        raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
+                           "unfilled slots)", "pad on the left, and use the default dynamic cache")
+    L, K = levels.levels, levels.downsample_kernel
+    top = 2 ** (L - 1)
+    t0 = count - T  # each row's position (tokens only) of the first new query
+    # the window each row's new blocks are computed from, from an aligned start, so
+    # its blocks are the row's own; its rows before the start are all the blocks need
+    start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
+    n = T + _tail_length(levels)
+    window = _shift_index(pad + start, n)  # positions in the model's layout
+    q_all = torch.cat([state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
+    q_win = _take(q_all, window - (S - q_all.shape[2]))
+    k_win = _take(key, window)
+    new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
+    qs = [query]  # level l: the new positions' blocks, found in the window's level l
+    qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l)) for l, qc in enumerate(levels.coarse(q_win, "q"), 1)]
+    coarse_k = _write_blocks(state.coarse_k, levels.coarse(k_win, "k"), start, new_rows, S)
+    shifted = bool(pad.any())
+    k0 = _take(key, _shift_index(pad, S)) if shifted else key
+    v0 = _take(value, _shift_index(pad, S)) if shifted else value
+    if (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+            and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
+        with torch.no_grad():
+            out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling)
+    else:  # any device, dtype and grad mode: one new token at a time, its keys those up to it
+        ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
+        keys = torch.arange(S, device=query.device)
+        rows = [hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
+                                  attn_mask=(keys <= (t0 + i)[:, None])[:, None, None, :], dropout_p=dropout,
+                                  scale=scaling) for i in range(T)]
+        out = torch.cat(rows, dim=2)
+    state.length, state.coarse_k = S, coarse_k
+    state.last_key = key[:, :, -1].detach()
+    state.q_tail = q_all[:, :, -_tail_length(levels):]
+    return out
+
+
+def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, rows: Tensor, S: int) -> List[Tensor]:
+    """The coarse key caches with the blocks of the new positions ``rows``
+    (B, T) written in, from the levels of the window that begins at each row's
+    position ``start``, grown to hold ceil(S / 2^l) slots.  In place where no
+    gradient is wanted (generation); else a new tensor through which the
+    gradient reaches the old blocks and each new one once (several new
+    positions share a block: a scatter of each would count its gradient as
+    many times)."""
+    out = []
+    for l, (cache, kc) in enumerate(zip(caches, window), start=1):
+        need = -(-S // 2 ** l)
+        if cache.shape[2] < need:  # doubled, so that growing costs O(1) per token
+            grow = max(need, 2 * cache.shape[2]) - cache.shape[2]
+            cache = torch.cat([cache, cache.new_zeros(*cache.shape[:2], grow, cache.shape[3])], dim=2)
+        offset = start[:, None] >> l  # the window's first block
+        if torch.is_grad_enabled() and (kc.requires_grad or cache.requires_grad):
+            slots = torch.arange(cache.shape[2], device=cache.device)[None, :]
+            new = (slots >= rows[:, :1] >> l) & (slots <= rows[:, -1:] >> l)  # (B, slots)
+            out.append(torch.where(new[:, None, :, None], _take(kc, slots - offset), cache))
+            continue
+        if cache.requires_grad:  # part of an earlier call's graph, which a backward may still read
+            cache = cache.detach().clone()
+        block = rows >> l
+        index = block[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])
+        out.append(cache.scatter_(2, index, _take(kc, block - offset)))
+    return out
+
+
+def _refuse_reorder(cache, beam_idx):
+    """Beam search's cache reordering: the coarse levels' decoding state is not
+    reordered with HF's cache, so refuse rather than decode from the wrong beams."""
+    raise _unsupported("beam search (num_beams > 1: the cache is reordered between steps)",
+                       "use greedy search or sampling with num_beams=1")
+
+
+def _attention_modules(model: nn.Module) -> List[nn.Module]:
+    """The attention modules of a transformers decoder that route through the
+    AttentionInterface: those with a layer index, grouped-query heads and a
+    query projection, as transformers' Llama-style attention classes have."""
+    return [m for m in model.modules()
+            if all(hasattr(m, a) for a in ("layer_idx", "num_key_value_groups", "head_dim", "q_proj", "config"))]
+
+
+def _check_options(levels, downsample_kernel, level0_weight) -> None:
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
+        raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
+    if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
+        raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+    if not isinstance(level0_weight, (int, float)) or isinstance(level0_weight, bool) or not 0 < level0_weight < 1:
+        raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight!r}")
+
+
+def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, level0_weight: float = 0.5) -> nn.Module:
+    """Turns a loaded transformers decoder into an HKT model, in place, and returns it.
+
+    Every attention module gets an :class:`HKTLevels` child ``hkt`` on the
+    device and in the dtype of its query projection, initialised so that the
+    model computes what it computed before (levels=1 is the same attention,
+    on hkt's kernels); the new parameters train if the attention's did.  The
+    model's config gets ``hkt = {"levels", "downsample_kernel",
+    "level0_weight"}`` (saved by ``save_pretrained``; :func:`from_pretrained`
+    reads it) and attn_implementation "hkt".
+
+    Raises:
+        ValueError for bad options, a model with no such attention module, one
+        already converted, or sliding-window or non-causal attention;
+        NotImplementedError (later) from ``generate`` with beam search.
+    """
+    _check_options(levels, downsample_kernel, level0_weight)
+    modules = _attention_modules(model)
+    if not modules:
+        raise ValueError(f"model: no attention module of transformers' AttentionInterface kind found in "
+                         f"{type(model).__name__}")
+    for m in modules:
+        if isinstance(getattr(m, "hkt", None), HKTLevels):
+            raise ValueError("model: already converted to HKT")
+        if getattr(m, "sliding_window", None) is not None:
+            raise ValueError(f"model: {type(m).__name__} (layer {m.layer_idx}) uses sliding-window attention, "
+                             "which HKT's coarse levels do not implement")
+        if not getattr(m, "is_causal", True):
+            raise ValueError(f"model: {type(m).__name__} (layer {m.layer_idx}) is not causal; HKT here is causal")
+    for m in modules:
+        ref = m.q_proj.weight
+        trains = any(p.requires_grad for p in m.parameters())
+        H = ref.shape[0] // m.head_dim
+        m.hkt = HKTLevels(H, H // m.num_key_value_groups, m.head_dim, levels, downsample_kernel, level0_weight,
+                          device=ref.device, dtype=ref.dtype)
+        m.hkt.requires_grad_(trains)
+    model.config.hkt = {"levels": levels, "downsample_kernel": downsample_kernel, "level0_weight": level0_weight}
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        raise ValueError(f"model: {type(model).__name__} does not take a registered attention implementation")
+    model._reorder_cache = _refuse_reorder  # generate's beam search asks the model first
+    return model
+
+
+def _checkpoint_tensors(path: str, wanted: List[str]) -> Dict[str, Tensor]:
+    """The tensors named ``wanted`` from the safetensors checkpoint in ``path``
+    (one file or shards with an index)."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        weight_map = {name: "model.safetensors" for name in wanted}
+    files: Dict[str, List[str]] = {}
+    for name in wanted:
+        if name not in weight_map:
+            raise ValueError(f"path: the checkpoint in {path} has no {name} (its config says it is an HKT model)")
+        files.setdefault(weight_map[name], []).append(name)
+    out = {}
+    for file, names in files.items():
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            have = set(f.keys())
+            for name in names:
+                if name not in have:
+                    raise ValueError(f"path: the checkpoint in {path} has no {name} (its config says it is an "
+                                     "HKT model)")
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
+    """``model_class.from_pretrained(path, **kwargs)`` of a model converted and
+    saved with ``save_pretrained``: its base weights loaded by transformers,
+    converted with the options in its config (``config.hkt``), then its HKT
+    parameters loaded from the checkpoint.  ``path`` is a local directory."""
+    config = model_class.config_class.from_pretrained(path)
+    options = getattr(config, CONFIG_KEY, None)
+    if not isinstance(options, dict):
+        raise ValueError(f"path: the config in {path} has no '{CONFIG_KEY}' entry: not saved from a model converted "
+                         "by hkt.integrations.transformers.convert")
+    options = dict(options)
+    # transformers' own list of checkpoint keys the class does not define but expects:
+    # the HKT parameters, which convert adds after it loads the rest (its load
+    # report would otherwise call them unexpected)
+    own = "_keys_to_ignore_on_load_unexpected" in model_class.__dict__
+    before = model_class.__dict__.get("_keys_to_ignore_on_load_unexpected")
+    model_class._keys_to_ignore_on_load_unexpected = list(before or []) + [r"\.hkt\."]
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    finally:
+        if own:
+            model_class._keys_to_ignore_on_load_unexpected = before
+        else:
+            del model_class._keys_to_ignore_on_load_unexpected
+    convert(model, options.pop("levels"), options.pop("downsample_kernel"), **options)
+    names = [n for n in model.state_dict() if ".hkt." in n]
+    loaded = _checkpoint_tensors(path, names)
+    missing, _ = model.load_state_dict(loaded, strict=False)
+    left = [n for n in missing if ".hkt." in n]
+    if left:
+        raise ValueError(f"path: the checkpoint in {path} lacks HKT parameters {left[:3]}")
+    return model
+
+
+AttentionInterface.register(NAME, hkt_attention_forward)
+# the boolean causal mask with padding that sdpa takes (or None when there is none)
+AttentionMaskInterface.register(NAME, sdpa_mask)

@@ -1,0 +1,296 @@
+"""hkt.integrations.transformers on two model families that route attention
+through transformers' AttentionInterface (Llama, Qwen2), with grouped-query
+heads, tiny configs and random weights (nothing is downloaded)."""
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed (pip install 'hkt[transformers]')")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import hkt.integrations.transformers as ht  # noqa: E402
+
+VOCAB = 96
+FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny(family: str, seed: int = 0):
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query heads
+    return model
+
+
+def scramble(model, seed: int = 1):
+    """Random HKT parameters, so that the coarse levels change the output (at
+    conversion they contribute nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, ht.HKTLevels) and m.levels > 1:
+                for p in (m.q_downsample, m.k_downsample):
+                    p.copy_(0.5 + 0.3 * torch.randn(p.shape, generator=g))
+                m.coarse_q_proj.copy_(0.4 * torch.randn(m.coarse_q_proj.shape, generator=g))
+                m.coarse_k_proj.add_(0.2 * torch.randn(m.coarse_k_proj.shape, generator=g))
+                m.level_logits.copy_(0.5 * torch.randn(m.level_logits.shape, generator=g))
+    return model
+
+
+def ids(B, T, seed=3):
+    return torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def test_registered():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    assert AttentionInterface._global_mapping["hkt"] is ht.hkt_attention_forward
+    assert "hkt" in AttentionMaskInterface._global_mapping
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("levels,tol", [(1, 1e-5), (3, 1e-4)])
+def test_convert_keeps_the_function(family, levels, tol):
+    base = tiny(family)
+    x = ids(2, 21)
+    want = base(x).logits
+    model = ht.convert(copy.deepcopy(base), levels=levels)
+    assert model.config._attn_implementation == "hkt"
+    assert model.config.hkt == {"levels": levels, "downsample_kernel": 2, "level0_weight": 0.5}
+    got = model(x).logits
+    assert rel(got, want) < tol
+    if levels > 1:  # the coarse levels are live: trained parameters change the function
+        assert rel(scramble(model)(x).logits, want) > 1e-2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_reaches_every_added_parameter(family):
+    model = ht.convert(tiny(family), levels=3).train()
+    added = {n: p for n, p in model.named_parameters() if ".hkt." in n}
+    assert len(added) == 5 * model.config.num_hidden_layers
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = ids(2, 17)
+    reached = set()
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(x, labels=x).loss
+        loss.backward()
+        reached |= {n for n, p in added.items() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+        opt.step()
+    assert reached == set(added)
+
+
+def _generate(model, x, **kw):
+    out = model.generate(x, max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **kw)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("levels,kernel", [(3, 2), (4, 3), (1, 2)])
+def test_generate_with_cache_equals_without(family, levels, kernel):
+    model = scramble(ht.convert(tiny(family), levels=levels, downsample_kernel=kernel))
+    x = ids(2, 11)
+    seq, logits = _generate(model, x)
+    seq_nc, logits_nc = _generate(model, x, use_cache=False)
+    assert torch.equal(seq, seq_nc)
+    assert rel(logits, logits_nc) < 1e-4
+
+
+def _stepwise(model, x, chunks):
+    """Logits of x fed through one DynamicCache in chunks of the given sizes."""
+    cache, out, at = DynamicCache(config=model.config), [], 0
+    for n in chunks:
+        out.append(model(x[:, at:at + n], cache=cache, use_cache=True).logits)
+        at += n
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("levels,kernel", [(3, 2), (4, 3)])
+@pytest.mark.parametrize("decode_kernel", [True, False])
+def test_cached_chunks_equal_the_whole_sequence(family, levels, kernel, decode_kernel, monkeypatch):
+    """Several tokens per cached step, at every offset against the blocks (both
+    decoding paths: hkt_attention_with_kvcache and hkt_attention per token)."""
+    monkeypatch.setattr(ht, "_DECODE_KERNEL", decode_kernel)
+    model = scramble(ht.convert(tiny(family), levels=levels, downsample_kernel=kernel))
+    x = ids(2, 30)
+    with torch.no_grad():  # as in generate: the decoding kernel runs only without gradients
+        want = model(x, use_cache=False).logits
+        got = _stepwise(model, x, [5, 1, 3, 1, 1, 7, 2, 10])
+    assert rel(got, want) < 1e-4
+
+
+def test_gradients_flow_across_cached_calls():
+    """Training through a cache (chunks of a sequence, each attending to the
+    cached ones): the gradients of every parameter are the whole sequence's."""
+    model = scramble(ht.convert(tiny("llama"), levels=3))
+    x = ids(2, 19)
+    grads = []
+    for run in (lambda: model(x, use_cache=False).logits, lambda: _stepwise(model, x, [6, 1, 5, 7])):
+        model.zero_grad()
+        run().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert rel(grads[1][name], g) < 1e-4, name
+    assert all(bool(g.abs().sum() > 0) for n, g in grads[0].items() if ".hkt." in n)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padding_equals_the_row_alone(family):
+    model = scramble(ht.convert(tiny(family), levels=3))
+    x = ids(3, 14)
+    mask = torch.ones_like(x)
+    for row, pad in ((1, 3), (2, 6)):
+        x[row, :pad], mask[row, :pad] = 0, 0
+    # the positions generate gives padded rows: the coarse maps do not commute with
+    # the rotary embedding, so a row's output depends on its positions, not only their differences
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(x, attention_mask=mask, position_ids=positions).logits
+    seq, gen_logits = _generate(model, x, attention_mask=mask)
+    for row, pad in ((0, 0), (1, 3), (2, 6)):
+        alone = x[row:row + 1, pad:]
+        assert rel(logits[row, pad:], model(alone).logits[0]) < 1e-4
+        seq1, logits1 = _generate(model, alone)
+        assert torch.equal(seq[row, 14:], seq1[0, 14 - pad:])
+        assert rel(gen_logits[row], logits1[0]) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_right_padding_equals_the_row_alone(family):
+    model = scramble(ht.convert(tiny(family), levels=3))
+    x = ids(2, 13)
+    mask = torch.ones_like(x)
+    x[1, 9:], mask[1, 9:] = 0, 0
+    logits = model(x, attention_mask=mask).logits
+    assert rel(logits[1, :9], model(x[1:, :9]).logits[0]) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_and_load(family, tmp_path):
+    model = scramble(ht.convert(tiny(family), levels=3, downsample_kernel=3, level0_weight=0.7))
+    model.save_pretrained(tmp_path)
+    loaded = ht.from_pretrained(type(model), str(tmp_path))
+    assert loaded.config._attn_implementation == "hkt"
+    assert loaded.config.hkt == {"levels": 3, "downsample_kernel": 3, "level0_weight": 0.7}
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+    x = ids(2, 9)
+    assert torch.equal(model(x).logits, loaded.eval()(x).logits)
+
+
+def test_from_pretrained_refuses_an_unconverted_checkpoint(tmp_path):
+    model = tiny("llama")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="path: .*no 'hkt'"):
+        ht.from_pretrained(LlamaForCausalLM, str(tmp_path))
+
+
+def test_beam_search_is_refused():
+    model = ht.convert(tiny("llama"), levels=3)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(ids(1, 6), max_new_tokens=4, num_beams=2, do_sample=False)
+
+
+def test_a_changed_cache_is_refused():
+    model = scramble(ht.convert(tiny("llama"), levels=3))
+    x = ids(1, 10)
+    cache = DynamicCache(config=model.config)
+    model(x[:, :8], cache=cache, use_cache=True)
+    cache.crop(-2)  # what assisted decoding does
+    with pytest.raises(NotImplementedError, match="cache that changed"):
+        model(x[:, 6:7], cache=cache, use_cache=True)
+
+
+def test_packed_sequences_are_refused():
+    model = ht.convert(tiny("llama"), levels=3)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    with pytest.raises(NotImplementedError, match="attention mask other than causal"):
+        model(ids(1, 8), position_ids=position_ids, use_cache=False)
+
+
+def test_output_attentions_is_refused():
+    model = ht.convert(tiny("llama"), levels=3)
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        model(ids(1, 5), output_attentions=True)
+
+
+def test_convert_errors():
+    with pytest.raises(ValueError, match="levels"):
+        ht.convert(tiny("llama"), levels=0)
+    with pytest.raises(ValueError, match="level0_weight"):
+        ht.convert(tiny("llama"), level0_weight=1.0)
+    model = ht.convert(tiny("llama"))
+    with pytest.raises(ValueError, match="already converted"):
+        ht.convert(model)
+    with pytest.raises(ValueError, match="no attention module"):
+        ht.convert(torch.nn.Linear(2, 2))
+
+
+def test_unconverted_module_is_named():
+    model = tiny("llama")
+    model.set_attn_implementation("hkt")
+    with pytest.raises(RuntimeError, match="convert"):
+        model(ids(1, 4))
+
+
+def test_frozen_attention_stays_frozen():
+    model = tiny("llama")
+    for layer in model.model.layers:
+        layer.self_attn.requires_grad_(False)
+    ht.convert(model)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".hkt." in n)
+
+
+def test_static_cache():
+    """levels=1 is the model's attention with any cache; the coarse levels need
+    the dynamic one (a static cache's prefill leaves the new tokens' positions
+    among empty slots)."""
+    x = ids(1, 6)
+    one = ht.convert(tiny("llama"), levels=1)
+    want = one.generate(x, max_new_tokens=4, do_sample=False)
+    assert torch.equal(one.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static"), want)
+    three = ht.convert(tiny("llama"), levels=3)
+    with pytest.raises(NotImplementedError, match="static cache"):
+        three.generate(x, max_new_tokens=4, do_sample=False, cache_implementation="static")
+
+
+def test_bfloat16_generation():
+    """bfloat16 decodes on hkt_attention one token at a time (the decoding
+    kernel takes float32 and float64): the same tokens as without a cache."""
+    model = scramble(ht.convert(tiny("qwen2"), levels=3)).to(torch.bfloat16)
+    x = ids(2, 9)
+    seq, logits = _generate(model, x)
+    seq_nc, logits_nc = _generate(model, x, use_cache=False)
+    assert torch.equal(seq, seq_nc)
+    assert rel(logits.float(), logits_nc.float()) < 2e-2
+
+
+def test_gradient_checkpointing():
+    """transformers' gradient checkpointing recomputes each layer in the
+    backward: the same gradients (the attention keeps no state without a cache)."""
+    model = scramble(ht.convert(tiny("llama"), levels=3)).train()
+    x = ids(2, 15)
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            # the newer name where there is one (transformers 5.25 deprecates the older)
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        model.zero_grad()
+        model(x, labels=x).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if ".hkt." in n})
+    for name, g in grads[0].items():
+        assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-7), name
