@@ -14,7 +14,7 @@ for it).  Then:
 The attention function receives the projected, rotary-embedded query and key of
 each head.  Level 0 is them; level l >= 1 causally downsamples the previous
 level's query (key) sequence, per channel, with trainable taps
-(:func:`hkt.modules.causal_downsample`) and maps each head's downsampled vector
+(:func:`hkt.downsample.causal_downsample`) and maps each head's downsampled vector
 with its own trainable (head_dim x head_dim) matrix.  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
@@ -36,7 +36,7 @@ except ImportError as e:  # the extra is optional: say how to get it
     raise ImportError('hkt.integrations.transformers needs transformers 5: pip install "hkt[transformers]"') from e
 
 import hkt
-from hkt.modules import causal_downsample
+from hkt.downsample import causal_downsample
 
 __all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
 
