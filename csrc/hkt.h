@@ -230,7 +230,8 @@ int hkt_cpu_bf16_amx(void);
  * float32: hkt_cpu_has_bf16() and a core that runs vdpbf16ps at the float32
  * FMA's rate (AMD's, not Intel's) or has AMX; the environment variable
  * HKT_BF16=native, avx512bf16 or upcast overrides (native only where
- * hkt_cpu_has_bf16()). */
+ * hkt_cpu_has_bf16()).  HKT_BF16 is read once, at the first of these calls,
+ * as HKT_CPU_KERNELS is: a process keeps the path it started with. */
 int hkt_cpu_bf16_preferred(void);
 /* What is wrong with the settings above, for a warning: an HKT_CPU_KERNELS or
  * HKT_BF16 value that is not one of their names (a misspelling would

@@ -116,8 +116,8 @@ typedef struct {
         }                                                                                       \
         /* alpha read back from memory after the loop: held through it as a   \
          * broadcast vector, it took the 16th register AVX2's 6 x 2 tile needs, \
-         * and GCC kept one B vector on the stack instead (the transposed      \
-         * products ran about a third slower than the others there) */         \
+         * and GCC kept one B vector on the stack instead, which slowed the    \
+         * transposed products */                                              \
         real al = alpha;                                                                        \
         __asm__("" : "+m"(al));                                                                 \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                    \
@@ -188,9 +188,8 @@ DEFINE_TILE(tile_t1x1, 1, 1, kk * lda + r)
 /* How many of a gemm's M rows go in R-row blocks; the rest go in 4-row blocks,
  * then single rows, whose few accumulators wait on the FMA's latency (2 chains
  * of a 1 x 2 tile: a quarter of the core's rate).  With AVX2's 6-row blocks a
- * 64-row tile left 4 such rows, 6% of the work at a quarter of the rate (its
- * products ran 23% slower per FLOP than the AVX-512 build's on the same Zen 4
- * core).  Where R is not a multiple of 4, 2 or 3 rows left over are taken with
+ * 64-row tile left 4 such rows, 6% of the work at a quarter of the rate.
+ * Where R is not a multiple of 4, 2 or 3 rows left over are taken with
  * the block before them as 8 or 9 rows.  Each entry is still one sum over kk in
  * order: the same bits whatever the blocks. */
 static inline int64_t block_rows(int64_t M, int R) {
@@ -251,8 +250,8 @@ static void gemm(int trans_a, int64_t M, int64_t N, int64_t K, real alpha, const
  * EPI_UP, the forward's level-0 scores with the coarser levels' fold: C (M, N)
  * = up2(E) + alpha * A @ B, E = x.a the folded scores of level 1 (row length
  * x.lda; up2 repeats each of its rows and columns twice): fma(alpha, sum, E's
- * entry), as fold_row makes it of the Gram block's entry.  The L=3 forward
- * took 0.96x its time at T=1024-2048 (one thread, Xeon family 6 model 167).
+ * entry), as fold_row makes it of the Gram block's entry: the level-0 scores
+ * are stored once, not stored and read back by the fold.
  *
  * EPI_GRAM_SCORES, the backward's level-0 scores, whose dw reads the Gram
  * block too: C = A @ B (alpha 1), and x.c2 = up2(E) + x.alpha2 * A @ B;
@@ -372,8 +371,8 @@ static inline void fold_row(const real *restrict g, const real *restrict up, rea
 
 /* dst[c] = src[2c] + src[2c + 1] (the last alone if n is odd): a row summed over
  * pairs; with src2, of the row src + src2 (added first, element by element), in
- * one pass: on Zen 4 the loads of a summed row stored just before were the
- * hottest instructions of the L=3 backward outside its products. */
+ * one pass: in a profile, the loads of a summed row stored just before were
+ * the hottest instructions of the L=3 backward outside its products. */
 static inline void pairsum(const real *restrict src, const real *restrict src2, int64_t n, real *restrict dst) {
     int64_t c = 0;
     for (; 2 * c + 2 * VL <= n; c += VL) {
@@ -427,8 +426,7 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
 /* dst (cols, rows) = transpose of src (rows, cols) with leading dimensions, in
  * 16 x 16 blocks transposed in registers (edges masked).  The key caches and
  * the backward's values are transposed once per key tile and head, which weighs
- * most at short T: against the scalar loop, on Zen 4, the forward took 0.81-0.89
- * of the time at T=128 and 0.93-0.95 at T=512 (within 1% from T=1024 on). */
+ * most at short T, where a scalar loop's transposes are a fair part of a call. */
 static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_t lds, real *dst, int64_t ldd) {
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
         const int64_t wc = cols - c0 < 16 ? cols - c0 : 16;
@@ -454,8 +452,8 @@ static inline void transpose(int64_t rows, int64_t cols, const real *src, int64_
  * the order (only a tie of -0 and +0 could pick another sign, which no use of
  * the max can see: exp(s - m), m == m', and lse = m + log(sum)), and a row with
  * nothing but -inf and NaN is NaN as in row_max.  One row at a time, each
- * ended in a horizontal reduction whose chain the next row waited behind: a
- * third of softmax_update's time (Zen 5). */
+ * ended in a horizontal reduction whose chain the next row waited behind, a
+ * large part of softmax_update's time. */
 static inline void rows_max16(const real *x, int64_t ld, int64_t n, int64_t w, real *mx) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const int64_t full = w / 16 * 16;
@@ -650,9 +648,8 @@ static void key_tile_place(const hkt_params *p, const ws_layout *ws, real *base,
  * Each tile's keys lie together, (D, cols_max(l)) a level, where they were
  * columns of one (D, S / 2^l) array: a score GEMM's B then read 64 rows
  * of 256 bytes, each in a page of its own, which the hardware prefetchers
- * do not follow.  A head's level-0 GEMMs over its keys took 0.8-0.9x the time
- * in the tile-major layout at S=4096, the same at S=1024 (Xeon family 6
- * model 167, one query tile against every key tile, a C harness). */
+ * do not follow; in the tile-major layout a GEMM's B is one run of memory,
+ * which pays at long S. */
 static void cached_tile_place(const hkt_params *p, const ws_layout *ws, real *base, int64_t j0, int64_t j1,
                               real **buf, int64_t *ld, int64_t *col0) {
     key_tile_place(p, ws, base, j0, j1, buf, ld, col0);
@@ -886,7 +883,7 @@ static inline vec exp_shift_lanes(real *restrict x, int64_t n, real m) {
  * adds P @ V to the out rows.  In three passes over the rows (maxes, exps,
  * bookkeeping), so that the exps of consecutive rows, each a long chain of
  * dependent FMAs, have no branchy scalar code between them and overlap in the
- * core: about a third faster on a core with full-width AVX-512. */
+ * core. */
 static void softmax_update(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h,
                            int64_t i0, int64_t nq, int64_t j0, int64_t nk, real *ob, int64_t ldo) {
     const int use_dropout = p->dropout_p > 0;
@@ -1018,9 +1015,8 @@ static void run_forward(const hkt_params *p, forward_task_fn task) {
      * out guided: a thread's first chunk is whole (b, h) in a row, so it
      * transposes their keys and packs their values alone, and the chunks
      * shrink to single tiles, which even out the threads' finish.  Tile by
-     * tile, every thread came to every (b, h): the forward took 1.01-1.02x
-     * the time at B=8 H=4 T=1024 L=3 and 1.07x at B=1 H=8 T=4096 causal
-     * (Zen 4, 2 threads).  With fewer (b, h), tile by tile: a guided first chunk
+     * tile, every thread came to every (b, h), and transposed and packed its
+     * keys and values again.  With fewer (b, h), tile by tile: a guided first chunk
      * of one causal (b, h) would be its costliest half.  Within a (b, h) the
      * costlier causal tiles go first.  Who runs a tile changes no bits. */
     if (nbh >= 2 * (int64_t)nt)
@@ -1209,7 +1205,7 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
             /* summed lane-wise over the whole block, reduced once: a per-row dot
              * ended each row in a chain of VL dependent scalar adds; rows taken
              * in turn by four accumulators, whose chains overlap (one chain
-             * waited on the FMA's latency: about 1% of the L=3 backward) */
+             * waited on the FMA's latency) */
             vec acc[4] = {{0}, {0}, {0}, {0}};
             for (int64_t a = 0; a < sp.rl; a++)
                 acc[a & 3] = dot_lanes(sp.cl, dsl + a * ldsl, G + a * sp.cl, acc[a & 3]);

@@ -481,7 +481,7 @@ static void note_span(held *hd, const DLTensor *t, const char *name, int output)
     sp->hi = (__int128)(uintptr_t)data_of(t) + hi;
     sp->t = t;
     sp->output = output;
-    /* a bounded copy, not snprintf: its format parsing was 2% of a small call */
+    /* a bounded copy, not snprintf: its format parsing weighs in a small call */
     size_t n = strlen(name);
     if (n >= sizeof sp->name) n = sizeof sp->name - 1;
     memcpy(sp->name, name, n);

@@ -18,8 +18,8 @@
  * instruction set the translation unit is built for -- a zmm with AVX-512, a
  * ymm with AVX2, an xmm (or a NEON q register) in the portable build.  A
  * vector wider than the registers has no machine mode and
- * lives in memory (GCC gives it BLKmode): 64-byte vectors built for AVX2 ran
- * ~20x slower than these. */
+ * lives in memory (GCC gives it BLKmode): 64-byte vectors built for AVX2 run
+ * far slower than these. */
 #define VL_FULL ((int64_t)(HKT_VEC_BYTES / sizeof(real)))
 #define VL VL_FULL
 typedef real vec __attribute__((vector_size(HKT_VEC_BYTES)));
@@ -162,7 +162,7 @@ static inline float exp_nonpos(float x) {
  * reduction and polynomial as FMAs, but 2^n applied by vscalefps, which takes
  * n as the float it already is, and, zero-masked, gives the underflow's exact
  * 0 -- one instruction for the integer add, shift, multiply and select the
- * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
+ * scalar form compiles to. */
 #define HKT_AVX512_F32 1
 /* its body: below, the lanes of x below EXP_MIN (zeroed); xc, x clamped to
  * [EXP_MIN, 0] or, where the caller knows that changes nothing, x itself */
@@ -187,9 +187,8 @@ static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
  * Such a lane is unchanged by both clamps (min(0, x) = x, -0 included;
  * max(EXP_MIN, x) moves only lanes below EXP_MIN, whose result the mask zeroes
  * whatever the polynomial made of them, inf or NaN included), and a NaN passes
- * both.  Intel's cores issue the two clamps on the ports their FMAs use: left
- * out, the forward's softmax step took 0.85-0.9x its time (64 x 64 tiles,
- * Xeon family 6 model 167). */
+ * both.  Intel's cores issue the two clamps on the ports their FMAs use, so
+ * leaving them out shortens the forward's softmax step there. */
 static inline __attribute__((always_inline)) vec exp_nonpos_vec_le0(vec xv) {
     return exp_lanes_avx512((__m512)xv, (__m512)xv);
 }
