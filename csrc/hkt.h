@@ -155,6 +155,20 @@ size_t hkt_dw_partial_bytes(const hkt_params *p);
  * where bf16_out is set (B*(H*sum_l Tl + H_kv*sum_l Sl)*D + B*H_kv*S*Dv
  * floats), else 0; SIZE_MAX when that does not fit in a size_t. */
 size_t hkt_grad_acc_bytes(const hkt_params *p);
+/* A CPU call's host memory as one block (hkt_cpu_workspace_plan, in bytes):
+ * num_threads workspace blocks of per_thread; then the backward's delta and
+ * dw partials (partial, hkt_dw_partial_bytes rounded up to 64) and, with
+ * bf16_out, the float32 sums of its gradients (acc, hkt_grad_acc_bytes); then,
+ * for a forward whose lse is NULL, the (B, H, T) lse it writes (lse).  extra
+ * is partial + acc + lse; total all of it with 64 bytes to spare, SIZE_MAX
+ * when that does not fit in a size_t. */
+typedef struct {
+    size_t per_thread, partial, acc, lse, extra, total;
+} hkt_cpu_workspace;
+hkt_cpu_workspace hkt_cpu_workspace_plan(const hkt_params *p, int backward);
+/* Points p's workspace, dw_partial, grad_acc and (where planned) lse into mem,
+ * a block of plan->total bytes. */
+void hkt_cpu_workspace_place(hkt_params *p, int backward, const hkt_cpu_workspace *plan, char *mem);
 /* Bytes of device scratch (dw_partial) the CUDA backward needs (SIZE_MAX when
  * that does not fit in size_t): B*H*T reals (delta) then B*H*ceil(T/G)*L reals (dw
  * partials, G = 2^(L-1) query rows per dq task); a real is itemsize bytes (4

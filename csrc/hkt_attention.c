@@ -412,6 +412,35 @@ void hkt_grad_acc_params(const hkt_params *p, hkt_params *acc) {
     grad_acc_layout(p, acc);
 }
 
+hkt_cpu_workspace hkt_cpu_workspace_plan(const hkt_params *p, int backward) {
+    hkt_cpu_workspace w = {0};
+    w.per_thread = hkt_workspace_bytes(p, backward);
+    if (!backward && p->lse == NULL &&
+        (__builtin_mul_overflow((size_t)p->B * (size_t)p->H, (size_t)p->T, &w.lse) ||
+         __builtin_mul_overflow(w.lse, p->dtype == HKT_FLOAT64 ? 8u : 4u, &w.lse)))
+        w.lse = SIZE_MAX;
+    w.partial = backward ? (hkt_dw_partial_bytes(p) + 63) / 64 * 64 : 0;
+    w.acc = backward ? hkt_grad_acc_bytes(p) : 0;
+    size_t total;
+    w.extra = w.total = SIZE_MAX;
+    if (__builtin_add_overflow(w.partial, w.acc, &w.extra) || __builtin_add_overflow(w.extra, w.lse, &w.extra)) {
+        w.extra = SIZE_MAX;
+        return w;
+    }
+    if (!__builtin_mul_overflow(w.per_thread, (size_t)p->num_threads, &total) &&
+        !__builtin_add_overflow(total, w.extra, &total) && !__builtin_add_overflow(total, 64, &total))
+        w.total = total;
+    return w;
+}
+
+void hkt_cpu_workspace_place(hkt_params *p, int backward, const hkt_cpu_workspace *plan, char *mem) {
+    char *after = mem + plan->per_thread * (size_t)p->num_threads;
+    p->workspace = mem;
+    p->dw_partial = backward ? after : NULL;
+    p->grad_acc = plan->acc ? after + plan->partial : NULL;
+    if (plan->lse) p->lse = after;
+}
+
 /* A call this small (multiply-adds of standard attention's forward, or its
  * backward's) runs on one thread: waking a second costs more than it saves.
  * T=16, B=1, H=4, D=32 is 0.13 M; the ListOps size (T=128, H=8, D=64, one
