@@ -107,7 +107,8 @@ const DLTensor *import_array(held *hd, PyObject *obj, const char *name);
 /* checks.c */
 void format_shape(char *buf, size_t n, const int64_t *shape, int nd);
 const char *dtype_name(DLDataType dt);
-int check_shape(const DLTensor *t, const char *name, const int64_t *want, int nd, const char *meaning, long long factor);
+int check_shape(const DLTensor *t, const char *name, const int64_t *want, int nd, const char *meaning,
+                long long factor);
 void level_name(char *buf, const char *base, int l);
 int check_device(const DLTensor *t, const char *name, const DLTensor *ref);
 int check_aligned(const DLTensor *t, const char *name);
@@ -115,8 +116,10 @@ int check_real(const DLTensor *t, const char *name, const DLTensor *ref);
 int check_strides(const DLTensor *t, const char *name);
 int check_contiguous(const DLTensor *t, const char *name);
 int check_disjoint(const DLTensor *t, const char *name, const char *why);
-int take_4d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want, const char *meaning, long long factor, int output, const void **ptr, int64_t *st3);
-int take_3d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want, const char *meaning, long long factor, int output, const void **ptr, int64_t *st3);
+int take_4d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want, const char *meaning,
+            long long factor, int output, const void **ptr, int64_t *st3);
+int take_3d(const DLTensor *t, const char *name, const DLTensor *ref, const int64_t *want, const char *meaning,
+            long long factor, int output, const void **ptr, int64_t *st3);
 void note_span(held *hd, const DLTensor *t, const char *name, int output);
 int check_overlaps(const held *hd);
 int q0_on_cuda(const DLTensor *q0);
@@ -129,7 +132,8 @@ const DLTensor *check_q0(const DLTensor *q0, int allow_bf16);
 const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16);
 int take_weights(hkt_params *p, held *hd, PyObject *w, const DLTensor *q0);
 const DLTensor *grad_ref(grad_dtype *gd, const DLTensor *t, const DLTensor *ref);
-int take_level_outputs(held *hd, PyObject *seq, const char *base, int L, int nd, const int64_t (*want)[4], const char *meaning, const DLTensor *q0, grad_dtype *gd, void **ptrs, int64_t (*strides)[3]);
+int take_level_outputs(held *hd, PyObject *seq, const char *base, int L, int nd, const int64_t (*want)[4],
+                       const char *meaning, const DLTensor *q0, grad_dtype *gd, void **ptrs, int64_t (*strides)[3]);
 
 /* arguments.c */
 int sequence_of(PyObject *obj, const char *name, PyObject **tuple);

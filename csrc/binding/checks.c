@@ -315,7 +315,8 @@ const DLTensor *check_q0(const DLTensor *q0, int allow_bf16) {
     } else if (q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
                q0->dtype.lanes != 1) {
         PyErr_Format(PyExc_TypeError, "q[0]: dtype must be float32 or float64%s, got %s",
-                     allow_bf16 ? " (or bfloat16 on a CPU with AVX512_BF16, or for the CUDA forward)" : "", dtype_name(q0->dtype));
+                     allow_bf16 ? " (or bfloat16 on a CPU with AVX512_BF16, or for the CUDA forward)" : "",
+                     dtype_name(q0->dtype));
         return NULL;
     }
     if (q0->device.device_type != kDLCPU) {

@@ -154,7 +154,9 @@ done:
 }
 
 PyMethodDef binding_downsample_methods[] = {
-    {"downsample_forward", (PyCFunction)(void (*)(void))py_downsample_forward, METH_VARARGS | METH_KEYWORDS, downsample_forward_doc},
-    {"downsample_backward", (PyCFunction)(void (*)(void))py_downsample_backward, METH_VARARGS | METH_KEYWORDS, downsample_backward_doc},
+    {"downsample_forward", (PyCFunction)(void (*)(void))py_downsample_forward, METH_VARARGS | METH_KEYWORDS,
+     downsample_forward_doc},
+    {"downsample_backward", (PyCFunction)(void (*)(void))py_downsample_backward, METH_VARARGS | METH_KEYWORDS,
+     downsample_backward_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -401,7 +401,9 @@ static PyObject *py_varlen_backward(PyObject *self, PyObject *args, PyObject *kw
 }
 
 PyMethodDef binding_varlen_methods[] = {
-    {"varlen_forward", (PyCFunction)(void (*)(void))py_varlen_forward, METH_VARARGS | METH_KEYWORDS, varlen_forward_doc},
-    {"varlen_backward", (PyCFunction)(void (*)(void))py_varlen_backward, METH_VARARGS | METH_KEYWORDS, varlen_backward_doc},
+    {"varlen_forward", (PyCFunction)(void (*)(void))py_varlen_forward, METH_VARARGS | METH_KEYWORDS,
+     varlen_forward_doc},
+    {"varlen_backward", (PyCFunction)(void (*)(void))py_varlen_backward, METH_VARARGS | METH_KEYWORDS,
+     varlen_backward_doc},
     {NULL, NULL, 0, NULL},
 };
