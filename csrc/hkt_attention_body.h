@@ -70,7 +70,7 @@ typedef struct {
     do {                                                                                        \
         VT e = -(VT){0};                                                                        \
         FIRST(e, 0, r, v, VT, VLEN);                                                            \
-        e += x->alpha2 * c[r][v];                                                               \
+        e = VT##_madd(x->alpha2 - (VT){0}, c[r][v], e);                                         \
         memcpy(x->c2 + r * x->ldc2 + v * (VLEN), &e, sizeof(VT));                               \
     } while (0)
 #define MINUS_ZERO(o, p, r, v, VT, VLEN)
@@ -90,7 +90,8 @@ typedef struct {
                 memcpy(&b[v], B + kk * ldb + v * (VLEN), sizeof(VT));                           \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                              \
                 const real a = A[AIDX];                                                         \
-                _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++) c[r][v] += a * b[v];      \
+                _Pragma("GCC unroll 16") for (int v = 0; v < NV; v++)                           \
+                    c[r][v] = VT##_madd(a - (VT){0}, b[v], c[r][v]);                                    \
             }                                                                                   \
         }                                                                                       \
         /* alpha read back from memory after the loop: held through it as a   \
@@ -104,7 +105,7 @@ typedef struct {
                 real *p = C + r * ldc + v * (VLEN);                                             \
                 VT o = -(VT){0}; /* -0 + x is x, +0 and -0 included */                          \
                 INIT(o, p, r, v, VT, VLEN);                                                     \
-                o += al * c[r][v];                                                              \
+                o = VT##_madd(al - (VT){0}, c[r][v], o);                                        \
                 FINISH(o, r, v, VT, VLEN);                                                      \
                 memcpy(p, &o, sizeof(VT));                                                      \
             }                                                                                   \
@@ -112,18 +113,15 @@ typedef struct {
 #define DEFINE_TILE(NAME, R, NV, AIDX) DEFINE_TILE_OF(NAME, R, NV, AIDX, vec, VL)
 
 /* Narrow columns (coarse levels of short sequences): half- and quarter-width
- * vectors, so only what is left below a quarter vector runs scalar. */
-typedef real vech __attribute__((vector_size(HKT_VEC_BYTES / 2)));
+ * vectors (vech, vecq: hkt_real.h), so only what is left below a quarter
+ * vector runs scalar. */
 DEFINE_TILE_OF(tile_8xh, 8, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_4xh, 4, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_1xh, 1, 1, r * lda + kk, vech, VL / 2)
 DEFINE_TILE_OF(tile_t8xh, 8, 1, kk * lda + r, vech, VL / 2)
 DEFINE_TILE_OF(tile_t4xh, 4, 1, kk * lda + r, vech, VL / 2)
 DEFINE_TILE_OF(tile_t1xh, 1, 1, kk * lda + r, vech, VL / 2)
-/* (a quarter of a 16-byte vector is narrower than a double: none there) */
-#define HKT_QUARTER_TILES (HKT_VEC_BYTES >= 32 || REAL_IS_FLOAT)
 #if HKT_QUARTER_TILES
-typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
 DEFINE_TILE_OF(tile_8xq, 8, 1, r * lda + kk, vecq, VL / 4)
 DEFINE_TILE_OF(tile_4xq, 4, 1, r * lda + kk, vecq, VL / 4)
 DEFINE_TILE_OF(tile_1xq, 1, 1, r * lda + kk, vecq, VL / 4)
@@ -337,15 +335,16 @@ static void zero_unseen(int64_t M, int64_t N, real *X, int64_t ldx) {
 }
 
 /* e[c] = wl g[c] + up[c >> 1] for c < n: a row of the fold, the coarser level's
- * row upsampled in registers (see pairsum on why not through a stored row) */
+ * row upsampled in registers (see pairsum on why not through a stored row);
+ * madd's rounding, which gemm_fused's EPI_UP gives the same entries */
 static inline void fold_row(const real *restrict g, const real *restrict up, real wl, int64_t n, real *restrict e) {
     int64_t c = 0;
     for (; c + 2 * VL <= n; c += 2 * VL) {
         const vec s = vload(up + c / 2);
-        vstore(e + c, wl * vload(g + c) + vshuffle1(s, dup_lo));
-        vstore(e + c + VL, wl * vload(g + c + VL) + vshuffle1(s, dup_hi));
+        vstore(e + c, vec_madd(wl - (vec){0}, vload(g + c), vshuffle1(s, dup_lo)));
+        vstore(e + c + VL, vec_madd(wl - (vec){0}, vload(g + c + VL), vshuffle1(s, dup_hi)));
     }
-    for (; c < n; c++) e[c] = wl * g[c] + up[c >> 1];
+    for (; c < n; c++) e[c] = madd(wl, g[c], up[c >> 1]);
 }
 
 /* dst[c] = src[2c] + src[2c + 1] (the last alone if n is odd): a row summed over

@@ -104,6 +104,74 @@ static inline real madd(real a, real b, real c) {
 #endif
 }
 
+/* The half- and quarter-width vectors of the narrow tiles (the coarse levels
+ * of short sequences); a quarter of a 16-byte vector is narrower than a
+ * double: none there. */
+typedef real vech __attribute__((vector_size(HKT_VEC_BYTES / 2)));
+#define HKT_QUARTER_TILES (HKT_VEC_BYTES >= 32 || REAL_IS_FLOAT)
+#if HKT_QUARTER_TILES
+typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
+#endif
+
+/* madd lane by lane, for each vector type (vec_madd, vech_madd, vecq_madd):
+ * a * b + c fused where the target has FMA, whatever the compiler contracts.
+ * The tiles' products and the scalar leftovers (madd) must round alike, and
+ * left to contraction they do only where GCC optimises (at -O0 it fuses
+ * nothing).  The x86 intrinsics where the width has one; lane by lane where
+ * not (the narrowest tiles); a * b + c where there is no fused instruction,
+ * which no compiler contracts. */
+#define HKT_MADD_LANES(VT)                                                                              \
+    static inline __attribute__((always_inline)) VT VT##_madd(VT a, VT b, VT c) {                     \
+        VT r;                                                                                           \
+        for (int i = 0; i < (int)(sizeof(VT) / sizeof(real)); i++) r[i] = madd(a[i], b[i], c[i]);      \
+        return r;                                                                                       \
+    }
+#define HKT_MADD_AS(VT, FN, MT)                                                                         \
+    static inline __attribute__((always_inline)) VT VT##_madd(VT a, VT b, VT c) {                     \
+        return (VT)FN((MT)a, (MT)b, (MT)c);                                                             \
+    }
+#define HKT_MADD_PLAIN(VT)                                                                              \
+    static inline __attribute__((always_inline)) VT VT##_madd(VT a, VT b, VT c) { return a * b + c; }
+#if HKT_FUSED_MADD && defined(__x86_64__)
+#include <immintrin.h>
+#if REAL_IS_FLOAT
+#define HKT_MADD_64(VT) HKT_MADD_AS(VT, _mm512_fmadd_ps, __m512)
+#define HKT_MADD_32(VT) HKT_MADD_AS(VT, _mm256_fmadd_ps, __m256)
+#define HKT_MADD_16(VT) HKT_MADD_AS(VT, _mm_fmadd_ps, __m128)
+#else
+#define HKT_MADD_64(VT) HKT_MADD_AS(VT, _mm512_fmadd_pd, __m512d)
+#define HKT_MADD_32(VT) HKT_MADD_AS(VT, _mm256_fmadd_pd, __m256d)
+#define HKT_MADD_16(VT) HKT_MADD_AS(VT, _mm_fmadd_pd, __m128d)
+#endif
+#if HKT_VEC_BYTES == 64
+HKT_MADD_64(vec)
+HKT_MADD_32(vech)
+HKT_MADD_16(vecq)
+#elif HKT_VEC_BYTES == 32
+HKT_MADD_32(vec)
+HKT_MADD_16(vech)
+HKT_MADD_LANES(vecq)
+#else
+HKT_MADD_16(vec)
+HKT_MADD_LANES(vech)
+#if HKT_QUARTER_TILES
+HKT_MADD_LANES(vecq)
+#endif
+#endif
+#elif HKT_FUSED_MADD
+HKT_MADD_LANES(vec)
+HKT_MADD_LANES(vech)
+#if HKT_QUARTER_TILES
+HKT_MADD_LANES(vecq)
+#endif
+#else
+HKT_MADD_PLAIN(vec)
+HKT_MADD_PLAIN(vech)
+#if HKT_QUARTER_TILES
+HKT_MADD_PLAIN(vecq)
+#endif
+#endif
+
 /* <x, y> summed in double: the backward's delta = rowsum(dO * out), which dS =
  * P (dP - delta) subtracts from a number of about its size, so its rounding
  * error is magnified there; a double sum leaves one rounding, whatever the
@@ -140,15 +208,15 @@ static inline float exp_nonpos(float x) {
     const int below = x < EXP_MIN; /* -inf too */
     const float lo = EXP_MIN > x ? EXP_MIN : x;
     const float xc = 0.0f < lo ? 0.0f : lo;
-    const float t = xc * EXP_LOG2E;
-    const float m = t + EXP_ROUND;
+    /* madd where the vector forms fuse (their fmadd and fnmadd) */
+    const float m = madd(xc, EXP_LOG2E, EXP_ROUND);
     const float n = m - EXP_ROUND;
     uint32_t mbits;
     memcpy(&mbits, &m, sizeof mbits);
-    const float r = (xc - n * EXP_LN2_HI) - n * EXP_LN2_LO;
+    const float r = madd(-n, EXP_LN2_LO, madd(-n, EXP_LN2_HI, xc));
     float p = exp_coef[0];
 #pragma GCC unroll 6
-    for (int i = 1; i < 7; i++) p = p * r + exp_coef[i];
+    for (int i = 1; i < 7; i++) p = madd(p, r, exp_coef[i]);
     const uint32_t bits = (mbits - 0x4B400000u + 127u) << 23; /* 2^n */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
