@@ -16,7 +16,7 @@
  * Every array is described by a pointer and element strides; the last (feature)
  * dimension must have stride 1.  The kernels never allocate: outputs and the
  * per-thread workspace (hkt_workspace_bytes) come from the caller.  They include
- * no Python header; the binding (hkt_binding.c) is the only file that knows Python.
+ * no Python header; the binding (csrc/binding/) is the only code that knows Python.
  *
  * Forward writes out and lse (log-sum-exp per query row, +inf for a row with no
  * visible key).  Backward OVERWRITES dq[l], dk[l], dv and dw (it does not

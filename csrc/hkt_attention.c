@@ -1,8 +1,10 @@
 /*
  * HKT attention on the CPU: the type-free part.  hkt.h's CPU entry points, the
- * per-thread workspace layout (hkt_cpu.h) and the dispatch to the float32 and
- * float64 kernels, which are one body (hkt_attention_body.h) compiled per type
- * (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set (hkt_isa).
+ * per-thread workspace layout (hkt_cpu.h), the plan of a call's host memory
+ * (hkt_cpu_workspace_plan) and the dispatch to the float32 and float64
+ * kernels, which are one body (hkt_attention_body.h, hkt_backward_body.h)
+ * compiled per type (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set
+ * (hkt_isa).
  */
 #define _GNU_SOURCE /* pthread_getattr_np */
 #include "hkt_cpu.h"
@@ -360,7 +362,7 @@ size_t hkt_workspace_bytes(const hkt_params *p, int backward) {
 
 size_t hkt_dw_partial_bytes(const hkt_params *p) {
     /* delta (B, H, T), then dw partials (B, H, key tiles, L), then lse's
-     * corrections (B, H, T) (refine_lse in hkt_attention_body.h) */
+     * corrections (B, H, T) (refine_lse in hkt_backward_body.h) */
     size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     int64_t nkt = (p->S + BK - 1) / BK;
     return (size_t)(p->B * p->H * (2 * p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;

@@ -1,6 +1,7 @@
 /*
  * hkt_real.h -- small helpers the CPU kernel bodies (hkt_attention_body.h,
- * hkt_decode_body.h) share for one real type: the vector type, loads and
+ * hkt_backward_body.h, hkt_decode_body.h) share for one real type: the vector
+ * types and their fused multiply-adds, loads and
  * stores, a dot product, the vectorisable exp of the softmax and the row max.
  * Like those bodies it needs `real` and REAL_IS_FLOAT defined first; a
  * translation unit includes it once (the guard), for its one real type.

@@ -965,12 +965,15 @@ def emulated(tmp_path_factory):
     d = tmp_path_factory.mktemp("cuda_emulation")
     (d / "inc").mkdir()
     (d / "inc" / "cuda_runtime.h").write_text(_SHIM)
-    # kernel<real><<<grid, block, shmem, stream>>>(args): every launch names its stream
-    cu, n = re.subn(r"(\w+<\w+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
+    # kernel<real[, N]><<<grid, block, shmem, stream>>>(args): every launch names its stream
+    cu, n = re.subn(r"(\w+<[\w, ]+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
                     r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "hkt_attention_cuda.cu").read_text())
     assert n >= 7 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
         "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
-    assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu), \
+    kernels = "".join((csrc / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_reference.h",
+                                                              "hkt_cuda_tc.h"))
+    assert "<<<" not in kernels, "kernel launches belong in hkt_attention_cuda.cu, where the emulation reads them"
+    assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu + kernels), \
         "the CUDA entry points must not allocate or synchronize (graph capture, stream order)"
     (d / "emu.cpp").write_text(cu)
     # the binding (csrc/binding/), two of its lines patched: q0_on_cuda says
