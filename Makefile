@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: install test demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
 
-$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu)
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu csrc/binding/*.c csrc/binding/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"

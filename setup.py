@@ -55,6 +55,14 @@ if os.environ.get("HKT_SANITIZE", "0") == "1":
     ldflags += sanitize
 
 CUDA_SOURCE = "csrc/hkt_attention_cuda.cu"
+# the CPU kernels (no Python.h), and the binding, the only C that includes it
+KERNEL_SOURCES = ["csrc/hkt_attention.c", "csrc/hkt_decode.c", "csrc/hkt_cpu_f32.c", "csrc/hkt_cpu_f64.c",
+                  "csrc/hkt_cpu_f32_avx2.c", "csrc/hkt_cpu_f64_avx2.c", "csrc/hkt_cpu_f32_avx512.c",
+                  "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c"]
+BINDING_SOURCES = [f"csrc/binding/{name}.c" for name in
+                   ("capsules", "checks", "arguments", "attention", "varlen", "decode", "downsample", "module")]
+# every header a source includes: setuptools rebuilds by file dates, these included
+HEADERS = sorted(os.path.join(d, f) for d in ("csrc", "csrc/binding") for f in os.listdir(d) if f.endswith(".h"))
 
 
 def find_cuda():
@@ -216,14 +224,9 @@ setup(
     ext_modules=[
         Extension(
             "hkt._C",
-            sources=["csrc/hkt_attention.c", "csrc/hkt_decode.c", "csrc/hkt_cpu_f32.c", "csrc/hkt_cpu_f64.c",
-                     "csrc/hkt_cpu_f32_avx2.c", "csrc/hkt_cpu_f64_avx2.c", "csrc/hkt_cpu_f32_avx512.c",
-                     "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c",
-                     "csrc/hkt_binding.c"],
+            sources=KERNEL_SOURCES + BINDING_SOURCES,
             include_dirs=["csrc"],
-            depends=["csrc/hkt.h", "csrc/dlpack.h", "csrc/hkt_dropout.h", "csrc/hkt_level.h", "csrc/hkt_cpu.h", "csrc/hkt_real.h",
-                     "csrc/hkt_attention_body.h", "csrc/hkt_decode_body.h", "csrc/hkt_bf16_body.h", "csrc/hkt_isa.h",
-                     CUDA_SOURCE],
+            depends=HEADERS + [CUDA_SOURCE],
             define_macros=define_macros,
             libraries=libraries,
             library_dirs=library_dirs,

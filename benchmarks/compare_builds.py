@@ -3,12 +3,18 @@
 For refactors of the kernels (issue 12: "behaviour and speed are unchanged"):
 loads a second extension file (e.g. built from an older commit with
 `git worktree add /tmp/old REV && cd /tmp/old && python setup.py build_ext --inplace`),
-runs both on the same inputs through the raw binding (forward and backward),
-with contiguous arrays and with the strided rows a module's heads have,
-checks every output is bitwise identical, then times them interleaved (the two
-see the same machine state) and prints the new/old time ratios.
+runs both on the same inputs through the raw binding (forward and backward,
+with contiguous arrays and with the strided rows a module's heads have;
+bfloat16; decoding against a KV cache; packed variable-length sequences;
+the causal downsampling), checks every output is bitwise identical, then times
+them interleaved (the two see the same machine state) and prints the new/old
+time ratios.
 
-    python benchmarks/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick]
+    python benchmarks/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick | --bits-only | --pairs N]
+
+--pairs N times only the two calls a restructuring is held to (the L=3
+forward+backward at T=2048, and a small call), N interleaved rounds each, and
+prints each round's ratio, the median and the spread.
 
 Only calls both builds support (no grouped-query heads, which older builds lack).
 bfloat16 inputs (native kernels, where both builds and the CPU have them) take
@@ -69,10 +75,69 @@ def run(mod, q, k, v, w, causal, dropout_p, threads, backward=True, strided=Fals
     return [out, lse, *dq, *dk, dv, dw]
 
 
+def run_decode(mod, q, kc, vc, w, lens, new_k, new_v, threads):
+    """One decoding step through the raw binding on copies of the caches (the
+    step writes new_k, new_v into them): out and both caches after it."""
+    kc, vc = [x.clone() for x in kc], vc.clone()
+    B, H, Tn, _ = q[0].shape
+    out = torch.empty(B, H, Tn, vc.shape[3], dtype=q[0].dtype)
+    mod.decode(q, kc, vc, w, lens, out, new_k, new_v, None, threads)
+    return [out, *kc, vc]
+
+
+def decode_calls(dtype):
+    """(q, k_cache, v_cache, w, cache_seqlens, k, v) of a few decoding steps:
+    one new row and several, equal and ragged cache lengths, grouped heads."""
+    calls = []
+    for B, H, H_kv, Tn, S_max, D, L, lens in [(2, 4, 4, 1, 300, 32, 3, 200), (3, 4, 2, 5, 130, 16, 2, [0, 57, 125]),
+                                              (1, 2, 1, 3, 1000, 64, 4, [700])]:
+        g = torch.Generator().manual_seed(B * 7 + Tn)
+        q = [torch.randn(B, H, Tn, D, generator=g, dtype=dtype) for _ in range(L)]
+        kc = [torch.randn(B, H_kv, (S_max - 1 >> l) + 1, D, generator=g, dtype=dtype) for l in range(L)]
+        vc = torch.randn(B, H_kv, S_max, D, generator=g, dtype=dtype)
+        nk = [torch.randn(B, H_kv, Tn, D, generator=g, dtype=dtype) for _ in range(L)]
+        nv = torch.randn(B, H_kv, Tn, D, generator=g, dtype=dtype)
+        w = torch.randn(H, L, generator=g, dtype=dtype)
+        seq = lens if isinstance(lens, int) else torch.tensor(lens, dtype=torch.int64)
+        calls += [(q, kc, vc, w, seq, None, None), (q, kc, vc, w, seq, nk, nv)]
+    return calls
+
+
+def run_varlen(mod, lens, H, D, L, causal, dtype, threads):
+    """Packed forward and backward over sequences of the given lengths."""
+    g = torch.Generator().manual_seed(sum(lens) + L)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int64)
+    rows = [sum((n - 1 >> l) + 1 for n in lens) for l in range(L)]
+    q = [torch.randn(r, H, D, generator=g).to(dtype) for r in rows]
+    k = [torch.randn(r, H, D, generator=g).to(dtype) for r in rows]
+    v = torch.randn(rows[0], H, D, generator=g).to(dtype)
+    real = torch.float32 if dtype == torch.bfloat16 else dtype
+    w = torch.randn(H, L, generator=g).to(real)
+    out, lse = torch.empty(rows[0], H, D, dtype=real), torch.empty(H * rows[0], dtype=real)
+    mod.varlen_forward(q, k, v, w, out, lse, cu, cu, None, None, causal, None, threads)
+    dq, dk = [torch.empty(x.shape, dtype=real) for x in q], [torch.empty(x.shape, dtype=real) for x in k]
+    dv, dw = torch.empty(v.shape, dtype=real), torch.empty_like(w)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    mod.varlen_backward(dout, q, k, v, w, out.to(dtype), lse, dq, dk, dv, dw, cu, cu, None, None, causal, None,
+                        threads)
+    return [out, lse, *dq, *dk, dv, dw]
+
+
+def run_downsample(mod, x, taps, threads):
+    out = torch.empty(x.shape[0], (x.shape[1] + 1) // 2, x.shape[2], dtype=x.dtype)
+    mod.downsample_forward(x, taps, out, threads)
+    dx, dtaps = torch.empty_like(x), torch.empty_like(taps)
+    dout = torch.ones_like(out)
+    mod.downsample_backward(dout, x, taps, dx, dtaps, threads)
+    return [out, dx, dtaps]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("old", help="path of the other build's _C*.so")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--bits-only", action="store_true", help="compare the bits, time nothing")
+    ap.add_argument("--pairs", type=int, default=0, metavar="N", help="time only the two held calls, N rounds")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     old = load(args.old)
@@ -101,10 +166,77 @@ def main():
                         b = run(new, q, k, v, w, causal, dp, 2, strided=strided)
                         same &= all(torch.equal(x, y) for x, y in zip(a, b))
                         calls += 1
-    print(f"bitwise identical outputs and gradients on {calls} calls (contiguous and strided rows): {same}")
-    reps = 3 if args.quick else 9
+    calls, same = other_calls(old, new, calls, same)
+    print(f"bitwise identical outputs and gradients on {calls} calls (contiguous and strided rows, bfloat16, "
+          f"decoding, varlen, downsampling): {same}")
+    if args.pairs:
+        pairs(old, new, args.pairs, args.threads)
+    elif not args.bits_only:
+        timings(old, new, 3 if args.quick else 9, args.quick, args.threads)
+    if not same:
+        raise SystemExit("the builds differ")
+
+
+def other_calls(old, new, calls, same):
+    """Decoding, varlen and downsampling: (calls, same) updated."""
+    for dtype in (torch.float32, torch.float64):
+        for q, kc, vc, w, lens, nk, nv in decode_calls(dtype):
+            for threads in (1, 2):
+                a = run_decode(old, q, kc, vc, w, lens, nk, nv, threads)
+                b = run_decode(new, q, kc, vc, w, lens, nk, nv, threads)
+                same &= all(torch.equal(x, y) for x, y in zip(a, b))
+                calls += 1
+    dtypes = [torch.float32, torch.float64] + ([torch.bfloat16] if new.cpu_has_bf16() and old.cpu_has_bf16() else [])
+    for dtype in dtypes:
+        for lens, H, D, L in [([37, 1, 200, 64], 2, 16, 3), ([300], 3, 32, 2), ([5, 129, 130], 1, 64, 4)]:
+            for causal in (False, True):
+                a = run_varlen(old, lens, H, D, L, causal, dtype, 2)
+                b = run_varlen(new, lens, H, D, L, causal, dtype, 2)
+                same &= all(torch.equal(x, y) for x, y in zip(a, b))
+                calls += 1
+    for dtype in (torch.float32, torch.float64):
+        for B, n, C, K in [(2, 37, 24, 3), (1, 1000, 64, 4)]:
+            g = torch.Generator().manual_seed(n)
+            x, taps = torch.randn(B, n, C, generator=g, dtype=dtype), torch.randn(K, C, generator=g, dtype=dtype)
+            a, b = run_downsample(old, x, taps, 2), run_downsample(new, x, taps, 2)
+            same &= all(torch.equal(x, y) for x, y in zip(a, b))
+            calls += 1
+    return calls, same
+
+
+def timed(mod, call):
+    t0 = time.perf_counter()
+    call(mod)
+    return time.perf_counter() - t0
+
+
+def pairs(old, new, rounds, threads):
+    """The two calls a restructuring is held to, in rounds of (old, new) then
+    (new, old): each round's new/old ratio, their median and spread."""
+    big = sample_inputs(1, 8, 2048, 2048, 64, 64, 3, dtype=torch.float32)
+    small = sample_inputs(1, 2, 16, 16, 32, 32, 2, dtype=torch.float32)
+
+    def small_call(mod):
+        for _ in range(200):
+            run(mod, *small, False, 0.0, threads, True)
+    for label, call in [("T=2048 L=3 full fwd+bwd", lambda m: run(m, *big, False, 0.0, threads, True)),
+                        ("T=16 L=2 fwd+bwd x200", small_call)]:
+        call(old), call(new)  # warm
+        ratios, olds, news = [], [], []
+        for r in range(rounds):
+            order = (old, new) if r % 2 == 0 else (new, old)
+            t = {id(m): timed(m, call) for m in order}
+            olds.append(t[id(old)]), news.append(t[id(new)])
+            ratios.append(t[id(new)] / t[id(old)])
+        ratios.sort()
+        print(f"{label:26s} old {statistics.median(olds) * 1e3:8.2f} ms  new {statistics.median(news) * 1e3:8.2f} ms  "
+              f"new/old median {statistics.median(ratios):.4f}  (min {ratios[0]:.4f}, max {ratios[-1]:.4f}, "
+              f"quartiles {ratios[len(ratios) // 4]:.4f}..{ratios[3 * len(ratios) // 4]:.4f}, {rounds} rounds)")
+
+
+def timings(old, new, reps, quick, threads):
     print(f"{'call':38s} {'old ms':>8s} {'new ms':>8s} {'new/old':>8s}   (medians of {reps}, interleaved)")
-    Ts = [512] if args.quick else [512, 2048]
+    Ts = [512] if quick else [512, 2048]
     for T in Ts:
         for L in (1, 3):
             for causal in (False, True):
@@ -114,7 +246,7 @@ def main():
                     for _ in range(reps):
                         for name, mod in (("old", old), ("new", new)):
                             t0 = time.perf_counter()
-                            run(mod, q, k, v, w, causal, 0.0, args.threads, backward)
+                            run(mod, q, k, v, w, causal, 0.0, threads, backward)
                             times[name].append(time.perf_counter() - t0)
                     o, n = statistics.median(times["old"]), statistics.median(times["new"])
                     label = f"T={T} L={L} {'causal' if causal else 'full'} {'fwd+bwd' if backward else 'fwd'}"
@@ -127,13 +259,11 @@ def main():
             for _ in range(reps):
                 for name, mod in (("old", old), ("new", new)):
                     t0 = time.perf_counter()
-                    run(mod, q, k, v, w, False, 0.0, args.threads, backward, strided=True)
+                    run(mod, q, k, v, w, False, 0.0, threads, backward, strided=True)
                     times[name].append(time.perf_counter() - t0)
             o, n = statistics.median(times["old"]), statistics.median(times["new"])
             label = f"heads layout B=8 H=4 T=1024 L={L} {'fwd+bwd' if backward else 'fwd'}"
             print(f"{label:38s} {o * 1e3:8.1f} {n * 1e3:8.1f} {n / o:8.3f}")
-    if not same:
-        raise SystemExit("the builds differ")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@
  * Every array is described by a pointer and element strides; the last (feature)
  * dimension must have stride 1.  The kernels never allocate: outputs and the
  * per-thread workspace (hkt_workspace_bytes) come from the caller.  They include
- * no Python header; the binding (hkt_binding.c) is the only file that knows Python.
+ * no Python header; the binding (csrc/binding/) is the only code that knows Python.
  *
  * Forward writes out and lse (log-sum-exp per query row, +inf for a row with no
  * visible key).  Backward OVERWRITES dq[l], dk[l], dv and dw (it does not
@@ -155,6 +155,20 @@ size_t hkt_dw_partial_bytes(const hkt_params *p);
  * where bf16_out is set (B*(H*sum_l Tl + H_kv*sum_l Sl)*D + B*H_kv*S*Dv
  * floats), else 0; SIZE_MAX when that does not fit in a size_t. */
 size_t hkt_grad_acc_bytes(const hkt_params *p);
+/* A CPU call's host memory as one block (hkt_cpu_workspace_plan, in bytes):
+ * num_threads workspace blocks of per_thread; then the backward's delta and
+ * dw partials (partial, hkt_dw_partial_bytes rounded up to 64) and, with
+ * bf16_out, the float32 sums of its gradients (acc, hkt_grad_acc_bytes); then,
+ * for a forward whose lse is NULL, the (B, H, T) lse it writes (lse).  extra
+ * is partial + acc + lse; total all of it with 64 bytes to spare, SIZE_MAX
+ * when that does not fit in a size_t. */
+typedef struct {
+    size_t per_thread, partial, acc, lse, extra, total;
+} hkt_cpu_workspace;
+hkt_cpu_workspace hkt_cpu_workspace_plan(const hkt_params *p, int backward);
+/* Points p's workspace, dw_partial, grad_acc and (where planned) lse into mem,
+ * a block of plan->total bytes. */
+void hkt_cpu_workspace_place(hkt_params *p, int backward, const hkt_cpu_workspace *plan, char *mem);
 /* Bytes of device scratch (dw_partial) the CUDA backward needs (SIZE_MAX when
  * that does not fit in size_t): B*H*T reals (delta) then B*H*ceil(T/G)*L reals (dw
  * partials, G = 2^(L-1) query rows per dq task); a real is itemsize bytes (4
@@ -230,7 +244,8 @@ int hkt_cpu_bf16_amx(void);
  * float32: hkt_cpu_has_bf16() and a core that runs vdpbf16ps at the float32
  * FMA's rate (AMD's, not Intel's) or has AMX; the environment variable
  * HKT_BF16=native, avx512bf16 or upcast overrides (native only where
- * hkt_cpu_has_bf16()). */
+ * hkt_cpu_has_bf16()).  HKT_BF16 is read once, at the first of these calls,
+ * as HKT_CPU_KERNELS is: a process keeps the path it started with. */
 int hkt_cpu_bf16_preferred(void);
 /* What is wrong with the settings above, for a warning: an HKT_CPU_KERNELS or
  * HKT_BF16 value that is not one of their names (a misspelling would

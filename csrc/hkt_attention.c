@@ -1,8 +1,10 @@
 /*
  * HKT attention on the CPU: the type-free part.  hkt.h's CPU entry points, the
- * per-thread workspace layout (hkt_cpu.h) and the dispatch to the float32 and
- * float64 kernels, which are one body (hkt_attention_body.h) compiled per type
- * (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set (hkt_isa).
+ * per-thread workspace layout (hkt_cpu.h), the plan of a call's host memory
+ * (hkt_cpu_workspace_plan) and the dispatch to the float32 and float64
+ * kernels, which are one body (hkt_attention_body.h, hkt_backward_body.h)
+ * compiled per type (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set
+ * (hkt_isa).
  */
 #define _GNU_SOURCE /* pthread_getattr_np */
 #include "hkt_cpu.h"
@@ -96,31 +98,47 @@ int hkt_cpu_has_amx(void) {
 
 uint64_t hkt_amx_epoch = 1;
 
-static int bf16_setting(const char *name) {
+/* HKT_BF16's values; BF16_UNSET also for an empty or unknown one (the import
+ * warns of those, hkt_settings_problem) */
+enum { BF16_UNSET, BF16_NATIVE, BF16_AVX512BF16, BF16_UPCAST };
+
+static int read_bf16_setting(void) {
     const char *want = getenv("HKT_BF16");
-    return want && strcmp(want, name) == 0;
+    if (!want) return BF16_UNSET;
+    if (strcmp(want, "native") == 0) return BF16_NATIVE;
+    if (strcmp(want, "avx512bf16") == 0) return BF16_AVX512BF16;
+    if (strcmp(want, "upcast") == 0) return BF16_UPCAST;
+    return BF16_UNSET;
+}
+
+/* HKT_BF16, read once as HKT_CPU_KERNELS is: every call of a process takes the
+ * same bfloat16 path, and a call reads no environment (every thread that races
+ * here stores the same value) */
+static int bf16_setting(void) {
+    static volatile int known = -1;
+    int k = known;
+    if (k < 0) known = k = read_bf16_setting();
+    return k;
 }
 
 /* The native kernels take their products on AMX tiles where the CPU has them,
  * unless HKT_BF16=avx512bf16 asks for vdpbf16ps (for tests and comparisons). */
-int hkt_cpu_bf16_amx(void) { return hkt_cpu_has_amx() && !bf16_setting("avx512bf16"); }
+int hkt_cpu_bf16_amx(void) { return hkt_cpu_has_amx() && bf16_setting() != BF16_AVX512BF16; }
 
 /* The native bfloat16 kernels' vector products are vdpbf16ps: two products per
  * lane where an FMA does one.  They pay where the core issues vdpbf16ps as fast
- * as an FMA: on AMD's Zen 4 the native L=3 forward+backward ran 1.58x faster
- * than float32.  Intel's cores with AVX512_BF16 (Sapphire and Emerald Rapids)
- * issue it at half that rate, and there the vdpbf16ps kernels ran 1.5x slower
- * than upcasting to float32 (T=1024, L=3, forward+backward, one thread on an
- * Emerald Rapids Xeon: 131 ms native, 88 ms upcast, 80 ms float32) -- but
- * those cores have AMX, whose tiles take the products far faster, and with
- * them the native kernels win again.  So: native on AMD, and on Intel where
- * AMX is there to use.  Chosen by the CPU, not by a timing probe, so that a
- * machine always takes the same path and its results are the same bits run
- * to run. */
+ * as an FMA, as AMD's do: there the native kernels beat float32.  Intel's cores
+ * with AVX512_BF16 issue it at half that rate, and there the vdpbf16ps kernels
+ * are slower than upcasting to float32 -- but those cores have AMX, whose
+ * tiles take the products far faster, and with them the native kernels win
+ * again.  So: native on AMD, and on Intel where AMX is there to use.  Chosen
+ * by the CPU, not by a timing probe, so that a machine always takes the same
+ * path and its results are the same bits run to run. */
 int hkt_cpu_bf16_preferred(void) {
     if (!hkt_cpu_has_bf16()) return 0;
-    if (bf16_setting("native") || bf16_setting("avx512bf16")) return 1;
-    if (bf16_setting("upcast")) return 0;
+    const int setting = bf16_setting();
+    if (setting == BF16_NATIVE || setting == BF16_AVX512BF16) return 1;
+    if (setting == BF16_UPCAST) return 0;
 #if HKT_ISA_BUILDS
     __builtin_cpu_init();
     return !__builtin_cpu_is("intel") || hkt_cpu_has_amx();
@@ -208,8 +226,8 @@ void hkt_dropout_mask_cpu(unsigned char *keep, uint64_t seed, double p,
 /* The backward's one-pass schedule (one task per (b, kv head), taken when
  * there are at least as many as threads) walks every query row of a head once
  * per key tile: with rows strided (the (B, T, H, D) heads a module splits off
- * its projections, 1 to 3 KiB apart) that streaming cost 9% of the backward
- * (B=8 H=4 T=1024 D=64 L=3, Zen 4), spread over q, dO and dq.  Copied into the
+ * its projections, 1 to 3 KiB apart) that streaming is a visible part of the
+ * backward, spread over q, dO and dq.  Copied into the
  * thread's workspace once per head, they stream as the contiguous layout does:
  * the same products on the same values, so the same bits.  Within
  * HKT_PACK_BYTES over all threads; float32 and float64 (bfloat16 reads its rows
@@ -344,7 +362,7 @@ size_t hkt_workspace_bytes(const hkt_params *p, int backward) {
 
 size_t hkt_dw_partial_bytes(const hkt_params *p) {
     /* delta (B, H, T), then dw partials (B, H, key tiles, L), then lse's
-     * corrections (B, H, T) (refine_lse in hkt_attention_body.h) */
+     * corrections (B, H, T) (refine_lse in hkt_backward_body.h) */
     size_t elem = p->dtype == HKT_FLOAT64 ? sizeof(double) : sizeof(float);
     int64_t nkt = (p->S + BK - 1) / BK;
     return (size_t)(p->B * p->H * (2 * p->T + (nkt > 0 ? nkt : 1) * p->L)) * elem;
@@ -394,6 +412,35 @@ size_t hkt_grad_acc_bytes(const hkt_params *p) {
 void hkt_grad_acc_params(const hkt_params *p, hkt_params *acc) {
     *acc = *p;
     grad_acc_layout(p, acc);
+}
+
+hkt_cpu_workspace hkt_cpu_workspace_plan(const hkt_params *p, int backward) {
+    hkt_cpu_workspace w = {0};
+    w.per_thread = hkt_workspace_bytes(p, backward);
+    if (!backward && p->lse == NULL &&
+        (__builtin_mul_overflow((size_t)p->B * (size_t)p->H, (size_t)p->T, &w.lse) ||
+         __builtin_mul_overflow(w.lse, p->dtype == HKT_FLOAT64 ? 8u : 4u, &w.lse)))
+        w.lse = SIZE_MAX;
+    w.partial = backward ? (hkt_dw_partial_bytes(p) + 63) / 64 * 64 : 0;
+    w.acc = backward ? hkt_grad_acc_bytes(p) : 0;
+    size_t total;
+    w.extra = w.total = SIZE_MAX;
+    if (__builtin_add_overflow(w.partial, w.acc, &w.extra) || __builtin_add_overflow(w.extra, w.lse, &w.extra)) {
+        w.extra = SIZE_MAX;
+        return w;
+    }
+    if (!__builtin_mul_overflow(w.per_thread, (size_t)p->num_threads, &total) &&
+        !__builtin_add_overflow(total, w.extra, &total) && !__builtin_add_overflow(total, 64, &total))
+        w.total = total;
+    return w;
+}
+
+void hkt_cpu_workspace_place(hkt_params *p, int backward, const hkt_cpu_workspace *plan, char *mem) {
+    char *after = mem + plan->per_thread * (size_t)p->num_threads;
+    p->workspace = mem;
+    p->dw_partial = backward ? after : NULL;
+    p->grad_acc = plan->acc ? after + plan->partial : NULL;
+    if (plan->lse) p->lse = after;
 }
 
 /* A call this small (multiply-adds of standard attention's forward, or its

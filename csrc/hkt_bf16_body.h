@@ -99,9 +99,9 @@ static inline __attribute__((always_inline)) BF16_TARGET void bf16_rows(
  * Every entry is one chain of vdpbf16ps over kk in order, whatever the tile,
  * so the tile shapes do not change a bit.  Tiles of 12 to 16 accumulators:
  * vdpbf16ps has a latency of about 6 cycles, and a core that issues two a
- * cycle (Zen 5) needs 12 chains in flight to stay busy -- with 8 (the 8 x 1
- * tiles this took over 16 and 32 columns before) the level-1 and -2 Gram
- * blocks (32 x 32 and 16 x 16) ran at 68% and 50% of the rate of 64 x 64. */
+ * cycle needs 12 chains in flight to stay busy -- with 8 (the 8 x 1 tiles
+ * this took over 16 and 32 columns before) the level-1 and -2 Gram blocks
+ * (32 x 32 and 16 x 16) ran well below the rate of 64 x 64. */
 static BF16_TARGET void gemm_dp(int64_t M, int64_t N, int64_t K2, const void *Av, int64_t ars, int64_t aps,
                                 const uint32_t *B, int64_t ldb, float *C, int64_t ldc, int accumulate) {
     const char *A = (const char *)Av;
@@ -125,7 +125,7 @@ static BF16_TARGET void gemm_dp(int64_t M, int64_t N, int64_t K2, const void *Av
  * tile.  The tiles are configured per thread (amx_ready): C in tmm0-3 (a 2 x 2
  * block of them), A in tmm4-5, B in tmm6-7, for steps of kc = 16 pairs, or of
  * all K2 pairs where K2 < 16 (the coarse levels' dq and dk: 8 pairs at level
- * 2), which costs a reconfiguration (~0.1 us) each way.  gemm_amx takes the
+ * 2), which costs a reconfiguration each way.  gemm_amx takes the
  * whole 16 x 16 blocks of C over reductions of whole steps; gemm_bf16 gives
  * the ragged edges to gemm_dp.  The sums are
  * formed in a different order than gemm_dp's, so the AMX path has bits of its
@@ -243,9 +243,8 @@ static void gemm_bf16(const ws_layout *ws, int64_t M, int64_t N, int64_t K2, con
 static void col_pairs(const bf16 *src, int64_t lds, int64_t n, int64_t w, uint32_t *dst, int64_t ldd) {
     if (lds % 2 == 0 && w % 2 == 0) {
         /* rows of whole words: the float32 build's 16 x 16 register transpose,
-         * which moves bits without touching them (loads, shuffles, stores) --
-         * against this scalar loop, 1.6% of the bfloat16 L=3 forward+backward
-         * at T=1024 (Zen 5) */
+         * which moves bits without touching them (loads, shuffles, stores),
+         * faster than this scalar loop */
         transpose(n, w / 2, (const float *)(const void *)src, lds / 2, (float *)(void *)dst, ldd);
         return;
     }
@@ -339,9 +338,8 @@ static inline __attribute__((always_inline)) BF16_TARGET __m512i pair_words(__m5
  * rows' matrix; as its A (ars = 4, aps = 4 ldp) the transpose of that matrix.
  * Where rows is given, the same rounded rows row-major too (rows_to_bf16's
  * layout, ldr bfloat16 apart: dS_l's rows for dq beside its pairs for dk),
- * from the same products rounded by the same instruction, so the same bits:
- * reading and scaling dS once, not twice, took 0.7% of the bfloat16 L=3
- * backward (T=1024, Zen 5). */
+ * from the same products rounded by the same instruction, so the same bits,
+ * with dS read and scaled once, not twice. */
 static BF16_TARGET void rows_and_pairs(const float *src, int64_t lds, int64_t n, int64_t w, float alpha, bf16 *rows,
                                        int64_t ldr, uint32_t *pairs, int64_t ldp) {
     const __m512 a = _mm512_set1_ps(alpha);
@@ -619,8 +617,7 @@ static void delta_bf16(const hkt_params *p, int64_t b, int64_t h, float *delta) 
     const bf16 *ob = (const bf16 *)p->out + b * p->out_stride[0] + h * p->out_stride[1];
     int64_t i = 0;
     /* eight rows at a time, each still one chain of double adds in e order (the
-     * same bits): one row's chain waited on the add's latency at every element,
-     * 1.4% of the bfloat16 L=3 backward (T=1024, Zen 5) */
+     * same bits): one row's chain waited on the add's latency at every element */
     for (; i + 8 <= p->T; i += 8) {
         const bf16 *o[8], *d[8];
         double acc[8];

@@ -2,7 +2,8 @@
  * hkt_cpu.h -- what the CPU kernel files share (private to csrc/, not installed).
  *
  * The CPU kernels are bodies written once for a type `real`
- * (hkt_attention_body.h, hkt_decode_body.h, with hkt_real.h's helpers) and
+ * (hkt_attention_body.h, hkt_backward_body.h, hkt_decode_body.h, with
+ * hkt_real.h's helpers; hkt_bf16_body.h for bfloat16 in float32's) and
  * compiled once per real type: hkt_cpu_f32.c and hkt_cpu_f64.c each define
  * `real` and include them, so their static functions have plain names in each
  * translation unit.  hkt_attention.c and hkt_decode.c hold the type-free parts:
@@ -31,12 +32,9 @@
 /* Key tiles the backward holds at once (ws_layout's key slots): each query
  * tile's rows, read from beyond the L2 cache, serve that many key tiles before
  * the next is read.  At T=4096, L=3, one key tile per pass over a head's
- * query side (4.6 MB of q, dO and dq rows) ran the backward up to 18% below
- * its rate at T=2048 on two threads of a Zen 4 (9% on one; how much varied with
- * the machine's load).  Two took 3-5% off the full T=4096 forward+backward and
- * changed nothing measurable at T <= 2048; four took 6.5% off there but added
- * 6% at B=8 H=4 T=1024 (the module's heads, packed), whose key slots then
- * crowd the packed rows out of L2. */
+ * query side (4.6 MB of q, dO and dq rows) ran the backward below its rate at
+ * T=2048; two halve that traffic; four crowd the packed rows of a module's
+ * heads (B=8 H=4 T=1024) out of L2. */
 #define BWD_KEY_TILES 2
 /* Bytes at the head of each thread's workspace block, before the reals: per-thread state. */
 #define WS_HEADER 64
@@ -48,7 +46,7 @@
  * HKT_ISA_AVX2 or HKT_ISA_AVX512 and include them through hkt_isa.h, which
  * turns the instruction set on.  (GCC's target_clones, used before, builds one
  * source per ISA but with one vector type: 64-byte vectors in the AVX2 clone
- * have no register mode and ran ~20x slower.)  HKT_ISA_BUILDS is 0 where GCC's
+ * have no register mode and run far slower.)  HKT_ISA_BUILDS is 0 where GCC's
  * x86-64 target pragma is not available; the portable build then serves alone. */
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
 #define HKT_ISA_BUILDS 1
@@ -64,7 +62,7 @@
 #else
 /* the portable build: 16-byte vectors, which every 64-bit target has in
  * registers (SSE2 on x86-64, NEON/ASIMD on AArch64); the compiler splits wider
- * generic vectors into pieces kept in memory (BLKmode), ~7x slower than these */
+ * generic vectors into pieces kept in memory (BLKmode), far slower than these */
 #define HKT_ISA generic
 #define HKT_VEC_BYTES 16
 #endif

@@ -9,8 +9,9 @@ typedef float real;
 #define REAL_LOG logf
 #define REAL_EXP expf
 #include "hkt_attention_body.h"
-#include "hkt_decode_body.h"
 #include "hkt_bf16_body.h"
+#include "hkt_backward_body.h"
+#include "hkt_decode_body.h"
 
 void HKT_ISA_NAME(hkt_forward_f32)(const hkt_params *p) { forward(p); }
 void HKT_ISA_NAME(hkt_backward_f32)(const hkt_params *p) { backward(p); }

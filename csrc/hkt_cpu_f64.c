@@ -8,6 +8,7 @@ typedef double real;
 #define REAL_LOG log
 #define REAL_EXP exp
 #include "hkt_attention_body.h"
+#include "hkt_backward_body.h"
 #include "hkt_decode_body.h"
 
 void HKT_ISA_NAME(hkt_forward_f64)(const hkt_params *p) { forward(p); }

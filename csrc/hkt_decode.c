@@ -11,8 +11,7 @@
 /* The chunk length C depends on L and the longest row only, never on the
  * thread count.  Long chunks stream faster: a chunk reads each level's keys and
  * the values as separate runs, and the hardware prefetchers start over with
- * each run (with the cache in DRAM, 256-key chunks took ~1.4x the time of
- * 1024-key ones at S = 8192); short ones give the threads more tasks.  So C
+ * each run; short ones give the threads more tasks.  So C
  * doubles from 256 up to 1024 as long as the longest row keeps 4 chunks.
  *
  * C is a power of two and, when there is more than one chunk, a multiple of

@@ -1,6 +1,7 @@
 /*
  * hkt_real.h -- small helpers the CPU kernel bodies (hkt_attention_body.h,
- * hkt_decode_body.h) share for one real type: the vector type, loads and
+ * hkt_backward_body.h, hkt_decode_body.h) share for one real type: the vector
+ * types and their fused multiply-adds, loads and
  * stores, a dot product, the vectorisable exp of the softmax and the row max.
  * Like those bodies it needs `real` and REAL_IS_FLOAT defined first; a
  * translation unit includes it once (the guard), for its one real type.
@@ -18,8 +19,8 @@
  * instruction set the translation unit is built for -- a zmm with AVX-512, a
  * ymm with AVX2, an xmm (or a NEON q register) in the portable build.  A
  * vector wider than the registers has no machine mode and
- * lives in memory (GCC gives it BLKmode): 64-byte vectors built for AVX2 ran
- * ~20x slower than these. */
+ * lives in memory (GCC gives it BLKmode): 64-byte vectors built for AVX2 run
+ * far slower than these. */
 #define VL_FULL ((int64_t)(HKT_VEC_BYTES / sizeof(real)))
 #define VL VL_FULL
 typedef real vec __attribute__((vector_size(HKT_VEC_BYTES)));
@@ -104,6 +105,74 @@ static inline real madd(real a, real b, real c) {
 #endif
 }
 
+/* The half- and quarter-width vectors of the narrow tiles (the coarse levels
+ * of short sequences); a quarter of a 16-byte vector is narrower than a
+ * double: none there. */
+typedef real vech __attribute__((vector_size(HKT_VEC_BYTES / 2)));
+#define HKT_QUARTER_TILES (HKT_VEC_BYTES >= 32 || REAL_IS_FLOAT)
+#if HKT_QUARTER_TILES
+typedef real vecq __attribute__((vector_size(HKT_VEC_BYTES / 4)));
+#endif
+
+/* madd lane by lane, for each vector type (vec_madd, vech_madd, vecq_madd):
+ * a * b + c fused where the target has FMA, whatever the compiler contracts.
+ * The tiles' products and the scalar leftovers (madd) must round alike, and
+ * left to contraction they do only where GCC optimises (at -O0 it fuses
+ * nothing).  The x86 intrinsics where the width has one; lane by lane where
+ * not (the narrowest tiles); a * b + c where there is no fused instruction,
+ * which no compiler contracts. */
+#define HKT_MADD_LANES(VT)                                                                              \
+    static inline __attribute__((always_inline)) VT VT##_madd(VT a, VT b, VT c) {                     \
+        VT r;                                                                                           \
+        for (int i = 0; i < (int)(sizeof(VT) / sizeof(real)); i++) r[i] = madd(a[i], b[i], c[i]);      \
+        return r;                                                                                       \
+    }
+#define HKT_MADD_AS(VT, FN, MT)                                                                         \
+    static inline __attribute__((always_inline)) VT VT##_madd(VT a, VT b, VT c) {                     \
+        return (VT)FN((MT)a, (MT)b, (MT)c);                                                             \
+    }
+#define HKT_MADD_PLAIN(VT)                                                                              \
+    static inline __attribute__((always_inline)) VT VT##_madd(VT a, VT b, VT c) { return a * b + c; }
+#if HKT_FUSED_MADD && defined(__x86_64__)
+#include <immintrin.h>
+#if REAL_IS_FLOAT
+#define HKT_MADD_64(VT) HKT_MADD_AS(VT, _mm512_fmadd_ps, __m512)
+#define HKT_MADD_32(VT) HKT_MADD_AS(VT, _mm256_fmadd_ps, __m256)
+#define HKT_MADD_16(VT) HKT_MADD_AS(VT, _mm_fmadd_ps, __m128)
+#else
+#define HKT_MADD_64(VT) HKT_MADD_AS(VT, _mm512_fmadd_pd, __m512d)
+#define HKT_MADD_32(VT) HKT_MADD_AS(VT, _mm256_fmadd_pd, __m256d)
+#define HKT_MADD_16(VT) HKT_MADD_AS(VT, _mm_fmadd_pd, __m128d)
+#endif
+#if HKT_VEC_BYTES == 64
+HKT_MADD_64(vec)
+HKT_MADD_32(vech)
+HKT_MADD_16(vecq)
+#elif HKT_VEC_BYTES == 32
+HKT_MADD_32(vec)
+HKT_MADD_16(vech)
+HKT_MADD_LANES(vecq)
+#else
+HKT_MADD_16(vec)
+HKT_MADD_LANES(vech)
+#if HKT_QUARTER_TILES
+HKT_MADD_LANES(vecq)
+#endif
+#endif
+#elif HKT_FUSED_MADD
+HKT_MADD_LANES(vec)
+HKT_MADD_LANES(vech)
+#if HKT_QUARTER_TILES
+HKT_MADD_LANES(vecq)
+#endif
+#else
+HKT_MADD_PLAIN(vec)
+HKT_MADD_PLAIN(vech)
+#if HKT_QUARTER_TILES
+HKT_MADD_PLAIN(vecq)
+#endif
+#endif
+
 /* <x, y> summed in double: the backward's delta = rowsum(dO * out), which dS =
  * P (dP - delta) subtracts from a number of about its size, so its rounding
  * error is magnified there; a double sum leaves one rounding, whatever the
@@ -140,15 +209,15 @@ static inline float exp_nonpos(float x) {
     const int below = x < EXP_MIN; /* -inf too */
     const float lo = EXP_MIN > x ? EXP_MIN : x;
     const float xc = 0.0f < lo ? 0.0f : lo;
-    const float t = xc * EXP_LOG2E;
-    const float m = t + EXP_ROUND;
+    /* madd where the vector forms fuse (their fmadd and fnmadd) */
+    const float m = madd(xc, EXP_LOG2E, EXP_ROUND);
     const float n = m - EXP_ROUND;
     uint32_t mbits;
     memcpy(&mbits, &m, sizeof mbits);
-    const float r = (xc - n * EXP_LN2_HI) - n * EXP_LN2_LO;
+    const float r = madd(-n, EXP_LN2_LO, madd(-n, EXP_LN2_HI, xc));
     float p = exp_coef[0];
 #pragma GCC unroll 6
-    for (int i = 1; i < 7; i++) p = p * r + exp_coef[i];
+    for (int i = 1; i < 7; i++) p = madd(p, r, exp_coef[i]);
     const uint32_t bits = (mbits - 0x4B400000u + 127u) << 23; /* 2^n */
     float scale;
     memcpy(&scale, &bits, sizeof scale);
@@ -162,7 +231,7 @@ static inline float exp_nonpos(float x) {
  * reduction and polynomial as FMAs, but 2^n applied by vscalefps, which takes
  * n as the float it already is, and, zero-masked, gives the underflow's exact
  * 0 -- one instruction for the integer add, shift, multiply and select the
- * scalar form compiles to.  About 1.6x the auto-vectorised loop's speed alone. */
+ * scalar form compiles to. */
 #define HKT_AVX512_F32 1
 /* its body: below, the lanes of x below EXP_MIN (zeroed); xc, x clamped to
  * [EXP_MIN, 0] or, where the caller knows that changes nothing, x itself */
@@ -187,9 +256,8 @@ static inline __attribute__((always_inline)) vec exp_nonpos_vec(vec xv) {
  * Such a lane is unchanged by both clamps (min(0, x) = x, -0 included;
  * max(EXP_MIN, x) moves only lanes below EXP_MIN, whose result the mask zeroes
  * whatever the polynomial made of them, inf or NaN included), and a NaN passes
- * both.  Intel's cores issue the two clamps on the ports their FMAs use: left
- * out, the forward's softmax step took 0.85-0.9x its time (64 x 64 tiles,
- * Xeon family 6 model 167). */
+ * both.  Intel's cores issue the two clamps on the ports their FMAs use, so
+ * leaving them out shortens the forward's softmax step there. */
 static inline __attribute__((always_inline)) vec exp_nonpos_vec_le0(vec xv) {
     return exp_lanes_avx512((__m512)xv, (__m512)xv);
 }

@@ -10,15 +10,20 @@ from typing import Optional
 
 def source_digest(folder: str) -> Optional[str]:
     """16 hex digits of sha256 over the names and contents of folder's C sources
-    (*.c, *.h, *.cu; files only: an editor's lock file, .#x.c, a dangling link,
-    is no source), or None where folder cannot be read."""
+    (*.c, *.h, *.cu, in folder and its subfolders such as csrc/binding/; files
+    only: an editor's lock file, .#x.c, a dangling link, is no source), or None
+    where folder cannot be read."""
     h = hashlib.sha256()
     try:
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
-            if name.endswith((".c", ".h", ".cu")) and not name.startswith(".") and os.path.isfile(path):
-                with open(path, "rb") as f:
-                    h.update(name.encode() + b"\0" + f.read() + b"\0")
+        os.listdir(folder)  # an unreadable folder is None, not the digest of nothing
+        for root, dirs, files in os.walk(folder):
+            dirs.sort()
+            for name in sorted(files):
+                path = os.path.join(root, name)
+                if name.endswith((".c", ".h", ".cu")) and not name.startswith(".") and os.path.isfile(path):
+                    rel = os.path.relpath(path, folder).replace(os.sep, "/")
+                    with open(path, "rb") as f:
+                        h.update(rel.encode() + b"\0" + f.read() + b"\0")
     except OSError:
         return None
     return h.hexdigest()[:16]

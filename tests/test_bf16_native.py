@@ -3,6 +3,10 @@ backward on the bfloat16 arrays as they are: as accurate as SDPA's own bfloat16 
 as the upcast path up to P's and dS's rounding, every option of the float32
 kernel, bitwise the same for any thread count, and bad calls refused by name.  Skipped where the CPU lacks the instructions (the
 upcast path then serves bfloat16, and test_attention covers it)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,17 +24,17 @@ BF = torch.bfloat16
 
 
 # The native kernels take their products on AMX tiles where the CPU has them,
-# else with AVX512_BF16's vdpbf16ps; every test runs on each this CPU has.
-PRODUCTS = ["amx", "avx512bf16"] if _C.cpu_has_bf16() and _C.cpu_bf16_amx() else ["avx512bf16"]
+# else with AVX512_BF16's vdpbf16ps.  HKT_BF16 is read once per process, so the
+# tests run on the products this process took (HKT_BF16=avx512bf16 in the
+# environment runs them on vdpbf16ps where AMX is there); the two are compared
+# with each other by a child process (test_amx_and_vdpbf16ps_products_agree).
+PRODUCTS = ["amx"] if _C.cpu_has_bf16() and _C.cpu_bf16_amx() else ["avx512bf16"]
 
 
 @pytest.fixture(autouse=True, params=PRODUCTS)
-def native_path(request, monkeypatch):
+def native_path(request):
     """These tests are of the native kernels, which run wherever the CPU has the
-    instructions, also where hkt would rather upcast (cpu_bf16_preferred false);
-    HKT_BF16 (read at each call) picks the products."""
-    monkeypatch.setenv("HKT_BF16", "native" if request.param == "amx" else "avx512bf16")
-    assert _C.cpu_bf16_amx() == (request.param == "amx")
+    instructions, also where hkt would rather upcast (cpu_bf16_preferred false)."""
     old = _kernels.native_bf16
     _kernels.native_bf16 = True
     yield request.param
@@ -329,22 +333,31 @@ def test_module_in_bfloat16():
 
 
 @pytest.mark.skipif(not _C.cpu_has_bf16() or not _C.cpu_bf16_amx(), reason="this CPU has no AMX")
-def test_amx_and_vdpbf16ps_products_agree(native_path, monkeypatch):
+def test_amx_and_vdpbf16ps_products_agree(native_path, tmp_path):
     """The two product engines sum in different orders, so their bits may differ,
     but only by float32 rounding of the sums: forward and gradients agree to a
     few float32 ulps of each output's scale, at sizes with ragged edges (rows
-    and columns past whole 16s, value dimension 24, odd lengths)."""
-    if native_path != "amx":
-        pytest.skip("run once, from the AMX side")
+    and columns past whole 16s, value dimension 24, odd lengths).  HKT_BF16 is
+    read once per process: the vdpbf16ps side runs in a child with
+    HKT_BF16=avx512bf16."""
     _, (q, k, v, w) = bf16_inputs(2, 3, 150, 173, 32, 24, 3, requires_grad=True)
     dout = torch.randn(2, 3, 150, 24, generator=torch.Generator().manual_seed(5)).to(BF)
-
-    def run(setting):
-        monkeypatch.setenv("HKT_BF16", setting)
-        out = hkt.hkt_attention(q, k, v, w)
-        return [out.float()] + [g.float() for g in torch.autograd.grad(out, [*q, *k, v, w], dout)]
-
-    amx, dp = run("native"), run("avx512bf16")
+    out = hkt.hkt_attention(q, k, v, w)
+    amx = [out.float()] + [g.float() for g in torch.autograd.grad(out, [*q, *k, v, w], dout)]
+    src, dst = tmp_path / "inputs.pt", tmp_path / "dp.pt"
+    torch.save([[x.detach() for x in q], [x.detach() for x in k], v.detach(), w.detach(), dout], src)
+    code = ("import torch, hkt\n"
+            f"q, k, v, w, dout = torch.load({str(src)!r})\n"
+            "assert hkt._C.cpu_has_bf16() and not hkt._C.cpu_bf16_amx()\n"
+            "hkt._kernels.native_bf16 = True\n"
+            "xs = [x.requires_grad_(True) for x in [*q, *k, v, w]]\n"
+            "out = hkt.hkt_attention(xs[:len(q)], xs[len(q):2 * len(q)], xs[-2], xs[-1])\n"
+            "res = [out.float()] + [g.float() for g in torch.autograd.grad(out, xs, dout)]\n"
+            f"torch.save(res, {str(dst)!r})\n")
+    env = {**os.environ, "HKT_BF16": "avx512bf16"}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    dp = torch.load(dst)
     assert not all(torch.equal(a, b) for a, b in zip(amx, dp)), "AMX did not run"
     for i, (a, b) in enumerate(zip(amx, dp)):
         # out and the gradients are rounded to bfloat16 on the way out: a sum

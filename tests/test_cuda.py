@@ -965,28 +965,38 @@ def emulated(tmp_path_factory):
     d = tmp_path_factory.mktemp("cuda_emulation")
     (d / "inc").mkdir()
     (d / "inc" / "cuda_runtime.h").write_text(_SHIM)
-    # kernel<real><<<grid, block, shmem, stream>>>(args): every launch names its stream
-    cu, n = re.subn(r"(\w+<\w+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
+    # kernel<real[, N]><<<grid, block, shmem, stream>>>(args): every launch names its stream
+    cu, n = re.subn(r"(\w+<[\w, ]+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
                     r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "hkt_attention_cuda.cu").read_text())
     assert n >= 7 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
         "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
-    assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu), \
+    kernels = "".join((csrc / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_reference.h",
+                                                              "hkt_cuda_tc.h"))
+    assert "<<<" not in kernels, "kernel launches belong in hkt_attention_cuda.cu, where the emulation reads them"
+    assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu + kernels), \
         "the CUDA entry points must not allocate or synchronize (graph capture, stream order)"
     (d / "emu.cpp").write_text(cu)
-    binding = (csrc / "hkt_binding.c").read_text()
+    # the binding (csrc/binding/), two of its lines patched: q0_on_cuda says
+    # yes, and the module is _Cemu
+    binding = {c.name: c.read_text() for c in (csrc / "binding").iterdir() if c.suffix in (".c", ".h")}
     key = "return q0->device.device_type == kDLCUDA;"  # in q0_on_cuda
-    assert binding.count(key) == 1, "hkt_binding.c changed: update the emulation's patch in this test"
-    binding = binding.replace(key, "return 1;").replace("PyInit__C", "PyInit__Cemu").replace('"hkt._C"', '"_Cemu"')
-    (d / "module.c").write_text(binding)
+    assert binding["checks.c"].count(key) == 1, "csrc/binding/checks.c changed: update the emulation's patch"
+    binding["checks.c"] = binding["checks.c"].replace(key, "return 1;")
+    assert binding["module.c"].count('"hkt._C"') == 1, "csrc/binding/module.c changed: update the emulation's patch"
+    binding["module.c"] = binding["module.c"].replace("PyInit__C", "PyInit__Cemu").replace('"hkt._C"', '"_Cemu"')
+    (d / "binding").mkdir()
+    for name, text in binding.items():
+        (d / "binding" / name).write_text(text)
+    binding_sources = sorted(name[:-2] for name in binding if name.endswith(".c"))
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     inc = sysconfig.get_paths()["include"]
-    cpu_sources = sorted(c for c in csrc.glob("*.c") if c.name != "hkt_binding.c")
+    cpu_sources = sorted(csrc.glob("*.c"))
     compiles = [
         ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA",
          "-DHKT_CUDA_EMULATION", "-c",
          str(d / "emu.cpp"), "-o", str(d / "emu.o")],
-        ["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", f"-I{inc}", "-DHKT_WITH_CUDA",
-         "-c", str(d / "module.c"), "-o", str(d / "module.o")],
+        *(["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", f"-I{inc}", "-DHKT_WITH_CUDA",
+           "-c", str(d / "binding" / f"{name}.c"), "-o", str(d / f"binding_{name}.o")] for name in binding_sources),
         # every CPU source the binding links against (the attention kernels, and
         # whatever else csrc/ holds beside the binding)
         *(["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", "-c", str(c), "-o",
@@ -996,7 +1006,8 @@ def emulated(tmp_path_factory):
     # another they took half a minute
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(lambda cmd: subprocess.run(cmd, check=True, capture_output=True), compiles))
-    subprocess.run(["g++", "-shared", "-pthread", "-fopenmp", str(d / "emu.o"), str(d / "module.o"),
+    subprocess.run(["g++", "-shared", "-pthread", "-fopenmp", str(d / "emu.o"),
+                    *(str(d / f"binding_{name}.o") for name in binding_sources),
                     *(str(d / f"{c.stem}.o") for c in cpu_sources), "-o", str(d / f"_Cemu{suffix}")],
                    check=True, capture_output=True)
     spec = importlib.util.spec_from_file_location("_Cemu", d / f"_Cemu{suffix}")

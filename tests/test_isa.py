@@ -133,3 +133,24 @@ def test_bf16_path_follows_the_core_and_the_environment():
     assert bf16_choice("native") == [str(has)] * 2 + [amx]
     assert bf16_choice("avx512bf16") == [str(has)] * 2 + ["False"]
     assert bf16_choice("upcast") == ["False"] * 2 + [amx]
+
+
+def test_hkt_bf16_is_read_once():
+    """HKT_BF16 is read at the first call that asks, as HKT_CPU_KERNELS is: a
+    change to the environment later in the process changes no choice (a call
+    reads no environment).  Each value is set in a fresh child, the opposite one
+    after the first call."""
+    code = ("import os, hkt\n"
+            "first = (hkt._C.cpu_bf16_preferred(), hkt._C.cpu_bf16_amx())\n"
+            "os.environ['HKT_BF16'] = 'native' if os.environ['HKT_BF16'] == 'upcast' else 'upcast'\n"
+            "print(first == (hkt._C.cpu_bf16_preferred(), hkt._C.cpu_bf16_amx()), first[0])\n")
+    seen = []
+    for setting in ("upcast", "native"):
+        env = {**os.environ, "HKT_BF16": setting}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        same, preferred = out.stdout.split()
+        assert same == "True", setting
+        seen.append(preferred)
+    # the two settings did take: upcast never prefers the native kernels, native does where they exist
+    assert seen == ["False", str(hkt._C.cpu_has_bf16())]

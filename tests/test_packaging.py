@@ -73,6 +73,13 @@ def test_extension_built_from_other_sources_warns(tmp_path):
         f.write("/* edited, not rebuilt */\n")
     r = _import(tmp_path, code)
     assert r.returncode != 0 and "RuntimeWarning: hkt._C was built from other C sources" in r.stderr, r.stderr
+    # the binding's files, in their own folder, are sources too
+    shutil.rmtree(tmp_path / "csrc")
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    with open(tmp_path / "csrc" / "binding" / "module.c", "a") as f:
+        f.write("/* edited, not rebuilt */\n")
+    r = _import(tmp_path, code)
+    assert r.returncode != 0 and "RuntimeWarning: hkt._C was built from other C sources" in r.stderr, r.stderr
 
 
 def test_extension_names_libm():
