@@ -1,7 +1,8 @@
 /*
  * hkt_window_body.h -- the windowed kernels of hkt_window.h for one real type.
- * Included by hkt_window.c once per type, with `real`, WFN(name) (the
- * function's name for this type) and REAL_EXP / REAL_LOG defined.
+ * Included by hkt_window.c once per type and instruction set, with `real`,
+ * WFN(name) (the function's name for them), REAL_EXP / REAL_LOG and
+ * REAL_EXP_NONPOS (exp of x <= 0, in a form the compiler vectorises) defined.
  *
  * Per (batch, head) the queries run in order.  For level l the keys it sees
  * from query block a = i >> l are the level-l blocks [base, end) (the window
@@ -14,11 +15,18 @@
  * and level m-1 does not: whole level-m blocks and at most one level-(m-1)
  * block at each inner edge, all scored A_m[block].  A unit of n keys counts n
  * times in the softmax's normaliser and adds p * (its summed values) to out.
+ * Level m's part depends on the query only through i >> (m-1): it is reduced
+ * once per level-(m-1) block to a partial softmax (max, sum, weighted values)
+ * that each query of the block merges with its own.
  *
  * The backward adds each unit's score gradient to E_m (indexed like A_m); when
  * a level-l query block ends, E_l gives dq[l][a], dk[l] and dw[l] through G's
  * bilinear form and is added to its parents in E_{l+1}, whose scores include
- * the level-l terms' parents.
+ * the level-l terms' parents.  For m >= 2 the level-m part is shared the same
+ * way: with P[i, u] = exp(s_u - c) * exp(c - lse_i), its queries' output
+ * gradients are summed, weighted by exp(c - lse_i), once per query, and the
+ * units visited once per block (c the block's largest lse; where the rows'
+ * lse spread too far for that product, SPREAD, each query visits them).
  */
 
 /* where level l's keys of query block a lie, in level-l blocks: the window
@@ -62,6 +70,10 @@ typedef struct {
     int32_t *ulev, *um;     /* the level of a unit's summed values; the level of its score */
     int64_t *uidx, *uc;     /* its block in vs[ulev]; its score's index in A[um] (from base) */
     int64_t nu;
+    real *O, *X;                        /* per level m, Dv each: a partial's weighted values; the backward's summed dout */
+    real M[HKT_MAX_LEVELS], Z[HKT_MAX_LEVELS]; /* per level: a partial's max and sum */
+    real c[HKT_MAX_LEVELS], Y[HKT_MAX_LEVELS]; /* backward: a block's largest lse, its weighted sum of <dout, out> */
+    int shared[HKT_MAX_LEVELS];         /* backward: level m's units visited once per level-(m-1) block */
 } WFN(work);
 
 static size_t WFN(thread_bytes)(const hkt_window_params *p, int backward) {
@@ -73,7 +85,8 @@ static size_t WFN(thread_bytes)(const hkt_window_params *p, int backward) {
     }
     units = (units + 15) / 16 * 16;
     const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
-    return (reals + 2 * units + dv) * sizeof(real) + units * (2 * sizeof(int32_t) + 2 * sizeof(int64_t)) + 64;
+    return (reals + 2 * units + (1 + 2 * (size_t)p->L) * dv) * sizeof(real) +
+           units * (2 * sizeof(int32_t) + 2 * sizeof(int64_t)) + 64;
 }
 
 static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(work) *wk) {
@@ -94,8 +107,13 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
     x += units;
     wk->ucnt = x;
     x += units;
+    const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
     wk->acc = x;
-    x += ((size_t)p->Dv + 15) / 16 * 16;
+    x += dv;
+    wk->O = x;
+    x += dv * (size_t)p->L;
+    wk->X = x;
+    x += dv * (size_t)p->L;
     int64_t *y = (int64_t *)x;
     wk->uidx = y;
     y += units;
@@ -134,7 +152,23 @@ static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, 
     const real *qa = (const real *)p->q[l] + ((b * p->H + h) * Tl + a) * D;
     const real *kl = (const real *)p->k[l] + (b * p->H_kv + hk) * Sl * D;
     real *G = wk->G[l], *A = wk->A[l];
-    for (int64_t c = r.base; c < r.end; c++) G[c - r.base] = WFN(dot)(qa, kl + c * D, D);
+    int64_t c = r.base;
+    for (; c + 4 <= r.end; c += 4) { /* four keys at once: four independent sums in flight */
+        const real *k0 = kl + c * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t d = 0; d < D; d++) {
+            s0 += qa[d] * k0[d];
+            s1 += qa[d] * k1[d];
+            s2 += qa[d] * k2[d];
+            s3 += qa[d] * k3[d];
+        }
+        G[c - r.base] = s0;
+        G[c + 1 - r.base] = s1;
+        G[c + 2 - r.base] = s2;
+        G[c + 3 - r.base] = s3;
+    }
+    for (; c < r.end; c++) G[c - r.base] = WFN(dot)(qa, kl + c * D, D);
     if (l + 1 < p->L) {
         const real *Au = wk->A[l + 1];
         const int64_t bu = wk->r[l + 1].base;
@@ -177,32 +211,69 @@ static void WFN(add_range)(const hkt_window_params *p, WFN(work) *wk, int m, int
     }
 }
 
-/* query i's units, once its levels' A are current */
-static void WFN(units)(const hkt_window_params *p, WFN(work) *wk, int64_t i) {
+/* the units of level m's part (m = 0: the single keys level 0 sees), once the
+ * levels' A are current */
+static void WFN(seg_units)(const hkt_window_params *p, WFN(work) *wk, int m) {
     wk->nu = 0;
-    const WFN(range) r0 = wk->r[0];
-    const real *A0 = wk->A[0];
-    for (int64_t j = r0.base; j < r0.end; j++) WFN(add_unit)(wk, A0[j - r0.base], 1, 0, j, 0, j - r0.base);
-    for (int m = 1; m < p->L; m++) {
-        const WFN(range) rm = wk->r[m], rd = wk->r[m - 1];
-        const int64_t Sd = WFN(blocks)(p->S, m - 1);
-        if (p->radius[m - 1] == 0) break; /* level m-1 sees every key: nothing is left for the levels above */
-        /* left of level m-1's window */
-        int64_t x0 = 2 * rm.lo > 0 ? 2 * rm.lo : 0, x1 = rd.lo < Sd ? rd.lo : Sd;
-        WFN(add_range)(p, wk, m, x0, x1);
-        if (!p->is_causal) { /* right of it: keys after query i */
-            x0 = rd.hi > 0 ? rd.hi : 0;
-            x1 = 2 * rm.hi < Sd ? 2 * rm.hi : Sd;
-            WFN(add_range)(p, wk, m, x0, x1);
-        }
+    if (m == 0) {
+        const WFN(range) r0 = wk->r[0];
+        const real *A0 = wk->A[0];
+        for (int64_t j = r0.base; j < r0.end; j++) WFN(add_unit)(wk, A0[j - r0.base], 1, 0, j, 0, j - r0.base);
+        return;
     }
-    (void)i;
+    if (p->radius[m - 1] == 0) return; /* level m-1 sees every key: nothing is left for level m */
+    const WFN(range) rm = wk->r[m], rd = wk->r[m - 1];
+    const int64_t Sd = WFN(blocks)(p->S, m - 1);
+    /* left of level m-1's window */
+    int64_t x0 = 2 * rm.lo > 0 ? 2 * rm.lo : 0, x1 = rd.lo < Sd ? rd.lo : Sd;
+    WFN(add_range)(p, wk, m, x0, x1);
+    if (!p->is_causal) { /* right of it: keys after query i */
+        x0 = rd.hi > 0 ? rd.hi : 0;
+        x1 = 2 * rm.hi < Sd ? 2 * rm.hi : Sd;
+        WFN(add_range)(p, wk, m, x0, x1);
+    }
+}
+
+/* new block at level l for query i */
+static inline int WFN(starts)(int64_t i, int l) { return i == 0 || ((i - 1) >> l) != (i >> l); }
+static inline int WFN(ends)(const hkt_window_params *p, int64_t i, int l) {
+    return i == p->T - 1 || ((i + 1) >> l) != (i >> l);
 }
 
 static inline const real *WFN(vrow)(const hkt_window_params *p, const void *const *arr, int lev, int64_t b,
                                      int64_t hk, int64_t idx) {
     const int64_t Sl = WFN(blocks)(p->S, lev);
     return (const real *)arr[lev] + ((b * p->H_kv + hk) * Sl + idx) * p->Dv;
+}
+
+/* the partial softmax of the current units: max M, sum Z (each unit counted
+ * for its keys), O = sum of exp(s - M) * its summed values */
+static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *O, real *M,
+                         real *Z) {
+    const int64_t nu = wk->nu, Dv = p->Dv;
+    real mx = -INFINITY;
+    for (int64_t u = 0; u < nu; u++) mx = wk->us[u] > mx ? wk->us[u] : mx;
+    memset(O, 0, (size_t)Dv * sizeof(real));
+    if (mx == -INFINITY) { /* no unit, or none but hidden ones -- or NaN ones, which must reach the row */
+        int nan = 0;
+        for (int64_t u = 0; u < nu; u++) nan |= wk->us[u] != wk->us[u];
+        *M = nan ? 0 : -INFINITY;
+        *Z = nan ? NAN : 0;
+        if (!nan) return;
+        mx = 0;
+    }
+    real sum = 0, *e_u = wk->us;
+#pragma omp simd
+    for (int64_t u = 0; u < nu; u++) e_u[u] = REAL_EXP_NONPOS(e_u[u] - mx);
+    for (int64_t u = 0; u < nu; u++) {
+        const real e = e_u[u];
+        sum += wk->ucnt[u] * e;
+        const real *vr = WFN(vrow)(p, p->vs, wk->ulev[u], b, hk, wk->uidx[u]);
+#pragma omp simd
+        for (int64_t d = 0; d < Dv; d++) O[d] += e * vr[d];
+    }
+    *M = mx;
+    *Z = sum;
 }
 
 static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h) {
@@ -212,28 +283,33 @@ static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t
     for (int l = 0; l < p->L; l++) f[l] = WFN(factor)(p->scale, w[l]);
     real *out = (real *)p->out + (b * p->H + h) * p->T * Dv;
     real *lse = (real *)p->lse + (b * p->H + h) * p->T;
-    real *acc = wk->acc;
+    const int64_t dvp = (Dv + 15) / 16 * 16;
     for (int64_t i = 0; i < p->T; i++) {
         for (int l = p->L - 1; l >= 0; l--)
-            if (i == 0 || ((i - 1) >> l) != (i >> l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
-        WFN(units)(p, wk, i);
-        const int64_t nu = wk->nu;
+            if (WFN(starts)(i, l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
+        /* level m's part, shared by the queries of one level-(m-1) block */
+        for (int m = p->L - 1; m >= 0; m--)
+            if (m == 0 || WFN(starts)(i, m - 1)) {
+                WFN(seg_units)(p, wk, m);
+                WFN(partial)(p, wk, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
+            }
         real mx = -INFINITY;
-        for (int64_t u = 0; u < nu; u++) mx = wk->us[u] > mx ? wk->us[u] : mx;
+        for (int m = 0; m < p->L; m++) mx = wk->M[m] > mx ? wk->M[m] : mx;
         real *o = out + i * Dv;
-        if (nu == 0 || mx == -INFINITY) {
+        if (mx == -INFINITY) {
             memset(o, 0, (size_t)Dv * sizeof(real));
             lse[i] = INFINITY;
             continue;
         }
+        real *acc = wk->acc, sum = 0;
         memset(acc, 0, (size_t)Dv * sizeof(real));
-        real sum = 0;
-        for (int64_t u = 0; u < nu; u++) {
-            const real e = REAL_EXP(wk->us[u] - mx);
-            sum += wk->ucnt[u] * e;
-            const real *vr = WFN(vrow)(p, p->vs, wk->ulev[u], b, hk, wk->uidx[u]);
+        for (int m = 0; m < p->L; m++) {
+            if (wk->M[m] == -INFINITY) continue;
+            const real e = REAL_EXP_NONPOS(wk->M[m] - mx);
+            const real *Om = wk->O + m * dvp;
+            sum += e * wk->Z[m];
 #pragma omp simd
-            for (int64_t d = 0; d < Dv; d++) acc[d] += e * vr[d];
+            for (int64_t d = 0; d < Dv; d++) acc[d] += e * Om[d];
         }
         const real inv = 1 / sum;
         for (int64_t d = 0; d < Dv; d++) o[d] = acc[d] * inv;
@@ -274,8 +350,35 @@ static void WFN(flush)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t
     }
 }
 
+/* the current units' gradients, given their probabilities' common factor:
+ * P_u = exp(s_u - c) * (weight), go the summed output gradient (weighted like
+ * P) and Dg its weighted sum of <dout, out> */
+static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real c,
+                            const real *go, real Dg) {
+    const int64_t Dv = p->Dv;
+    real *P_u = wk->us;
+#pragma omp simd
+    for (int64_t u = 0; u < wk->nu; u++) P_u[u] = REAL_EXP_NONPOS(P_u[u] - c);
+    for (int64_t u = 0; u < wk->nu; u++) {
+        const real P = P_u[u];
+        const real *vr = WFN(vrow)(p, p->vs, wk->ulev[u], b, hk, wk->uidx[u]);
+        real *dvr = (real *)WFN(vrow)(p, (const void *const *)p->dvs, wk->ulev[u], b, hk, wk->uidx[u]);
+        real g = 0;
+#pragma omp simd reduction(+ : g)
+        for (int64_t d = 0; d < Dv; d++) {
+            g += go[d] * vr[d];
+            dvr[d] += P * go[d];
+        }
+        wk->E[wk->um[u]][wk->uc[u]] += P * (g - wk->ucnt[u] * Dg);
+    }
+}
+
+/* how far a block's rows' lse may spread for its queries to share the visit
+ * of level m's units: exp(c - lse_i) stays far inside the real's range */
+#define WIN_SPREAD ((real)(sizeof(real) == 4 ? 30 : 300))
+
 static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *dw_part) {
-    const int64_t D = p->D, Dv = p->Dv, group = p->H / p->H_kv;
+    const int64_t D = p->D, Dv = p->Dv, group = p->H / p->H_kv, dvp = (Dv + 15) / 16 * 16;
     for (int l = 0; l < p->L; l++) {
         const int64_t Sl = WFN(blocks)(p->S, l);
         memset((real *)p->dk[l] + (b * p->H_kv + hk) * Sl * D, 0, (size_t)(Sl * D) * sizeof(real));
@@ -293,27 +396,47 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
         const real *lse = (const real *)p->lse + (b * p->H + h) * p->T;
         for (int64_t i = 0; i < p->T; i++) {
             for (int l = p->L - 1; l >= 0; l--)
-                if (i == 0 || ((i - 1) >> l) != (i >> l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
+                if (WFN(starts)(i, l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
+            for (int m = 2; m < p->L; m++)
+                if (WFN(starts)(i, m - 1)) { /* a level-(m-1) block begins: can its queries share level m? */
+                    const int64_t r0 = i, r1 = ((i >> (m - 1)) + 1) << (m - 1) < p->T ? ((i >> (m - 1)) + 1) << (m - 1)
+                                                                                     : p->T;
+                    real hi = -INFINITY, lo = INFINITY;
+                    for (int64_t r = r0; r < r1; r++)
+                        if (lse[r] != INFINITY) {
+                            hi = lse[r] > hi ? lse[r] : hi;
+                            lo = lse[r] < lo ? lse[r] : lo;
+                        }
+                    wk->shared[m] = hi == -INFINITY || hi - lo <= WIN_SPREAD; /* false for NaN too */
+                    wk->c[m] = hi == -INFINITY ? 0 : hi;
+                    wk->Y[m] = 0;
+                    memset(wk->X + m * dvp, 0, (size_t)Dv * sizeof(real));
+                }
             const real li = lse[i];
             if (li != INFINITY) { /* a row that sees nothing has no gradient */
                 const real *go = dout + i * Dv;
                 const real Di = WFN(dot)(go, out + i * Dv, Dv);
-                WFN(units)(p, wk, i);
-                for (int64_t u = 0; u < wk->nu; u++) {
-                    const real P = REAL_EXP(wk->us[u] - li);
-                    const real *vr = WFN(vrow)(p, p->vs, wk->ulev[u], b, hk, wk->uidx[u]);
-                    real *dvr = (real *)WFN(vrow)(p, (const void *const *)p->dvs, wk->ulev[u], b, hk, wk->uidx[u]);
-                    real g = 0;
-#pragma omp simd reduction(+ : g)
-                    for (int64_t d = 0; d < Dv; d++) {
-                        g += go[d] * vr[d];
-                        dvr[d] += P * go[d];
+                for (int m = 0; m < p->L; m++) {
+                    if (m >= 2 && wk->shared[m]) {
+                        const real a = REAL_EXP(wk->c[m] - li);
+                        real *X = wk->X + m * dvp;
+#pragma omp simd
+                        for (int64_t d = 0; d < Dv; d++) X[d] += a * go[d];
+                        wk->Y[m] += a * Di;
+                        continue;
                     }
-                    wk->E[wk->um[u]][wk->uc[u]] += P * (g - wk->ucnt[u] * Di);
+                    WFN(seg_units)(p, wk, m);
+                    WFN(unit_grads)(p, wk, b, hk, li, go, Di);
                 }
             }
             for (int l = 0; l < p->L; l++)
-                if (i == p->T - 1 || ((i + 1) >> l) != (i >> l)) WFN(flush)(p, wk, l, b, h, hk, i >> l, f[l], &dwl[l]);
+                if (WFN(ends)(p, i, l)) {
+                    if (l + 1 >= 2 && l + 1 < p->L && wk->shared[l + 1]) { /* level l+1's shared units, once */
+                        WFN(seg_units)(p, wk, l + 1);
+                        WFN(unit_grads)(p, wk, b, hk, wk->c[l + 1], wk->X + (l + 1) * dvp, wk->Y[l + 1]);
+                    }
+                    WFN(flush)(p, wk, l, b, h, hk, i >> l, f[l], &dwl[l]);
+                }
         }
         for (int l = 0; l < p->L; l++) dw_part[(b * p->H + h) * p->L + l] = dwl[l];
     }
@@ -345,3 +468,5 @@ static void WFN(backward)(const hkt_window_params *p) {
     for (int64_t b = 0; b < p->B; b++) /* over the batch in index order: the same bits for any thread count */
         for (int64_t x = 0; x < p->H * p->L; x++) dw[x] += dw_part[b * p->H * p->L + x];
 }
+
+#undef WIN_SPREAD
