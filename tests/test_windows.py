@@ -201,3 +201,60 @@ def test_check_windows_normalises():
     assert check_windows([None, None], 2) is None
     assert check_windows([4, None], 2) == (4, None)
     assert check_windows((4, 8), 2, growing=True) == (4, 8)
+
+
+# ------------------------------------------------------------------ module -----
+
+def test_module_with_windows_matches_the_reference_path(monkeypatch):
+    torch.manual_seed(0)
+    m = hkt.MultiheadHKT(16, 4, levels=3, batch_first=True, num_kv_heads=2, windows=[4, 8, None]).double()
+    x = torch.randn(2, 45, 16, dtype=torch.float64)
+
+    def step():
+        m.zero_grad()
+        out, wts = m(x, x, x, is_causal=True, need_weights=True)
+        out.square().sum().backward()
+        return [out.detach(), wts, *[p.grad.clone() for p in m.parameters()]]
+    got = step()
+    monkeypatch.setattr(hkt.modules, "hkt_attention", reference)
+    want = step()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    # keys only the global top level sees share one weight per level-2 block: the windows did apply
+    far = got[1][:, 30, :16].unflatten(-1, (4, 4))
+    torch.testing.assert_close(far, far[..., :1].expand_as(far), rtol=1e-12, atol=0)
+    assert not torch.allclose(got[1][:, 30, 26:30], got[1][:, 30, 26:27].expand(2, 4))
+
+
+def test_module_wide_windows_are_the_unwindowed_module():
+    torch.manual_seed(1)
+    plain = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True).double()
+    wide = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True, windows=[64, 128]).double()
+    wide.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    torch.testing.assert_close(wide(x, x, x, is_causal=True)[0], plain(x, x, x, is_causal=True)[0], **TOL)
+
+
+def test_swap_attention_takes_windows():
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).double()
+    new = hkt.swap_attention(torch.nn.Sequential(mha), levels=3, windows=[4, 8, None])[0]
+    assert new.windows == (4, 8, None) and "windows=[4, 8, None]" in repr(new)
+    x = torch.randn(1, 20, 16, dtype=torch.float64)
+    new(x, x, x, is_causal=True)
+
+
+def test_module_refuses_by_name():
+    with pytest.raises(ValueError, match=r"windows\[1\]: expected None or a positive multiple of 2"):
+        hkt.MultiheadHKT(16, 2, levels=2, windows=[4, 3])
+    m = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True, windows=[4, None])
+    x = torch.randn(2, 10, 16)
+    with pytest.raises(ValueError, match="key_padding_mask: not supported with windows"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="windows: decoding is not supported"):
+        m.init_cache(1, 8)
+    m.pack_padding = True
+    with pytest.raises(ValueError, match="pack_padding: not supported with windows"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
+    d = hkt.MultiheadHKT(16, 2, levels=2, dropout=0.1, windows=[4, None]).train()
+    with pytest.raises(ValueError, match="dropout: not supported with windows"):
+        d(x, x, x)
