@@ -29,6 +29,8 @@
  * lse spread too far for that product, SPREAD, each query visits them).
  */
 
+#define WIN_TILE 16
+
 /* where level l's keys of query block a lie, in level-l blocks: the window
  * [lo, hi) unclipped (no window: all of them), and [base, end) clipped */
 typedef struct {
@@ -62,14 +64,26 @@ static int64_t WFN(level_cap)(const hkt_window_params *p, int l) {
     return n < Sl ? n : Sl;
 }
 
+/* n units side by side: their scores s[0 .. n) (in A[m], and their gradients
+ * at the same places of E[m]), their summed values rows idx .. idx + n - 1 of
+ * vs[lev], each of keys keys but the last, of last_keys (cut at S) */
+typedef struct {
+    const real *s;
+    int64_t ec;             /* s's offset in A[m], E's alike */
+    int64_t idx, n;
+    real keys, last_keys;
+    int lev, m;
+} WFN(run);
+
 /* one thread's workspace, carved from its slice */
 typedef struct {
     real *G[HKT_MAX_LEVELS], *A[HKT_MAX_LEVELS], *E[HKT_MAX_LEVELS];
     WFN(range) r[HKT_MAX_LEVELS];
-    real *us, *ucnt, *acc;  /* units' scores and key counts; a row accumulator (Dv) */
-    int32_t *ulev, *um;     /* the level of a unit's summed values; the level of its score */
-    int64_t *uidx, *uc;     /* its block in vs[ulev]; its score's index in A[um] (from base) */
-    int64_t nu;
+    real *e, *acc;          /* a run's exps; a row accumulator (Dv) */
+    WFN(run) runs[8];       /* the current part's units, as runs */
+    real *GT[HKT_MAX_LEVELS], *QT; /* per level: a tile's dot products (key-major); the tile's queries, transposed */
+    int64_t tile[HKT_MAX_LEVELS], tile_base[HKT_MAX_LEVELS]; /* the tile's first query block (-1: none); first key */
+    int nruns;
     real *O, *X;                        /* per level m, Dv each: a partial's weighted values; the backward's summed dout */
     real M[HKT_MAX_LEVELS], Z[HKT_MAX_LEVELS]; /* per level: a partial's max and sum */
     real c[HKT_MAX_LEVELS], Y[HKT_MAX_LEVELS]; /* backward: a block's largest lse, its weighted sum of <dout, out> */
@@ -80,13 +94,12 @@ static size_t WFN(thread_bytes)(const hkt_window_params *p, int backward) {
     size_t reals = 0, units = 0;
     for (int l = 0; l < p->L; l++) {
         const size_t n = (size_t)WFN(level_cap)(p, l);
-        reals += (backward ? 3 : 2) * ((n + 15) / 16 * 16);
+        reals += (backward ? 3 : 2) * ((n + 15) / 16 * 16) + WIN_TILE * (n + WIN_TILE);
         units += n + 2;
     }
     units = (units + 15) / 16 * 16;
     const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
-    return (reals + 2 * units + (1 + 2 * (size_t)p->L) * dv) * sizeof(real) +
-           units * (2 * sizeof(int32_t) + 2 * sizeof(int64_t)) + 64;
+    return (reals + units + (1 + 2 * (size_t)p->L) * dv + WIN_TILE * (size_t)p->D) * sizeof(real) + 64;
 }
 
 static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(work) *wk) {
@@ -100,12 +113,13 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
         x += n;
         wk->E[l] = backward ? x : NULL;
         if (backward) x += n;
+        wk->GT[l] = x;
+        x += WIN_TILE * ((size_t)WFN(level_cap)(p, l) + WIN_TILE);
+        wk->tile[l] = -1;
         units += (size_t)WFN(level_cap)(p, l) + 2;
     }
     units = (units + 15) / 16 * 16;
-    wk->us = x;
-    x += units;
-    wk->ucnt = x;
+    wk->e = x;
     x += units;
     const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
     wk->acc = x;
@@ -114,15 +128,7 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
     x += dv * (size_t)p->L;
     wk->X = x;
     x += dv * (size_t)p->L;
-    int64_t *y = (int64_t *)x;
-    wk->uidx = y;
-    y += units;
-    wk->uc = y;
-    y += units;
-    int32_t *z = (int32_t *)y;
-    wk->ulev = z;
-    z += units;
-    wk->um = z;
+    wk->QT = x;
 }
 
 static inline real WFN(dot)(const real *a, const real *b, int64_t n) {
@@ -143,7 +149,10 @@ static inline real WFN(factor)(double scale, real w) {
     return f;
 }
 
-/* G and A of level l for query block a (batch b, head h, kv head hk) */
+/* G and A of level l for query block a (batch b, head h, kv head hk).  G is
+ * taken from a tile of WIN_TILE query blocks' dot products, made when a enters
+ * it: with the tile's queries transposed, one key's products with all of them
+ * are one vector of sums, each in the order of d, with no horizontal sum. */
 static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t b, int64_t h,
                               int64_t hk, int64_t a, real f) {
     const int64_t D = p->D, Tl = WFN(blocks)(p->T, l), Sl = WFN(blocks)(p->S, l);
@@ -152,23 +161,30 @@ static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, 
     const real *qa = (const real *)p->q[l] + ((b * p->H + h) * Tl + a) * D;
     const real *kl = (const real *)p->k[l] + (b * p->H_kv + hk) * Sl * D;
     real *G = wk->G[l], *A = wk->A[l];
-    int64_t c = r.base;
-    for (; c + 4 <= r.end; c += 4) { /* four keys at once: four independent sums in flight */
-        const real *k0 = kl + c * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
-        real s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int64_t d = 0; d < D; d++) {
-            s0 += qa[d] * k0[d];
-            s1 += qa[d] * k1[d];
-            s2 += qa[d] * k2[d];
-            s3 += qa[d] * k3[d];
+    const int64_t t0 = a & ~(int64_t)(WIN_TILE - 1);
+    if (wk->tile[l] != t0) { /* the next WIN_TILE query blocks: their dot products with every key they see */
+        const int64_t t1 = t0 + WIN_TILE < Tl ? t0 + WIN_TILE : Tl;
+        const WFN(range) lo = WFN(level_range)(p, l, t0), hi = WFN(level_range)(p, l, t1 - 1);
+        real *QT = wk->QT, *GT = wk->GT[l];
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t t = 0; t < WIN_TILE; t++) QT[d * WIN_TILE + t] = t0 + t < t1 ? qa[(t0 + t - a) * D + d] : 0;
+        for (int64_t c = lo.base; c < hi.end; c++) {
+            const real *kc = kl + c * D;
+            real acc[WIN_TILE] = {0};
+            for (int64_t d = 0; d < D; d++) {
+                const real kd = kc[d];
+#pragma omp simd
+                for (int64_t t = 0; t < WIN_TILE; t++) acc[t] += QT[d * WIN_TILE + t] * kd;
+            }
+            memcpy(GT + (c - lo.base) * WIN_TILE, acc, sizeof acc);
         }
-        G[c - r.base] = s0;
-        G[c + 1 - r.base] = s1;
-        G[c + 2 - r.base] = s2;
-        G[c + 3 - r.base] = s3;
+        wk->tile[l] = t0;
+        wk->tile_base[l] = lo.base;
     }
-    for (; c < r.end; c++) G[c - r.base] = WFN(dot)(qa, kl + c * D, D);
+    {
+        const real *GT = wk->GT[l] + (r.base - wk->tile_base[l]) * WIN_TILE + (a - t0);
+        for (int64_t c = r.base; c < r.end; c++) G[c - r.base] = GT[(c - r.base) * WIN_TILE];
+    }
     if (l + 1 < p->L) {
         const real *Au = wk->A[l + 1];
         const int64_t bu = wk->r[l + 1].base;
@@ -179,46 +195,44 @@ static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, 
     if (wk->E[l]) memset(wk->E[l], 0, (size_t)(r.end - r.base) * sizeof(real));
 }
 
-static inline void WFN(add_unit)(WFN(work) *wk, real s, real cnt, int lev, int64_t idx, int m, int64_t c) {
-    const int64_t u = wk->nu++;
-    wk->us[u] = s;
-    wk->ucnt[u] = cnt;
-    wk->ulev[u] = lev;
-    wk->uidx[u] = idx;
-    wk->um[u] = m;
-    wk->uc[u] = c;
+static inline void WFN(add_run)(const hkt_window_params *p, WFN(work) *wk, int lev, int64_t idx, int64_t n,
+                                int m, int64_t ec) {
+    if (n <= 0) return;
+    WFN(run) *r = &wk->runs[wk->nruns++];
+    const int64_t full = (int64_t)1 << lev, tail = p->S - ((idx + n - 1) << lev);
+    r->s = wk->A[m] + ec;
+    r->ec = ec;
+    r->idx = idx;
+    r->n = n;
+    r->keys = (real)full;
+    r->last_keys = (real)(tail < full ? tail : full);
+    r->lev = lev;
+    r->m = m;
 }
 
-/* level m's units over its level-(m-1) blocks [x0, x1): pairs of them that
- * make a whole level-m block become one unit of that block, a single one a
- * unit of its own */
+/* level m's units over its level-(m-1) blocks [x0, x1): the whole level-m
+ * blocks in it as one run, a level-(m-1) block alone at either end as a run
+ * of its own */
 static void WFN(add_range)(const hkt_window_params *p, WFN(work) *wk, int m, int64_t x0, int64_t x1) {
-    const real *A = wk->A[m];
+    if (x0 >= x1) return;
     const int64_t base = wk->r[m].base;
-    while (x0 < x1) {
-        const int64_t c = x0 >> 1;
-        if (!(x0 & 1) && x0 + 1 < x1) {
-            const int64_t n = p->S - (c << m);
-            WFN(add_unit)(wk, A[c - base], (real)(n < ((int64_t)1 << m) ? n : ((int64_t)1 << m)), m, c, m,
-                          c - base);
-            x0 += 2;
-        } else {
-            const int64_t n = p->S - (x0 << (m - 1));
-            const int64_t full = (int64_t)1 << (m - 1);
-            WFN(add_unit)(wk, A[c - base], (real)(n < full ? n : full), m - 1, x0, m, c - base);
-            x0 += 1;
-        }
+    if (x0 & 1) {
+        WFN(add_run)(p, wk, m - 1, x0, 1, m, (x0 >> 1) - base);
+        x0++;
     }
+    const int64_t pairs = (x1 - x0) / 2;
+    WFN(add_run)(p, wk, m, x0 >> 1, pairs, m, (x0 >> 1) - base);
+    x0 += 2 * pairs;
+    if (x0 < x1) WFN(add_run)(p, wk, m - 1, x0, 1, m, (x0 >> 1) - base);
 }
 
 /* the units of level m's part (m = 0: the single keys level 0 sees), once the
  * levels' A are current */
 static void WFN(seg_units)(const hkt_window_params *p, WFN(work) *wk, int m) {
-    wk->nu = 0;
+    wk->nruns = 0;
     if (m == 0) {
         const WFN(range) r0 = wk->r[0];
-        const real *A0 = wk->A[0];
-        for (int64_t j = r0.base; j < r0.end; j++) WFN(add_unit)(wk, A0[j - r0.base], 1, 0, j, 0, j - r0.base);
+        WFN(add_run)(p, wk, 0, r0.base, r0.end - r0.base, 0, 0);
         return;
     }
     if (p->radius[m - 1] == 0) return; /* level m-1 sees every key: nothing is left for level m */
@@ -250,27 +264,40 @@ static inline const real *WFN(vrow)(const hkt_window_params *p, const void *cons
  * for its keys), O = sum of exp(s - M) * its summed values */
 static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *O, real *M,
                          real *Z) {
-    const int64_t nu = wk->nu, Dv = p->Dv;
+    const int64_t Dv = p->Dv;
     real mx = -INFINITY;
-    for (int64_t u = 0; u < nu; u++) mx = wk->us[u] > mx ? wk->us[u] : mx;
+    int nan = 0;
+    for (int x = 0; x < wk->nruns; x++) {
+        const WFN(run) *r = &wk->runs[x];
+        for (int64_t u = 0; u < r->n; u++) mx = r->s[u] > mx ? r->s[u] : mx;
+    }
     memset(O, 0, (size_t)Dv * sizeof(real));
     if (mx == -INFINITY) { /* no unit, or none but hidden ones -- or NaN ones, which must reach the row */
-        int nan = 0;
-        for (int64_t u = 0; u < nu; u++) nan |= wk->us[u] != wk->us[u];
+        for (int x = 0; x < wk->nruns; x++)
+            for (int64_t u = 0; u < wk->runs[x].n; u++) nan |= wk->runs[x].s[u] != wk->runs[x].s[u];
         *M = nan ? 0 : -INFINITY;
         *Z = nan ? NAN : 0;
         if (!nan) return;
         mx = 0;
     }
-    real sum = 0, *e_u = wk->us;
+    real sum = 0, *e = wk->e;
+    for (int x = 0; x < wk->nruns; x++) {
+        const WFN(run) *r = &wk->runs[x];
+        const int64_t n = r->n;
+        real se = 0;
+#pragma omp simd reduction(+ : se)
+        for (int64_t u = 0; u < n; u++) {
+            e[u] = REAL_EXP_NONPOS(r->s[u] - mx);
+            se += e[u];
+        }
+        sum += r->keys * se + (r->last_keys - r->keys) * e[n - 1];
+        const real *V = WFN(vrow)(p, p->vs, r->lev, b, hk, r->idx);
+        for (int64_t u = 0; u < n; u++) {
+            const real eu = e[u];
+            const real *vr = V + u * Dv;
 #pragma omp simd
-    for (int64_t u = 0; u < nu; u++) e_u[u] = REAL_EXP_NONPOS(e_u[u] - mx);
-    for (int64_t u = 0; u < nu; u++) {
-        const real e = e_u[u];
-        sum += wk->ucnt[u] * e;
-        const real *vr = WFN(vrow)(p, p->vs, wk->ulev[u], b, hk, wk->uidx[u]);
-#pragma omp simd
-        for (int64_t d = 0; d < Dv; d++) O[d] += e * vr[d];
+            for (int64_t d = 0; d < Dv; d++) O[d] += eu * vr[d];
+        }
     }
     *M = mx;
     *Z = sum;
@@ -356,20 +383,28 @@ static void WFN(flush)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t
 static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real c,
                             const real *go, real Dg) {
     const int64_t Dv = p->Dv;
-    real *P_u = wk->us;
+    real *P = wk->e;
+    for (int x = 0; x < wk->nruns; x++) {
+        const WFN(run) *r = &wk->runs[x];
+        const int64_t n = r->n;
 #pragma omp simd
-    for (int64_t u = 0; u < wk->nu; u++) P_u[u] = REAL_EXP_NONPOS(P_u[u] - c);
-    for (int64_t u = 0; u < wk->nu; u++) {
-        const real P = P_u[u];
-        const real *vr = WFN(vrow)(p, p->vs, wk->ulev[u], b, hk, wk->uidx[u]);
-        real *dvr = (real *)WFN(vrow)(p, (const void *const *)p->dvs, wk->ulev[u], b, hk, wk->uidx[u]);
-        real g = 0;
+        for (int64_t u = 0; u < n; u++) P[u] = REAL_EXP_NONPOS(r->s[u] - c);
+        const real *V = WFN(vrow)(p, p->vs, r->lev, b, hk, r->idx);
+        real *dV = (real *)WFN(vrow)(p, (const void *const *)p->dvs, r->lev, b, hk, r->idx);
+        real *E = wk->E[r->m] + r->ec;
+        const real kD = r->keys * Dg;
+        for (int64_t u = 0; u < n; u++) {
+            const real Pu = P[u];
+            const real *vr = V + u * Dv;
+            real *dvr = dV + u * Dv;
+            real g = 0;
 #pragma omp simd reduction(+ : g)
-        for (int64_t d = 0; d < Dv; d++) {
-            g += go[d] * vr[d];
-            dvr[d] += P * go[d];
+            for (int64_t d = 0; d < Dv; d++) {
+                g += go[d] * vr[d];
+                dvr[d] += Pu * go[d];
+            }
+            E[u] += Pu * (g - (u == n - 1 ? r->last_keys * Dg : kD));
         }
-        wk->E[wk->um[u]][wk->uc[u]] += P * (g - wk->ucnt[u] * Dg);
     }
 }
 
@@ -385,6 +420,7 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
         memset((real *)p->dvs[l] + (b * p->H_kv + hk) * Sl * Dv, 0, (size_t)(Sl * Dv) * sizeof(real));
     }
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
+        for (int l = 0; l < p->L; l++) wk->tile[l] = -1; /* the tiles hold another head's queries */
         const real *w = (const real *)p->w + h * p->L;
         real f[HKT_MAX_LEVELS], dwl[HKT_MAX_LEVELS];
         for (int l = 0; l < p->L; l++) {
@@ -470,3 +506,4 @@ static void WFN(backward)(const hkt_window_params *p) {
 }
 
 #undef WIN_SPREAD
+#undef WIN_TILE
