@@ -20,6 +20,11 @@ typedef float real;
 #include "hkt_real.h"
 #undef REAL_IS_FLOAT
 
+#if HKT_ISA_BUILDS
+#include <immintrin.h> /* the AVX-512 bodies' lane sums */
+#endif
+
+#define WIN_F32 1
 #define real float
 #define REAL_EXP expf
 #define REAL_LOG logf
@@ -48,6 +53,8 @@ typedef float real;
 #undef REAL_NEXTAFTER
 #undef REAL_EXP_NONPOS
 
+#undef WIN_F32
+#define WIN_F32 0
 #define real double
 #define REAL_EXP exp
 #define REAL_LOG log

@@ -377,6 +377,40 @@ static void WFN(flush)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t
     }
 }
 
+/* <go, vr>, and dvr += P * go, in one pass over the row.  With AVX-512 the
+ * sum's lanes are added by a tree of shuffles: the compiler's reduction went
+ * through memory one lane at a time, the backward's hottest loop. */
+static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real P, int64_t Dv) {
+    real g = 0;
+    int64_t d = 0;
+#if defined(__AVX512F__) && WIN_F32
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 Pv = _mm512_set1_ps(P);
+    for (; d + 16 <= Dv; d += 16) {
+        const __m512 gv = _mm512_loadu_ps(go + d);
+        acc = _mm512_fmadd_ps(gv, _mm512_loadu_ps(vr + d), acc);
+        _mm512_storeu_ps(dvr + d, _mm512_fmadd_ps(Pv, gv, _mm512_loadu_ps(dvr + d)));
+    }
+    g = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX512F__)
+    __m512d acc = _mm512_setzero_pd();
+    const __m512d Pv = _mm512_set1_pd(P);
+    for (; d + 8 <= Dv; d += 8) {
+        const __m512d gv = _mm512_loadu_pd(go + d);
+        acc = _mm512_fmadd_pd(gv, _mm512_loadu_pd(vr + d), acc);
+        _mm512_storeu_pd(dvr + d, _mm512_fmadd_pd(Pv, gv, _mm512_loadu_pd(dvr + d)));
+    }
+    g = _mm512_reduce_add_pd(acc);
+#endif
+    real t = 0;
+#pragma omp simd reduction(+ : t)
+    for (int64_t e = d; e < Dv; e++) {
+        t += go[e] * vr[e];
+        dvr[e] += P * go[e];
+    }
+    return g + t;
+}
+
 /* the current units' gradients, given their probabilities' common factor:
  * P_u = exp(s_u - c) * (weight), go the summed output gradient (weighted like
  * P) and Dg its weighted sum of <dout, out> */
@@ -397,12 +431,7 @@ static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b
             const real Pu = P[u];
             const real *vr = V + u * Dv;
             real *dvr = dV + u * Dv;
-            real g = 0;
-#pragma omp simd reduction(+ : g)
-            for (int64_t d = 0; d < Dv; d++) {
-                g += go[d] * vr[d];
-                dvr[d] += Pu * go[d];
-            }
+            const real g = WFN(dot_axpy)(go, vr, dvr, Pu, Dv);
             E[u] += Pu * (g - (u == n - 1 ? r->last_keys * Dg : kD));
         }
     }
