@@ -12,6 +12,7 @@ from torch import Tensor
 
 from . import _C
 from ._kernels import _threads
+from .functional import _pick_backend, _refuse_trace, check_call
 from .reference import check_windows
 
 __all__ = ["windowed_attention", "block_sums", "spread_block_grads"]
@@ -74,9 +75,10 @@ class _WindowAttention(torch.autograd.Function):
         return (None, None, None, None, *dq, *dk, dv, dw)
 
 
-def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend, check_call, pick):
-    """The windowed call, its arguments checked (check_call: hkt.functional's),
-    or refused by name where the kernels cannot take them."""
+def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend):
+    """hkt_attention with windows: its arguments checked as hkt_attention checks
+    them, what the windowed kernels cannot take refused by name; None when no
+    level has a window (the caller then makes today's call)."""
     windows = check_windows(windows, len(q) if isinstance(q, (list, tuple)) else 0, growing=True)
     if windows is None:  # no level has a window: today's call, unchanged
         return None
@@ -90,10 +92,11 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if dropout_p > 0:
         raise ValueError("dropout_p: dropout is not supported with windows (it drops single keys, which would "
                          "break the sharing of one probability by a block's keys); use dropout_p=0")
-    pick(backend, q, dropout_p)  # under torch.func transforms: "kernels" refused there by name
+    _pick_backend(backend, q, dropout_p)  # under torch.func transforms: "kernels" refused there by name
     if torch._C._are_functorch_transforms_active():
         raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
                                   "grad, jacrev, ...)")
+    _refuse_trace("windows")
     if q[0].device.type != "cpu":
         raise ValueError(f"windows: the windowed kernels run on the CPU only, got q[0] on {q[0].device}")
     dtype = q[0].dtype

@@ -270,8 +270,7 @@ def hkt_attention(
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
     if windows is not None:  # a window per level (docs/contract.md section 1.11): its own kernels
         from ._window import windowed_attention
-        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend, check_call,
-                                 _pick_backend)
+        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
         if out is not None:
             return out
     try:

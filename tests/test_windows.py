@@ -194,6 +194,14 @@ def test_what_windows_refuse_is_named():
         hkt.hkt_attention(q, k, v, w, windows=win, backend="sdpa")
     with pytest.raises(ValueError, match=r"q\[1\]"):  # the other arguments are checked as always
         hkt.hkt_attention([q[0], q[0], q[2]], k, v, w, windows=win)
+    plain = [x.detach() for x in (*q, *k, v, w)]
+
+    def call(*xs):
+        return hkt.hkt_attention(list(xs[:3]), list(xs[3:6]), xs[6], xs[7], windows=win)
+    with pytest.raises(RuntimeError, match="windows: torch.jit.trace cannot record it"):
+        torch.jit.trace(call, tuple(plain))
+    with pytest.raises(NotImplementedError, match="windows: the windowed kernels do not run under torch.func"):
+        torch.func.vmap(call)(*[x[None] for x in plain])
 
 
 def test_check_windows_normalises():
