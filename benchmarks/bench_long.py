@@ -10,7 +10,7 @@ Causal, B=1, D=64, float32, 2 threads.  Windows W_l = 256 * 2^l on every level
 but the top one, which is global; H=4, L=6 up to T=65,536, then H=2, L=8.
 Each measurement runs in a fresh process, so its peak resident memory (above
 what the process held once its inputs existed) is its own.  A baseline whose
-time, extrapolated quadratically from the one before, would pass --cap is
+time, extrapolated (as H T^2) from the one before, would pass --cap is
 skipped (--cap, --sdpa-cap) and its extrapolation recorded as such.  The machine's load average is
 recorded with every run: on a shared machine the wall times carry it; CPU time
 (all threads) is recorded too.  Writes benchmarks/results/<cpu>/long.json.
@@ -114,16 +114,16 @@ def main():
         H, L = shape_of(T)
         row = {"T": T, "H": H, "L": L, "windows": windows_of(L)}
         for kind in KINDS:
-            prev = last.get((kind, H, L))
-            guess = prev[1] * (T / prev[0]) ** 2 if prev else 0.0
+            prev = last.get(kind)  # (T, H, seconds): a baseline's cost grows as H T^2
+            guess = prev[2] * (H / prev[1]) * (T / prev[0]) ** 2 if prev else 0.0
             cap = args.sdpa_cap if kind == "sdpa" else args.cap
             if kind != "windowed" and guess > cap:
-                row[kind] = {"skipped": f"expected {guess:.0f} s (quadratic from T={prev[0]}), past --cap",
+                row[kind] = {"skipped": f"expected {guess:.0f} s (H T^2 from T={prev[0]}, H={prev[1]}), past --cap",
                              "extrapolated_seconds": guess}
             else:
                 row[kind] = run_one(kind, T, H, L, timeout=max(2 * cap, 60))
                 if "seconds" in row[kind]:
-                    last[(kind, H, L)] = (T, row[kind]["seconds"])
+                    last[kind] = (T, H, row[kind]["seconds"])
             r = row[kind]
             if "seconds" in r:
                 print(f"T={T:7d} H={H} L={L} {kind:9s} {r['seconds']:8.2f} s  cpu {r['cpu_seconds']:8.2f} s  "
@@ -131,6 +131,7 @@ def main():
             else:
                 print(f"T={T:7d} H={H} L={L} {kind:9s} skipped: {r['skipped']}", flush=True)
         rows.append(row)
+        save(args, info, rows, [])  # as it goes: a run stopped later keeps what it measured
     targets = []
     by_T = {r["T"]: r for r in rows}
     if 65536 in by_T:
@@ -142,13 +143,17 @@ def main():
     if 262144 in by_T:
         targets.append(("T=262144 H=2 L=8: windowed fwd+bwd seconds", by_T[262144]["windowed"]["seconds"], "<=",
                         60.0))
-    met = report_targets([t if len(t) == 5 and t[4] else t[:4] for t in targets])
-    if not args.quick:
-        out = results_dir(info)
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "long.json"), "w") as f:
-            json.dump({"machine": info, "shape": dict(B=1, D=D, causal=True, dtype="float32", threads=THREADS),
-                       "rows": rows, "targets": met}, f, indent=1)
+    save(args, info, rows, report_targets([t if len(t) == 5 and t[4] else t[:4] for t in targets]))
+
+
+def save(args, info, rows, targets):
+    if args.quick:
+        return
+    out = results_dir(info)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "long.json"), "w") as f:
+        json.dump({"machine": info, "shape": dict(B=1, D=D, causal=True, dtype="float32", threads=THREADS),
+                   "rows": rows, "targets": targets}, f, indent=1)
 
 
 if __name__ == "__main__":
