@@ -79,7 +79,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     """hkt_attention with windows: its arguments checked as hkt_attention checks
     them, what the windowed kernels cannot take refused by name; None when no
     level has a window (the caller then makes today's call)."""
-    windows = check_windows(windows, len(q) if isinstance(q, (list, tuple)) else 0, growing=True)
+    windows = check_windows(windows, len(q), growing=True)
     if windows is None:  # no level has a window: today's call, unchanged
         return None
     if attn_mask is not None:

@@ -268,8 +268,10 @@ def hkt_attention(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
-    if windows is not None:  # a window per level (docs/contract.md section 1.11): its own kernels
+    if windows is not None and isinstance(q, (list, tuple)):  # a window per level (contract 1.11): its own kernels
         from ._window import windowed_attention
+        if torch._C._is_any_autocast_enabled():
+            q, k, v, w = _autocast_inputs(q, k, v, w)
         out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
         if out is not None:
             return out

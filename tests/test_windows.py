@@ -266,3 +266,12 @@ def test_module_refuses_by_name():
     d = hkt.MultiheadHKT(16, 2, levels=2, dropout=0.1, windows=[4, None]).train()
     with pytest.raises(ValueError, match="dropout: not supported with windows"):
         d(x, x, x)
+
+
+def test_autocast_bfloat16_takes_windows():
+    q, k, v, w = leaves(1, 2, 40, 40, 8, 8, 2, seed=13, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hkt.hkt_attention(q, k, v, w, is_causal=True, windows=[4, None])
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32
