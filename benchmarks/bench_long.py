@@ -5,6 +5,7 @@ against torch SDPA and unwindowed HKT, T = 16,384 to 262,144 (issue 43).
     python benchmarks/bench_long.py --quick         # T = 4096 and 8192 only
     python benchmarks/bench_long.py --cap 120       # skip an unwindowed hkt run expected to take longer (s)
     python benchmarks/bench_long.py --sdpa-cap 300  # the same for SDPA
+    python benchmarks/bench_long.py --sizes 262144  # these T again, the other rows kept
 
 Causal, B=1, D=64, float32, 2 threads.  Windows W_l = 256 * 2^l on every level
 but the top one, which is global; H=4, L=6 up to T=65,536, then H=2, L=8.
@@ -98,6 +99,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cap", type=float, default=150.0, help="seconds unwindowed hkt may be expected to take")
     ap.add_argument("--sdpa-cap", type=float, default=600.0, help="seconds SDPA may be expected to take")
+    ap.add_argument("--sizes", type=int, nargs="+", help="only these T, kept with the other rows of long.json")
     ap.add_argument("--one", nargs=4, metavar=("KIND", "T", "H", "L"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -108,8 +110,19 @@ def main():
     info = machine_info()
     print(describe_machine(info))
     print(f"windowed vs float64 reference: max error {check_correctness():.1e}")
-    Ts = [4096, 8192] if args.quick else [16384, 32768, 65536, 131072, 262144]
+    Ts = [4096, 8192] if args.quick else args.sizes or [16384, 32768, 65536, 131072, 262144]
     rows, last = [], {}
+    if args.sizes:  # the rows of other sizes from the last run, and its measurements to extrapolate from
+        try:
+            with open(os.path.join(results_dir(info), "long.json")) as f:
+                kept = [r for r in json.load(f)["rows"] if r["T"] not in Ts]
+        except (OSError, ValueError, KeyError):
+            kept = []
+        for r in kept:
+            for kind in KINDS:
+                if "seconds" in r.get(kind, {}):
+                    last[kind] = (r["T"], r["H"], r[kind]["seconds"])
+        rows = kept
     for T in Ts:
         H, L = shape_of(T)
         row = {"T": T, "H": H, "L": L, "windows": windows_of(L)}
@@ -131,6 +144,7 @@ def main():
             else:
                 print(f"T={T:7d} H={H} L={L} {kind:9s} skipped: {r['skipped']}", flush=True)
         rows.append(row)
+        rows.sort(key=lambda r: r["T"])
         save(args, info, rows, [])  # as it goes: a run stopped later keeps what it measured
     targets = []
     by_T = {r["T"]: r for r in rows}

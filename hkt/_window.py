@@ -82,6 +82,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     windows = check_windows(windows, len(q), growing=True)
     if windows is None:  # no level has a window: today's call, unchanged
         return None
+    _refuse_trace("windows")
     if attn_mask is not None:
         raise ValueError("attn_mask: not supported with windows (a mask would break the sharing of one probability "
                          "by a block's keys); pass windows=None, or use hkt.reference for the dense definition")
@@ -96,7 +97,6 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if torch._C._are_functorch_transforms_active():
         raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
                                   "grad, jacrev, ...)")
-    _refuse_trace("windows")
     if q[0].device.type != "cpu":
         raise ValueError(f"windows: the windowed kernels run on the CPU only, got q[0] on {q[0].device}")
     dtype = q[0].dtype
