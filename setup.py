@@ -58,9 +58,10 @@ CUDA_SOURCE = "csrc/hkt_attention_cuda.cu"
 # the CPU kernels (no Python.h), and the binding, the only C that includes it
 KERNEL_SOURCES = ["csrc/hkt_attention.c", "csrc/hkt_decode.c", "csrc/hkt_cpu_f32.c", "csrc/hkt_cpu_f64.c",
                   "csrc/hkt_cpu_f32_avx2.c", "csrc/hkt_cpu_f64_avx2.c", "csrc/hkt_cpu_f32_avx512.c",
-                  "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c"]
+                  "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c", "csrc/hkt_window.c"]
 BINDING_SOURCES = [f"csrc/binding/{name}.c" for name in
-                   ("capsules", "checks", "arguments", "attention", "varlen", "decode", "downsample", "module")]
+                   ("capsules", "checks", "arguments", "attention", "varlen", "decode", "downsample", "window",
+                    "module")]
 # every header a source includes: setuptools rebuilds by file dates, these included
 HEADERS = sorted(os.path.join(d, f) for d in ("csrc", "csrc/binding") for f in os.listdir(d) if f.endswith(".h"))
 

@@ -56,6 +56,7 @@ def hkt_attention(
     dropout_p: float = 0.0,
     scale: Optional[float] = None,
     backend: Optional[str] = None,
+    windows: Optional[Sequence[Optional[int]]] = None,
 ) -> Tensor:
     r"""Hierarchical Kernel Transformer attention.
 
@@ -138,9 +139,23 @@ def hkt_attention(
     where they enter a product, as flash-attention kernels do (the backward
     needs an even Dv too, else it runs in float32).  bfloat16 anywhere else is
     computed in float32 (upcast on entry, results rounded back to bfloat16).
+
+    ``windows``: None, or one entry per level, None (the level sees every
+    key) or W_l tokens, a positive multiple of 2^l, growing with the level:
+    level l then sees key j from query i only when |(i >> l) - (j >> l)| <
+    W_l / 2^l, a key no level sees is hidden, and the cost is near linear in
+    T (docs/contract.md section 1.11).  CPU kernels only; no mask, no dropout,
+    not ``backend="sdpa"``; bfloat16 is computed in float32.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
+    if windows is not None and isinstance(q, (list, tuple)):  # a window per level (contract 1.11): its own kernels
+        from ._window import windowed_attention
+        if torch._C._is_any_autocast_enabled():
+            q, k, v, w = _autocast_inputs(q, k, v, w)
+        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
+        if out is not None:
+            return out
     try:
         if torch._C._is_any_autocast_enabled():  # cheap; the device's own check, dearer, only then
             q, k, v, w = _autocast_inputs(q, k, v, w)

@@ -5,7 +5,7 @@ Shapes below: B batch, T query length, S key length, E embed_dim, H heads,
 hd = E / H, L levels, K downsample_kernel.
 """
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coa
 # (tests name hkt.modules._downsample_expr and _DOWNSAMPLE_APPLY)
 from .downsample import _DOWNSAMPLE_APPLY, _downsample_expr, causal_downsample  # noqa: F401
 from .functional import hkt_attention, qkv_attention
-from .reference import masked_probs
+from .reference import check_windows, masked_probs, probs_of_scores, windowed_scores
 from .varlen import hkt_attention_varlen, pack_levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
@@ -88,11 +88,14 @@ def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor
 
 
 def _attention_weights(qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor], causal: bool,
-                       real: Optional[Tensor], average: bool, dtype: torch.dtype) -> Tensor:
+                       real: Optional[Tensor], average: bool, dtype: torch.dtype,
+                       probs: Optional[Tensor] = None) -> Tensor:
     """MultiheadHKT's returned weights: the combined HKT probabilities, in plain
     torch (O(T*S) memory, as MHA's weights), (B, T, S') averaged over heads or
-    (B, H, T, S'); with pack_padding (real, (B, T)) zero at padded query rows."""
-    probs = masked_probs(qs, ks, w, mask, causal, None)
+    (B, H, T, S'); with pack_padding (real, (B, T)) zero at padded query rows.
+    probs: the windowed module's, computed by its own definition."""
+    if probs is None:
+        probs = masked_probs(qs, ks, w, mask, causal, None)
     if real is not None:
         B, T = real.shape[0], real.shape[1]
         probs = probs.masked_fill(~real.view(B, 1, T, 1), 0.0)
@@ -169,6 +172,13 @@ class MultiheadHKT(nn.Module):
     ``key_padding_mask`` that requires grad (which then gets its gradient: the
     packed call never reads the mask).
 
+    ``windows`` (one entry per level, None or W_l tokens, growing with the
+    level; docs/contract.md section 1.11) gives each level a window: near-linear
+    cost in the sequence length.  With windows there is no ``attn_mask``,
+    ``key_padding_mask``, ``pack_padding`` or dropout in training, and no
+    :meth:`decode` (each raises ``ValueError`` naming itself); causality comes
+    from ``is_causal=True``.
+
     Differences from ``nn.MultiheadAttention``:
 
     * ``is_causal=True`` applies causal masking (key j visible to query i only
@@ -219,12 +229,13 @@ class MultiheadHKT(nn.Module):
     # TorchScript constant, so that a scripted encoder layer can read it too.
     _qkv_same_embed_dim = False
     __constants__ = ["_qkv_same_embed_dim"]
+    __jit_ignored_attributes__ = ["windows"]
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: Optional[int] = None,
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None, *,
                  levels: int = 3, downsample_kernel: int = 2, num_kv_heads: Optional[int] = None,
-                 pack_padding: bool = False) -> None:
+                 pack_padding: bool = False, windows: Optional[Sequence[Optional[int]]] = None) -> None:
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
@@ -240,6 +251,7 @@ class MultiheadHKT(nn.Module):
             raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
         if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
             raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+        windows = check_windows(windows, levels, growing=True)  # docs/contract.md section 1.11
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -257,6 +269,9 @@ class MultiheadHKT(nn.Module):
         self.levels = levels
         self.downsample_kernel = downsample_kernel
         self.pack_padding = bool(pack_padding)
+        # a window per level (None: none); TorchScript reads only whether there are any
+        self.windows = windows
+        self._windowed = windows is not None
 
         # Level 0: nn.MultiheadAttention's parameters, names and shapes.
         if self._packed_in_proj:
@@ -340,6 +355,8 @@ class MultiheadHKT(nn.Module):
             s += f", kdim={self.kdim}, vdim={self.vdim}"
         if self.dropout:
             s += f", dropout={self.dropout}"
+        if self.windows is not None:
+            s += f", windows={list(self.windows)}"
         if self.bias_k is not None:
             s += ", add_bias_kv=True"
         if self.add_zero_attn:
@@ -358,6 +375,24 @@ class MultiheadHKT(nn.Module):
                 w = self._stored_weight()
             return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
         return torch.softmax(logits, dim=-1)
+
+    @torch.jit.unused
+    def _windowed_attention(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
+                            causal: bool, dropout_p: float, packs: bool) -> Tensor:
+        """hkt_attention with the module's windows; what they cannot take refused by name."""
+        if packs:
+            raise ValueError("pack_padding: not supported with windows (its packed call takes no windows)")
+        if mask is not None:
+            raise ValueError("attn_mask, key_padding_mask: not supported with windows (a mask would break the "
+                             "sharing of one probability by a block's keys); use is_causal=True for causality")
+        if dropout_p > 0:
+            raise ValueError("dropout: not supported with windows in training; set dropout=0 or call eval()")
+        return hkt_attention(qs, ks, v, w, is_causal=causal, windows=self.windows)
+
+    @torch.jit.unused
+    def _windowed_probs(self, qs: List[Tensor], ks: List[Tensor], w: Tensor, causal: bool) -> Tensor:
+        """need_weights with windows: the dense definition's probabilities (O(T*S), as MHA's weights)."""
+        return probs_of_scores(*windowed_scores(qs, ks, w, self.windows), None, causal)
 
     @torch.jit.unused
     def _stored_weight(self) -> Tensor:
@@ -433,7 +468,7 @@ class MultiheadHKT(nn.Module):
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention, levels: int = 3, downsample_kernel: int = 2, *,
-                 level0_weight: float = 0.5) -> "MultiheadHKT":
+                 level0_weight: float = 0.5, windows: Optional[Sequence[Optional[int]]] = None) -> "MultiheadHKT":
         """A MultiheadHKT whose output equals ``mha``'s (to float rounding) before any training.
 
         Same options, device, dtype and training mode as ``mha``; level 0 gets a
@@ -505,7 +540,7 @@ class MultiheadHKT(nn.Module):
         new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
                   add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
                   vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
-                  levels=levels, downsample_kernel=downsample_kernel)
+                  levels=levels, downsample_kernel=downsample_kernel, windows=windows)
         copied = _copy_level0(new, mha)
         if levels > 1:
             _switch_coarse_off(new, levels, level0_weight, downsample_kernel)
@@ -797,14 +832,22 @@ class MultiheadHKT(nn.Module):
         packs = self.pack_padding and key_padding_mask is not None
         real = self._pack_padding_rows(key_padding_mask, packs and _one_input(query, key) and _one_input(key, value),
                                        B, S)
-        out = self._attend(qs, ks, v, w, qkv, mask, causal, dropout_p, real, n_extra, attn_mask, key_padding_mask)
+        if self._windowed:
+            if torch.jit.is_scripting():
+                raise RuntimeError("windows: the windowed kernels do not run under TorchScript; call the module "
+                                   "unscripted")
+            out = self._windowed_attention(qs, ks, v, w, mask, causal, dropout_p, packs)
+        else:
+            out = self._attend(qs, ks, v, w, qkv, mask, causal, dropout_p, real, n_extra, attn_mask,
+                               key_padding_mask)
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, E))
         if real is not None:  # pack_padding: padded query rows give zeros, whichever path ran
             out = out.masked_fill(~real.unsqueeze(-1), 0.0)
 
         weights: Optional[Tensor] = None
         if need_weights:
-            weights = _attention_weights(qs, ks, w, mask, causal, real, average_attn_weights, dtype)
+            probs = self._windowed_probs(qs, ks, w, causal) if self._windowed else None
+            weights = _attention_weights(qs, ks, w, mask, causal, real, average_attn_weights, dtype, probs)
         if unbatched:
             out = out.squeeze(0)
             if weights is not None:
@@ -826,6 +869,7 @@ class MultiheadHKT(nn.Module):
             ``add_zero_attn``, ``kdim`` / ``vdim`` other than ``embed_dim``) and
             ``batch_size`` / ``max_len`` below 1; TypeError for other dtypes.
         """
+        self._refuse_windowed_decoding()
         return _kvcache.init_cache(self, batch_size, max_len, device=device, dtype=dtype)
 
     def decode(self, x: Tensor, cache: "_kvcache.DecodeCache") -> Tensor:
@@ -874,7 +918,14 @@ class MultiheadHKT(nn.Module):
         for hook in list(self._forward_pre_hooks.values()):
             if isinstance(hook, _RECOMPUTING_HOOKS):
                 hook(self, ())
+        self._refuse_windowed_decoding()
         return _kvcache.decode(self, x, cache)
+
+    @torch.jit.unused
+    def _refuse_windowed_decoding(self) -> None:
+        if self.windows is not None:
+            raise ValueError("windows: decoding is not supported with windowed levels yet; decode with a module "
+                             "without windows, or run forward over the sequence")
 
 
 def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
@@ -902,7 +953,7 @@ def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
         model: any module (not modified other than the replacements).
         levels: levels of the new modules.
         **kw: passed to :meth:`MultiheadHKT.from_mha` (``downsample_kernel``,
-            ``level0_weight``).
+            ``level0_weight``, ``windows``).
 
     Returns:
         ``model``; if ``model`` itself is an ``nn.MultiheadAttention``, the new

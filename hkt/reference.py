@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["hkt_attention_reference", "attention_probs", "masked_probs", "combined_scores", "level_terms",
-           "upsample_level", "repeat_kv"]
+           "upsample_level", "repeat_kv", "check_windows", "window_seen", "windowed_scores"]
 
 # the most levels a call may have (docs/contract.md section 1; the kernels'
 # per-level arrays are sized for it)
@@ -111,9 +111,17 @@ def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optiona
                  scale: Optional[float]) -> Tensor:
     """:func:`attention_probs` with positional arguments only, so that TorchScript
     compiles it (MultiheadHKT's returned weights call it)."""
-    score = combined_scores(q, k, w, scale)
+    return probs_of_scores(combined_scores(q, k, w, scale), None, attn_mask, is_causal)
+
+
+def probs_of_scores(score: Tensor, seen: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+    """The softmax of combined scores (B, H, T, S) over the visible keys: those
+    ``seen`` (T, S) allows (None: all; the windows' union, section 1.11), that
+    causality and a bool mask allow; a float mask is added."""
     T, S = score.shape[-2:]
     visible = torch.ones(T, S, dtype=torch.bool, device=score.device)
+    if seen is not None:
+        visible = visible & seen
     if is_causal:
         visible = torch.tril(visible)
     if attn_mask is not None:
@@ -135,6 +143,73 @@ def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optiona
     return P.masked_fill(hidden, 0.0)
 
 
+def check_windows(windows, L: int, *, growing: bool = False):
+    """``windows`` checked (docs/contract.md section 1.11): None, or a list or
+    tuple of L entries, each None (the level sees every key) or W_l, a positive
+    multiple of 2^l (an int, not a bool).  Returns None when no level has a
+    window (today's HKT), else a tuple of L entries, W_l or None.  ``growing``:
+    also require what the kernels' block sharing needs: each window larger than
+    the one below it, and no window above a level without one."""
+    if windows is None:
+        return None
+    if not isinstance(windows, (list, tuple)):
+        raise TypeError(f"windows: expected None or a list of {L} entries (None or an int, one per level), "
+                        f"got {type(windows).__name__}")
+    if len(windows) != L:
+        raise ValueError(f"windows: expected one entry per level, {L}, got {len(windows)}")
+    out = []
+    for l, W in enumerate(windows):
+        if W is None:
+            out.append(None)
+            continue
+        ok = isinstance(W, int) and not isinstance(W, bool)
+        if not ok and hasattr(W, "__index__") and not isinstance(W, (bool, float)):
+            try:
+                W, ok = int(W.__index__()), True
+            except TypeError:
+                ok = False
+        if not ok or W <= 0 or W % (1 << l):
+            raise ValueError(f"windows[{l}]: expected None or a positive multiple of {1 << l} (2^{l}) tokens, "
+                             f"got {W!r}")
+        out.append(W)
+    if growing:
+        for l in range(1, L):
+            if out[l] is not None and out[l - 1] is None:
+                raise ValueError(f"windows[{l}]: the kernels need no window above a level without one "
+                                 f"(windows[{l - 1}] is None); got {out[l]}")
+            if out[l] is not None and out[l] <= out[l - 1]:
+                raise ValueError(f"windows[{l}]: the kernels need each window larger than the one below it, "
+                                 f"windows[{l - 1}] = {out[l - 1]}; got {out[l]}")
+    return None if all(W is None for W in out) else tuple(out)
+
+
+def window_seen(windows: Sequence[Optional[int]], T: int, S: int, device=None) -> List[Optional[Tensor]]:
+    """Per level, the (T, S) bool of the pairs it sees: |(i >> l) - (j >> l)| <
+    W_l / 2^l, or None where the level has no window (it sees every pair)."""
+    i = torch.arange(T, device=device).view(T, 1)
+    j = torch.arange(S, device=device).view(1, S)
+    return [None if W is None else ((i >> l) - (j >> l)).abs() < (W >> l) for l, W in enumerate(windows)]
+
+
+def windowed_scores(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, windows: Sequence[Optional[int]],
+                    scale: Optional[float] = None):
+    """(score, seen): score[i, j] the sum of the level terms of the levels that
+    see (i, j), (B, H, T, S); seen (T, S) where at least one level does."""
+    terms = level_terms(list(q), list(k), w, scale)
+    T, S = terms[0].shape[-2:]
+    seen_l = window_seen(windows, T, S, terms[0].device)
+    score = None
+    seen = torch.zeros(T, S, dtype=torch.bool, device=terms[0].device)
+    for term, sl in zip(terms, seen_l):
+        if sl is None:
+            seen = torch.ones_like(seen)
+        else:
+            term = torch.where(sl, term, torch.zeros_like(term))
+            seen = seen | sl
+        score = term if score is None else score + term
+    return score, seen
+
+
 def hkt_attention_reference(
     q: Sequence[Tensor],
     k: Sequence[Tensor],
@@ -147,6 +222,7 @@ def hkt_attention_reference(
     scale: Optional[float] = None,
     dropout_mask: Optional[Tensor] = None,
     return_probs: bool = False,
+    windows: Optional[Sequence[Optional[int]]] = None,
 ):
     """HKT attention exactly as docs/contract.md section 1 defines it.
 
@@ -156,9 +232,17 @@ def hkt_attention_reference(
     ``dropout_mask`` (B, H, T, S) of kept entries (e.g. from
     ``hkt._C.dropout_mask``), so results are reproducible.  With
     ``return_probs`` also returns P (B, H, T, S) before dropout.
+    ``windows``: one entry per level, None or W_l tokens (docs/contract.md
+    section 1.11): the dense definition, any windows (the kernels need them
+    growing with the level).
     """
     dropout_p, scale = _checked(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
-    P = attention_probs(q, k, w, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    windows = check_windows(windows, len(q))
+    if windows is None:
+        P = attention_probs(q, k, w, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    else:
+        score, seen = windowed_scores(q, k, w, windows, scale)
+        P = probs_of_scores(score, seen, attn_mask, is_causal)
     Pd = P
     if dropout_p > 0:
         if dropout_mask is None:

@@ -644,6 +644,49 @@ def test_fuzz_against_reference():
           f"{'derandomized' if SEED is None else 'seed ' + SEED})")
 
 
+# ------------------------------- windows per level (section 1.11) -------------
+
+@st.composite
+def window_cases(draw):
+    """Sizes as the fuzz draws them, with growing windows (None from some level up)."""
+    L = draw(st.integers(1, 5))
+    H = draw(st.integers(1, 4))
+    windows, below = [], 0
+    top = draw(st.integers(0, L))  # levels >= top have no window
+    for l in range(L):
+        if l >= top:
+            windows.append(None)
+            continue
+        least = below // (1 << l) + 1  # W_l > W_{l-1}, a multiple of 2^l
+        W = (1 << l) * draw(st.integers(least, least + 6))
+        windows.append(W)
+        below = W
+    return dict(B=draw(st.integers(0, 2)), H=H, Hk=draw(st.sampled_from([d for d in range(1, H + 1) if H % d == 0])),
+                T=draw(LENGTHS), S=draw(LENGTHS), D=draw(st.integers(1, 9)), Dv=draw(st.integers(1, 9)), L=L,
+                causal=draw(st.booleans()), per_head=draw(st.booleans()), windows=windows,
+                scale=draw(st.one_of(st.none(), st.floats(-2.0, 2.0, allow_nan=False))),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def test_fuzz_windows_against_reference():
+    count = [0]
+
+    @fuzz_settings(max(EXAMPLES // 3, 10))
+    @given(window_cases())
+    def prop(c):
+        count[0] += 1
+        q, k, v, w = sample_inputs(c["B"], c["H"], c["T"], c["S"], c["D"], c["Dv"], c["L"], seed=c["seed"],
+                                   per_head=c["per_head"], kv_heads=c["Hk"])
+        q, k, v, w = [leaf(x) for x in q], [leaf(x) for x in k], leaf(v), leaf(w)
+        dout = dout_like(c["B"], c["H"], c["T"], c["Dv"], seed=c["seed"] + 1)
+        kw = dict(is_causal=c["causal"], scale=c["scale"], windows=c["windows"])
+        one = kernels_on_one_thread(q, k, v, w, None, dout, **kw)
+        with_threads(1, lambda: assert_matches_reference(q, k, v, w, None, dout, got=one, **kw))
+
+    prop()
+    print(f"\nwindows fuzz: {count[0]} examples against the reference")
+
+
 # ------------------- the same fuzz in float32 and bfloat16 -------------------
 #
 # What users run: the float32 kernels of the CPU's instruction set (AVX-512's

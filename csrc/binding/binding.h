@@ -13,7 +13,7 @@
  *
  * One file per concern: capsules.c (DLPack import, capsule ownership),
  * checks.c (arrays), arguments.c (the other arguments), attention.c,
- * varlen.c, decode.c and downsample.c (the calls), module.c (the queries of
+ * varlen.c, decode.c, downsample.c and window.c (the calls), module.c (the queries of
  * the build and the CPU, the method tables, the module's init).  Helpers
  * return -1 (or NULL) with the exception set.  What the files share is hidden
  * from the extension's dynamic symbols: PyInit__C is the binding's only
@@ -152,6 +152,7 @@ extern PyMethodDef binding_attention_methods[];
 extern PyMethodDef binding_varlen_methods[];
 extern PyMethodDef binding_decode_methods[];
 extern PyMethodDef binding_downsample_methods[];
+extern PyMethodDef binding_window_methods[];
 
 #pragma GCC visibility pop
 

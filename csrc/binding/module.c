@@ -139,7 +139,7 @@ static int exec_module(PyObject *m) {
     if (hkt_settings_problem(problem, sizeof problem) && PyErr_WarnEx(PyExc_RuntimeWarning, problem, 1) < 0)
         return -1; /* warnings turned into errors */
     PyMethodDef *const tables[] = {binding_attention_methods, binding_varlen_methods, binding_decode_methods,
-                                   binding_downsample_methods};
+                                   binding_downsample_methods, binding_window_methods};
     for (size_t x = 0; x < sizeof tables / sizeof tables[0]; x++)
         if (PyModule_AddFunctions(m, tables[x]) < 0) return -1;
     static int atfork_registered = 0;

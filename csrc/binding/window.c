@@ -1,0 +1,176 @@
+/*
+ * hkt._C's windowed attention call: window, both directions
+ * (hkt_window.h; docs/contract.md section 1.11).
+ */
+#include "binding.h"
+#include "hkt_window.h"
+
+/* One C-contiguous array of the windowed call: dtype and device of q[0],
+ * shape want (nd of them); an output is noted for the overlap check. */
+static int win_array(held *hd, PyObject *obj, const char *name, const DLTensor *ref, const int64_t *want, int nd,
+                     int output, const void **ptr) {
+    const DLTensor *t = import_array(hd, obj, name);
+    if (t == NULL || check_real(t, name, ref) || check_shape(t, name, want, nd, "", 0)) return -1;
+    int64_t s = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        if (t->shape[d] > 1 && stride_of(t, d) != s && !is_empty(t)) {
+            PyErr_Format(PyExc_ValueError, "%s: the windowed kernels take C-contiguous arrays", name);
+            return -1;
+        }
+        s *= t->shape[d];
+    }
+    note_span(hd, t, name, output);
+    *ptr = data_of(t);
+    return 0;
+}
+
+/* L arrays of a sequence (q, k, vs, dq, dk, dvs): level l's shape is want
+ * with dimension 2 replaced by ceil(n / 2^l) */
+static int win_levels(held *hd, PyObject *seq, const char *base, int L, const DLTensor *ref, const int64_t *want,
+                      int64_t n, int output, const void **ptrs) {
+    PyObject *t;
+    if (sequence_of(seq, base, &t)) return -1;
+    int rc = 0;
+    if (PyTuple_Size(t) != L) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %d levels, got %zd", base, L, PyTuple_Size(t));
+        rc = -1;
+    }
+    for (int l = 0; rc == 0 && l < L; l++) {
+        char name[24];
+        level_name(name, base, l);
+        const int64_t shape[4] = {want[0], want[1], level_len(n, l), want[3]};
+        rc = win_array(hd, PyTuple_GetItem(t, l), name, ref, shape, 4, output, &ptrs[l]);
+    }
+    Py_DECREF(t);
+    return rc;
+}
+
+PyDoc_STRVAR(window_doc,
+"window(q, k, vs, w, out, lse, radius, is_causal=False, scale=1.0, num_threads=0,\n"
+"       dout=None, dq=None, dk=None, dvs=None, dw=None)\n--\n\n"
+"Windowed HKT attention (csrc/hkt_window.h).  q, k, vs: L C-contiguous arrays\n"
+"(B, H, ceil(T/2^l), D), (B, H_kv, ceil(S/2^l), D), (B, H_kv, ceil(S/2^l), Dv),\n"
+"vs[0] = v and vs[l] its level-l block sums; w (H, L); out (B, H, T, Dv), lse\n"
+"(B, H, T); radius: L ints, W_l / 2^l (0: no window), growing as hkt_window.h\n"
+"requires.  Without dout: the forward, writing out and lse.  With dout (like out):\n"
+"the backward from out and lse, writing dq, dk, dvs (like q, k, vs) and dw (H, L).\n"
+"float32 or float64, on the CPU.");
+
+static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"q", "k", "vs", "w", "out", "lse", "radius", "is_causal", "scale", "num_threads",
+                             "dout", "dq", "dk", "dvs", "dw", NULL};
+    PyObject *qs, *ks, *vss, *w, *out, *lse, *radius, *nthreads = NULL;
+    PyObject *dout = Py_None, *dqs = Py_None, *dks = Py_None, *dvss = Py_None, *dw = Py_None;
+    int causal = 0;
+    double scale = 1.0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO|pdOOOOOO:window", kwlist, &qs, &ks, &vss, &w, &out, &lse,
+                                     &radius, &causal, &scale, &nthreads, &dout, &dqs, &dks, &dvss, &dw))
+        return NULL;
+    const int backward = dout != Py_None;
+    hkt_window_params p;
+    memset(&p, 0, sizeof p);
+    p.is_causal = causal;
+    p.scale = scale;
+    if (!isfinite(scale)) {
+        PyErr_SetString(PyExc_ValueError, "scale: must be finite");
+        return NULL;
+    }
+    if (parse_threads(nthreads, &p.num_threads)) return NULL;
+    held hd;
+    held_start(&hd);
+    PyObject *qt = NULL, *kt = NULL, *rt = NULL;
+    char *mem = NULL;
+    int rc = -1;
+    const int L = level_tuples(qs, ks, "k", &qt, &kt);
+    if (L < 0) goto done;
+    p.L = L;
+    if (sequence_of(radius, "radius", &rt)) goto done;
+    if (PyTuple_Size(rt) != L) {
+        PyErr_Format(PyExc_ValueError, "radius: expected %d entries, got %zd", L, PyTuple_Size(rt));
+        goto done;
+    }
+    for (int l = 0; l < L; l++) {
+        const long long r = PyLong_AsLongLong(PyTuple_GetItem(rt, l));
+        if (r == -1 && PyErr_Occurred()) goto done;
+        const long long below = l ? (long long)p.radius[l - 1] : -1;
+        /* growing windows: W_l > W_{l-1}, i.e. radius_l > radius_{l-1} / 2; none above a level without one */
+        if (r < 0 || (l && below == 0 && r != 0) || (l && r != 0 && 2 * r <= below)) {
+            PyErr_Format(PyExc_ValueError, "radius[%d]: %lld does not make the windows grow with the level", l, r);
+            goto done;
+        }
+        p.radius[l] = r;
+    }
+    const DLTensor *q0 = import_array(&hd, PyTuple_GetItem(qt, 0), "q[0]");
+    if (q0 == NULL) goto done;
+    if (q0->ndim != 4 || q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
+        q0->dtype.lanes != 1 || q0->device.device_type != kDLCPU) {
+        PyErr_SetString(PyExc_TypeError, "q[0]: the windowed kernels take 4-D float32 or float64 CPU arrays");
+        goto done;
+    }
+    p.dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    p.B = q0->shape[0], p.H = q0->shape[1], p.T = q0->shape[2], p.D = q0->shape[3];
+    {
+        const DLTensor *k0 = import_array(&hd, PyTuple_GetItem(kt, 0), "k[0]");
+        if (k0 == NULL) goto done;
+        if (k0->ndim != 4) {
+            PyErr_SetString(PyExc_ValueError, "k[0]: expected 4 dimensions (B, H_kv, S, D)");
+            goto done;
+        }
+        p.H_kv = k0->shape[1], p.S = k0->shape[2];
+        if (check_kv_heads("k[0]", p.H, p.H_kv)) goto done;
+        PyObject *vt;
+        if (sequence_of(vss, "vs", &vt)) goto done;
+        const DLTensor *v0 = PyTuple_Size(vt) ? import_array(&hd, PyTuple_GetItem(vt, 0), "vs[0]") : NULL;
+        Py_DECREF(vt);
+        if (v0 == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "vs: expected one array per level");
+            goto done;
+        }
+        p.Dv = v0->ndim == 4 ? v0->shape[3] : 0;
+    }
+    if (check_count("q[0]", "B x H x T x S", p.B, p.H, p.T, p.S)) goto done;
+    const int64_t wq[4] = {p.B, p.H, p.T, p.D}, wk[4] = {p.B, p.H_kv, p.S, p.D}, wv[4] = {p.B, p.H_kv, p.S, p.Dv};
+    const int64_t wo[4] = {p.B, p.H, p.T, p.Dv}, ww[2] = {p.H, L};
+    /* re-imported as items of their sequences (the arrays above were shapes only) */
+    if (win_levels(&hd, qt, "q", L, q0, wq, p.T, 0, p.q) || win_levels(&hd, kt, "k", L, q0, wk, p.S, 0, p.k) ||
+        win_levels(&hd, vss, "vs", L, q0, wv, p.S, 0, p.vs) || win_array(&hd, w, "w", q0, ww, 2, 0, &p.w) ||
+        win_array(&hd, out, "out", q0, wo, 4, !backward, (const void **)&p.out) ||
+        win_array(&hd, lse, "lse", q0, wo, 3, !backward, (const void **)&p.lse))
+        goto done;
+    if (backward &&
+        (win_array(&hd, dout, "dout", q0, wo, 4, 0, &p.dout) ||
+         win_levels(&hd, dqs, "dq", L, q0, wq, p.T, 1, (const void **)p.dq) ||
+         win_levels(&hd, dks, "dk", L, q0, wk, p.S, 1, (const void **)p.dk) ||
+         win_levels(&hd, dvss, "dvs", L, q0, wv, p.S, 1, (const void **)p.dvs) ||
+         win_array(&hd, dw, "dw", q0, ww, 2, 1, (const void **)&p.dw)))
+        goto done;
+    if (check_overlaps(&hd) || check_caller_stack()) goto done;
+    const size_t bytes = hkt_window_workspace_bytes(&p, backward);
+    mem = bytes == SIZE_MAX ? NULL : aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (mem == NULL) {
+        PyErr_Format(PyExc_MemoryError, "k[0]: the windowed kernels' workspace (%zu bytes) could not be allocated",
+                     bytes);
+        goto done;
+    }
+    p.workspace = mem;
+    Py_BEGIN_ALLOW_THREADS
+    if (backward) hkt_window_backward_cpu(&p);
+    else hkt_window_forward_cpu(&p);
+    Py_END_ALLOW_THREADS
+    rc = 0;
+done:
+    free(mem);
+    Py_XDECREF(qt);
+    Py_XDECREF(kt);
+    Py_XDECREF(rt);
+    release_all(&hd);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
+
+PyMethodDef binding_window_methods[] = {
+    {"window", (PyCFunction)(void (*)(void))py_window, METH_VARARGS | METH_KEYWORDS, window_doc},
+    {NULL, NULL, 0, NULL},
+};

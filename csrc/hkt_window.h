@@ -1,0 +1,80 @@
+/*
+ * hkt_window.h -- HKT attention with a window per level (docs/contract.md
+ * section 1.11): level l sees key j from query i iff
+ * |(i >> l) - (j >> l)| < W_l / 2^l, or always where the level has no window;
+ * the score adds the terms of the levels that see (i, j); a key no level sees
+ * is hidden.
+ *
+ * The kernels need the windows growing: W_l > W_{l-1} where both are given, and
+ * no window above a level without one.  Then, for every query, the keys level
+ * l sees contain those level l-1 sees, and a key that only levels >= m see has
+ * the same score as every key of its level-m block (or, at the inner edge of
+ * level m's part, of its level-(m-1) block): such keys share one probability,
+ * and their part of out is that probability times the block's summed values.
+ * A query thus visits O(W_0) single keys and O(W_m / 2^m) blocks per level
+ * instead of S keys.
+ *
+ * Shapes (every array C-contiguous; Tl = ceil(T/2^l), Sl = ceil(S/2^l)):
+ *   q[l]  (B, H, Tl, D)      k[l]  (B, H_kv, Sl, D)
+ *   vs[l] (B, H_kv, Sl, Dv)  the values summed over level-l blocks: vs[0] = v,
+ *                            row c of vs[l] the sum of v rows c*2^l .. c*2^l + 2^l - 1
+ *                            (those below S); the caller forms them
+ *   w     (H, L)             out (B, H, T, Dv)   lse (B, H, T)
+ * H_kv divides H; query head h reads kv head h / (H / H_kv).
+ *
+ * Forward OVERWRITES out and lse (lse = +inf for a row with no visible key,
+ * whose out is 0).  Backward OVERWRITES dq[l] (like q[l]), dk[l] (like k[l]),
+ * dvs[l] (like vs[l]: the gradient of each block sum; the caller spreads
+ * dvs[l] onto the 2^l value rows of each block) and dw (H, L).  No mask, no
+ * dropout: both would break the sharing of a block's probability.
+ *
+ * Results are bitwise the same for any thread count: one task per (batch,
+ * head) in the forward, per (batch, kv head) in the backward (its query heads
+ * in index order), and dw summed over the batch in index order.  The kernels
+ * never allocate: the workspace (hkt_window_workspace_bytes) comes from the
+ * caller.  No Python header here.
+ */
+#ifndef HKT_WINDOW_H
+#define HKT_WINDOW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hkt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int64_t B, H, H_kv, T, S, D, Dv;
+    int L;
+    int dtype;                             /* HKT_FLOAT32 or HKT_FLOAT64 */
+    int is_causal;                         /* key j visible to query i only when j <= i */
+    double scale;
+    int64_t radius[HKT_MAX_LEVELS];        /* W_l / 2^l, in level-l blocks; 0: no window */
+    const void *q[HKT_MAX_LEVELS];
+    const void *k[HKT_MAX_LEVELS];
+    const void *vs[HKT_MAX_LEVELS];
+    const void *w;
+    void *out, *lse;                       /* forward's outputs; backward's inputs */
+    const void *dout;                      /* backward only */
+    void *dq[HKT_MAX_LEVELS];
+    void *dk[HKT_MAX_LEVELS];
+    void *dvs[HKT_MAX_LEVELS];
+    void *dw;
+    void *workspace;                       /* hkt_window_workspace_bytes, 64-byte aligned */
+    int num_threads;                       /* >= 1 */
+} hkt_window_params;
+
+/* Bytes of workspace a call needs (all threads together); SIZE_MAX if that
+ * does not fit a size_t. */
+size_t hkt_window_workspace_bytes(const hkt_window_params *p, int backward);
+void hkt_window_forward_cpu(const hkt_window_params *p);
+void hkt_window_backward_cpu(const hkt_window_params *p);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

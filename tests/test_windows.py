@@ -1,0 +1,277 @@
+"""hkt_attention(..., windows=...): the windowed kernels against the dense
+definition in hkt.reference (docs/contract.md section 1.11), in float64."""
+import pytest
+import torch
+
+import hkt
+from hkt.reference import check_windows, hkt_attention_reference as reference
+
+from helpers import sample_inputs, with_threads
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def leaves(B, H, T, S, D, Dv, L, Hk=None, seed=0, dtype=torch.float64, per_head=True):
+    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=dtype, seed=seed, kv_heads=Hk, per_head=per_head)
+    return [x.detach().clone().requires_grad_() for x in q], [x.detach().clone().requires_grad_() for x in k], \
+        v.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+
+
+def results(fn, q, k, v, w, dout, **kw):
+    out = fn(q, k, v, w, **kw)
+    grads = torch.autograd.grad(out, [*q, *k, v, w], dout)
+    return [out.detach(), *grads]
+
+
+def names(L):
+    return ["out"] + [f"dq[{l}]" for l in range(L)] + [f"dk[{l}]" for l in range(L)] + ["dv", "dw"]
+
+
+def assert_matches(q, k, v, w, windows, causal, scale=None, tol=TOL):
+    B, H, T = q[0].shape[:3]
+    dout = torch.randn(B, H, T, v.shape[-1], dtype=v.dtype, generator=torch.Generator().manual_seed(5))
+    kw = dict(is_causal=causal, windows=windows, scale=scale)
+    got = results(hkt.hkt_attention, q, k, v, w, dout, **kw)
+    want = results(reference, q, k, v, w, dout, **kw)
+    for name, a, b in zip(names(len(q)), got, want):
+        torch.testing.assert_close(a, b.to(a.dtype), **tol, msg=lambda m: f"{name}: {m}")
+    return got
+
+
+CASES = [
+    # T, S, L, windows, H, Hk
+    (37, 37, 3, [4, 8, None], 2, 2),        # a global top level, T odd
+    (64, 64, 3, [8, 16, 32], 2, 1),         # windows that divide T, top level windowed, multi-query
+    (45, 45, 4, [6, 12, 24, None], 4, 2),   # windows that do not divide T, GQA
+    (50, 29, 3, [2, 8, 16], 2, 2),          # T > S: rows past the keys see fewer (some none)
+    (29, 50, 4, [6, 16, 24, None], 2, 2),   # T < S
+    (33, 33, 3, [2, 4, 8], 3, 3),           # the smallest growing windows: half blocks everywhere
+    (40, 40, 1, [6], 2, 2),                 # one level: sliding-window attention
+    (70, 70, 2, [10, None], 1, 1),          # level 1 global
+    (130, 130, 5, [4, 8, 16, 32, None], 2, 1),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T,S,L,windows,H,Hk", CASES)
+def test_forward_and_every_gradient_match_the_reference(T, S, L, windows, H, Hk, causal):
+    q, k, v, w = leaves(2, H, T, S, 5, 3, L, Hk=Hk, seed=T + S)
+    assert_matches(q, k, v, w, windows, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shared_level_w_and_scale(causal):
+    q, k, v, w = leaves(1, 2, 41, 41, 4, 6, 3, seed=3, per_head=False)
+    assert w.dim() == 1
+    assert_matches(q, k, v, w, [4, 12, None], causal, scale=0.7)
+
+
+def test_windows_wider_than_the_sequence_are_the_unwindowed_op():
+    q, k, v, w = leaves(1, 2, 23, 23, 4, 4, 3, seed=1)
+    dout = torch.randn(1, 2, 23, 4, dtype=torch.float64)
+    got = results(hkt.hkt_attention, q, k, v, w, dout, is_causal=True, windows=[64, 128, 256])
+    want = results(hkt.hkt_attention, q, k, v, w, dout, is_causal=True)
+    for name, a, b in zip(names(3), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_the_reference_sees_only_the_window():
+    """One level, window W: a key farther than W - 1 from its query has no weight."""
+    q, k, v, w = leaves(1, 1, 20, 20, 3, 2, 1, seed=2)
+    _, P = reference(q, k, v, w, windows=[4], return_probs=True)
+    i, j = torch.meshgrid(torch.arange(20), torch.arange(20), indexing="ij")
+    assert (P[0, 0][(i - j).abs() >= 4] == 0).all()
+    assert (P[0, 0][(i - j).abs() < 4] > 0).all()
+    torch.testing.assert_close(P.sum(-1), torch.ones(1, 1, 20, dtype=torch.float64))
+
+
+def test_the_reference_takes_windows_the_kernels_do_not():
+    """The definition holds for any windows; only the kernels need them growing."""
+    q, k, v, w = leaves(1, 1, 16, 16, 3, 2, 2, seed=4)
+    reference(q, k, v, w, windows=[4, 4])
+    with pytest.raises(ValueError, match=r"windows\[1\]: the kernels need each window larger"):
+        hkt.hkt_attention(q, k, v, w, windows=[4, 4])
+
+
+def test_gradcheck_small():
+    q, k, v, w = leaves(1, 2, 9, 11, 3, 2, 3, Hk=1, seed=6)
+    for causal in (False, True):
+        def fn(*xs):
+            return hkt.hkt_attention(list(xs[:3]), list(xs[3:6]), xs[6], xs[7], is_causal=causal,
+                                     windows=[2, 4, None])
+        assert torch.autograd.gradcheck(fn, (*q, *k, v, w), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("windows", [None, [None, None, None], (None, None, None)])
+def test_no_window_is_todays_op_bit_for_bit(windows):
+    q, k, v, w = leaves(2, 2, 33, 33, 4, 4, 3, seed=7)
+    dout = torch.randn(2, 2, 33, 4, dtype=torch.float64)
+    mask = torch.rand(33, 33, generator=torch.Generator().manual_seed(1)) > 0.3
+    for kw in (dict(is_causal=True), dict(attn_mask=mask)):
+        got = results(hkt.hkt_attention, q, k, v, w, dout, windows=windows, **kw)
+        want = results(hkt.hkt_attention, q, k, v, w, dout, **kw)
+        for name, a, b in zip(names(3), got, want):
+            assert torch.equal(a, b), name
+        got = results(reference, q, k, v, w, dout, windows=windows, **kw)
+        want = results(reference, q, k, v, w, dout, **kw)
+        for name, a, b in zip(names(3), got, want):
+            assert torch.equal(a, b), name
+
+
+def test_rows_that_see_nothing_are_zero():
+    q, k, v, w = leaves(1, 1, 40, 8, 3, 2, 2, seed=8)
+    out = hkt.hkt_attention(q, k, v, w, windows=[2, 4])
+    assert (out[0, 0, 12:] == 0).all() and (out[0, 0, :8] != 0).any()
+    assert_matches(q, k, v, w, [2, 4], False)
+
+
+def test_bitwise_the_same_on_one_and_two_threads():
+    for dtype in (torch.float64, torch.float32):
+        q, k, v, w = leaves(2, 4, 150, 150, 8, 8, 4, Hk=2, seed=9, dtype=dtype)
+        dout = torch.randn(2, 4, 150, 8, dtype=dtype)
+        kw = dict(is_causal=True, windows=[8, 24, 64, None])
+        one = with_threads(1, lambda: results(hkt.hkt_attention, q, k, v, w, dout, **kw))
+        two = with_threads(2, lambda: results(hkt.hkt_attention, q, k, v, w, dout, **kw))
+        for name, a, b in zip(names(4), one, two):
+            assert torch.equal(a, b), (dtype, name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float32_close_to_float64(causal):
+    q, k, v, w = leaves(1, 2, 300, 300, 16, 16, 4, seed=10)
+    q32, k32 = [x.detach().float().requires_grad_() for x in q], [x.detach().float().requires_grad_() for x in k]
+    v32, w32 = v.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    assert_matches(q32, k32, v32, w32, [16, 48, 128, None], causal, tol=dict(rtol=2e-4, atol=2e-5))
+
+
+def test_bfloat16_is_computed_in_float32():
+    q, k, v, w = leaves(1, 2, 64, 64, 8, 8, 3, seed=11, dtype=torch.float32)
+    bf = [x.detach().bfloat16() for x in (*q, *k, v, w)]
+    got = hkt.hkt_attention(bf[:3], bf[3:6], bf[6], bf[7], is_causal=True, windows=[4, 16, None])
+    want = hkt.hkt_attention([x.float() for x in bf[:3]], [x.float() for x in bf[3:6]], bf[6].float(),
+                             bf[7].float(), is_causal=True, windows=[4, 16, None])
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.bfloat16())
+
+
+def test_large_scores_keep_the_shared_backward_exact():
+    """Rows whose lse spread far within a block take the per-query backward."""
+    q, k, v, w = leaves(1, 1, 64, 64, 4, 4, 4, seed=12)
+    with torch.no_grad():
+        q[0][0, 0, ::3] *= 2000.0  # some rows with huge scores next to ordinary ones
+    assert_matches(q, k, v, w, [2, 8, 16, None], True, tol=dict(rtol=1e-8, atol=1e-8))
+
+
+# ------------------------------------------------------------------ errors -----
+
+@pytest.mark.parametrize("windows,err,msg", [
+    ([4, 3, None], ValueError, r"windows\[1\]: expected None or a positive multiple of 2 \(2\^1\) tokens, got 3"),
+    ([4, 8, 6], ValueError, r"windows\[2\]: expected None or a positive multiple of 4"),
+    ([0, 8, None], ValueError, r"windows\[0\]: expected None or a positive multiple of 1"),
+    ([-2, 8, None], ValueError, r"windows\[0\]"),
+    ([True, 8, None], ValueError, r"windows\[0\]"),
+    ([4.0, 8, None], ValueError, r"windows\[0\]"),
+    ([4, 8], ValueError, r"windows: expected one entry per level, 3, got 2"),
+    (8, TypeError, r"windows: expected None or a list of 3 entries"),
+    ([8, 8, None], ValueError, r"windows\[1\]: the kernels need each window larger than the one below it"),
+    ([8, 4, None], ValueError, r"windows\[1\]: the kernels need each window larger"),
+    ([None, 8, None], ValueError, r"windows\[1\]: the kernels need no window above a level without one"),
+])
+def test_bad_windows_are_named(windows, err, msg):
+    q, k, v, w = leaves(1, 2, 16, 16, 4, 4, 3)
+    with pytest.raises(err, match=msg):
+        hkt.hkt_attention(q, k, v, w, windows=windows)
+
+
+def test_what_windows_refuse_is_named():
+    q, k, v, w = leaves(1, 2, 16, 16, 4, 4, 3)
+    win = [4, 8, None]
+    with pytest.raises(ValueError, match="attn_mask: not supported with windows"):
+        hkt.hkt_attention(q, k, v, w, windows=win, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout_p: dropout is not supported with windows"):
+        hkt.hkt_attention(q, k, v, w, windows=win, dropout_p=0.1)
+    with pytest.raises(ValueError, match="backend: 'sdpa' does not take windows"):
+        hkt.hkt_attention(q, k, v, w, windows=win, backend="sdpa")
+    with pytest.raises(ValueError, match=r"q\[1\]"):  # the other arguments are checked as always
+        hkt.hkt_attention([q[0], q[0], q[2]], k, v, w, windows=win)
+    plain = [x.detach() for x in (*q, *k, v, w)]
+
+    def call(*xs):
+        return hkt.hkt_attention(list(xs[:3]), list(xs[3:6]), xs[6], xs[7], windows=win)
+    with pytest.raises(RuntimeError, match="windows: torch.jit.trace cannot record it"):
+        torch.jit.trace(call, tuple(plain))
+    with pytest.raises(NotImplementedError, match="windows: the windowed kernels do not run under torch.func"):
+        torch.func.vmap(call)(*[x[None] for x in plain])
+
+
+def test_check_windows_normalises():
+    assert check_windows(None, 3) is None
+    assert check_windows([None, None], 2) is None
+    assert check_windows([4, None], 2) == (4, None)
+    assert check_windows((4, 8), 2, growing=True) == (4, 8)
+
+
+# ------------------------------------------------------------------ module -----
+
+def test_module_with_windows_matches_the_reference_path(monkeypatch):
+    torch.manual_seed(0)
+    m = hkt.MultiheadHKT(16, 4, levels=3, batch_first=True, num_kv_heads=2, windows=[4, 8, None]).double()
+    x = torch.randn(2, 45, 16, dtype=torch.float64)
+
+    def step():
+        m.zero_grad()
+        out, wts = m(x, x, x, is_causal=True, need_weights=True)
+        out.square().sum().backward()
+        return [out.detach(), wts, *[p.grad.clone() for p in m.parameters()]]
+    got = step()
+    monkeypatch.setattr(hkt.modules, "hkt_attention", reference)
+    want = step()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    # keys only the global top level sees share one weight per level-2 block: the windows did apply
+    far = got[1][:, 30, :16].unflatten(-1, (4, 4))
+    torch.testing.assert_close(far, far[..., :1].expand_as(far), rtol=1e-12, atol=0)
+    assert not torch.allclose(got[1][:, 30, 26:30], got[1][:, 30, 26:27].expand(2, 4))
+
+
+def test_module_wide_windows_are_the_unwindowed_module():
+    torch.manual_seed(1)
+    plain = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True).double()
+    wide = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True, windows=[64, 128]).double()
+    wide.load_state_dict(plain.state_dict())
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    torch.testing.assert_close(wide(x, x, x, is_causal=True)[0], plain(x, x, x, is_causal=True)[0], **TOL)
+
+
+def test_swap_attention_takes_windows():
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).double()
+    new = hkt.swap_attention(torch.nn.Sequential(mha), levels=3, windows=[4, 8, None])[0]
+    assert new.windows == (4, 8, None) and "windows=[4, 8, None]" in repr(new)
+    x = torch.randn(1, 20, 16, dtype=torch.float64)
+    new(x, x, x, is_causal=True)
+
+
+def test_module_refuses_by_name():
+    with pytest.raises(ValueError, match=r"windows\[1\]: expected None or a positive multiple of 2"):
+        hkt.MultiheadHKT(16, 2, levels=2, windows=[4, 3])
+    m = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True, windows=[4, None])
+    x = torch.randn(2, 10, 16)
+    with pytest.raises(ValueError, match="key_padding_mask: not supported with windows"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="windows: decoding is not supported"):
+        m.init_cache(1, 8)
+    m.pack_padding = True
+    with pytest.raises(ValueError, match="pack_padding: not supported with windows"):
+        m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
+    d = hkt.MultiheadHKT(16, 2, levels=2, dropout=0.1, windows=[4, None]).train()
+    with pytest.raises(ValueError, match="dropout: not supported with windows"):
+        d(x, x, x)
+
+
+def test_autocast_bfloat16_takes_windows():
+    q, k, v, w = leaves(1, 2, 40, 40, 8, 8, 2, seed=13, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = hkt.hkt_attention(q, k, v, w, is_causal=True, windows=[4, None])
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.float32
