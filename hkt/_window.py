@@ -10,9 +10,9 @@ import math
 import torch
 from torch import Tensor
 
-from . import _C
-from ._kernels import _threads
-from .functional import _pick_backend, _refuse_trace, check_call
+from ._checks import check_call
+from ._guards import _refuse_trace
+from ._kernels import _threads, window_kernels
 from .reference import check_windows
 
 __all__ = ["windowed_attention", "block_sums", "spread_block_grads"]
@@ -52,7 +52,7 @@ class _WindowAttention(torch.autograd.Function):
         vs = block_sums(v, L)
         out = q[0].new_empty(B, H, T, v.shape[-1])
         lse = q[0].new_empty(B, H, T)
-        _C.window(q, k, vs, w2, out, lse, radius, is_causal, scale, _threads())
+        window_kernels(q, k, vs, w2, out, lse, radius, is_causal, scale, _threads())
         ctx.radius, ctx.is_causal, ctx.scale, ctx.L, ctx.w_dim = radius, is_causal, scale, L, w.dim()
         ctx.save_for_backward(*q, *k, *vs, w2, out, lse)
         return out
@@ -67,7 +67,7 @@ class _WindowAttention(torch.autograd.Function):
         dk = [torch.empty_like(x) for x in k]
         dvs = [torch.empty_like(x) for x in vs]
         dw = torch.empty_like(w2)
-        _C.window(q, k, vs, w2, out, lse, ctx.radius, ctx.is_causal, ctx.scale, _threads(),
+        window_kernels(q, k, vs, w2, out, lse, ctx.radius, ctx.is_causal, ctx.scale, _threads(),
                   dout=dout.contiguous(), dq=dq, dk=dk, dvs=dvs, dw=dw)
         dv = spread_block_grads(dvs, vs[0].shape[2])
         if ctx.w_dim == 1:
@@ -93,8 +93,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if dropout_p > 0:
         raise ValueError("dropout_p: dropout is not supported with windows (it drops single keys, which would "
                          "break the sharing of one probability by a block's keys); use dropout_p=0")
-    _pick_backend(backend, q, dropout_p)  # under torch.func transforms: "kernels" refused there by name
-    if torch._C._are_functorch_transforms_active():
+    if torch._C._are_functorch_transforms_active():  # whichever backend was asked for
         raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
                                   "grad, jacrev, ...)")
     if q[0].device.type != "cpu":
