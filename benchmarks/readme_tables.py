@@ -190,6 +190,52 @@ def _other_benchmarks(folder):
     return out
 
 
+def long_context(folder, d):
+    """bench_long.py's rows (windowed against unwindowed hkt and SDPA) as a
+    table, with a plot of time against T written beside the results."""
+    path = os.path.join(folder, "long.json")
+    if not os.path.isfile(path):
+        return []
+    a = json.loads(_read(path))
+
+    def cell(r, name):
+        x = r.get(name)
+        if not x:
+            return "not run"
+        if "seconds" not in x:
+            return f"skipped (about {x['extrapolated_seconds']:.0f} s by H·T²)" if "extrapolated_seconds" in x else "skipped"
+        return f"{x['seconds']:.1f} s ({x['cpu_seconds']:.1f} s CPU), +{x['peak_extra_bytes'] / 2**20:.0f} MiB"
+    out = ["", "Long context (`bench_long.py`: causal forward+backward, B=1, D=64, float32, windows 256·2^l with a "
+           "global top level; wall time, CPU time and peak memory above the inputs; the load average of the machine "
+           "is recorded with each figure in `long.json`):", "",
+           "| T | H, L | windowed | hkt, no windows | SDPA |", "|---|---|---|---|---|"]
+    for r in a["rows"]:
+        out.append(f"| {r['T']} | {r['H']}, {r['L']} | {cell(r, 'windowed')} | {cell(r, 'hkt')} | {cell(r, 'sdpa')} |")
+    out += [""] + targets_block(a.get("targets") or [])
+    png = os.path.join(folder, "long.png")
+    _long_plot(a["rows"], png)
+    return out + ["", f"![windowed HKT against SDPA by sequence length](../benchmarks/results/{d}/long.png)"]
+
+
+def _long_plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, label in (("windowed", "HKT, windowed levels"), ("hkt", "HKT, no windows"), ("sdpa", "SDPA")):
+        pts = [(r["T"], r[name]["seconds"]) for r in rows if "seconds" in (r.get(name) or {})]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("forward+backward, s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
 def performance_page(runs):
     def note(*parts):
         path = os.path.join(*parts)
@@ -218,6 +264,7 @@ def performance_page(runs):
                       f"{scaling['fwd+bwd']:.2f}x; on the same machine SDPA forward+backward "
                       f"{scaling['sdpa fwd+bwd']:.2f}x and sgemm {scaling['sgemm']:.2f}x."]
         lines += _other_benchmarks(folder)
+        lines += long_context(folder, d)
         if os.path.isfile(os.path.join(folder, "attention.png")):
             lines += ["", f"![{cpu_title(a['machine'])}](../benchmarks/results/{d}/attention.png)"]
         notes = note(folder, "notes.md")
