@@ -44,11 +44,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .reference import float_mask_in
+from .reference import float_mask_in, repeat_kv
 
 __all__ = ["sdpa_attention", "concat_levels"]
 
 _MAX_LEVELS = 24
+
+# SDPA's enable_gqa is torch 2.5's; before, the kv heads are repeated (a copy)
+_SDPA_TAKES_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _sdpa(qt: Tensor, kt: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float) -> Tensor:
+    """F.scaled_dot_product_attention, kt and v with H_kv <= H heads (grouped-query:
+    query head h reads kv head h // (H // H_kv), as the kernels do)."""
+    H = qt.shape[1]
+    if kt.shape[1] != H and not _SDPA_TAKES_GQA:
+        kt, v = repeat_kv(kt, H), repeat_kv(v, H)
+    if _SDPA_TAKES_GQA:
+        return F.scaled_dot_product_attention(qt, kt, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=kt.shape[1] != H)
+    return F.scaled_dot_product_attention(qt, kt, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
 def _level_len(n: int, l: int) -> int:
@@ -151,12 +166,11 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
     if scale is None:
         scale = 1.0 / math.sqrt(D)
     qt, kt = concat_levels(q, k, w)
-    gqa = kt.shape[1] != qt.shape[1]  # grouped-query: SDPA reads kv head h // (H // H_kv), as the kernels do
     scale = float(scale)
     if attn_mask is None and (not is_causal or scale > 0):
         # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
         # where SDPA gives zeros
-        return F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return _sdpa(qt, kt, v, None, is_causal, scale)
     if attn_mask is None:
         # is_causal with a scale <= 0: torch 2.13's CPU kernel for is_causal gives
         # NaN rows there (finite inputs, Dv = L * D); with an explicit mask it is
@@ -176,5 +190,5 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         # NaN is visible (it makes its row NaN, as in the kernels)
         empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
         mask = mask.masked_fill(empty, 0.0)
-    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = _sdpa(qt, kt, v, mask, False, scale)
     return out.masked_fill(empty, 0.0)

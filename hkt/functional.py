@@ -23,12 +23,23 @@ _CUDA_KERNELS_PREFERRED = False
 _BACKENDS = (None, "auto", "kernels", "sdpa")
 
 
+# dynamo before torch 2.11 (2.4.1 checked) cannot trace the torch.func check
+# (fullgraph compiles fail on it): under torch.compile there it is skipped
+_FUNCTORCH_CHECK_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
+
+
+def _functorch_active() -> bool:
+    if not _FUNCTORCH_CHECK_TRACES and torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active()
+
+
 def _pick_backend(backend, q, dropout_p) -> str:
     """"kernels" or "sdpa" for this call (backend already validated).  Under
     torch.func transforms (vmap, grad, jacrev, ...) the kernels, which take
     plain arrays, cannot run: "sdpa", plain differentiable torch ops, does the
     same maths there."""
-    if torch._C._are_functorch_transforms_active():
+    if _functorch_active():
         if backend == "kernels":
             raise NotImplementedError(
                 "backend: hkt's kernels do not run under torch.func transforms (vmap, grad, jacrev, ...); "
