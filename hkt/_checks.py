@@ -20,6 +20,14 @@ from torch import Tensor
 from .reference import _MAX_LEVELS, float_mask_in
 
 
+class ShapeError(ValueError, AssertionError):
+    """A malformed shape, rank or size, named in the message.  A ValueError, as
+    hkt's other argument errors are, and an AssertionError, which
+    nn.MultiheadAttention raises for the same mistakes (its asserts): code
+    written against either catches it.  Raised explicitly, so ``python -O``
+    keeps the check."""
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the kernels' outputs and sums: float32 or float64 (float32 for bfloat16 inputs)."""
     return torch.float32 if dtype == torch.bfloat16 else dtype
@@ -223,6 +231,8 @@ def _name_the_argument(q, k, v, w, attn_mask):
     on the way there, raise the error that says which argument was wrong, if one
     was (else return, and the caller re-raises the original)."""
     _check_inputs(q, k, v, w)
+    if q[0].dim() != 4:  # its sizes are read before the extension sees it (a 0-d one: IndexError)
+        raise ShapeError(f"q[0]: expected 4 dimensions (B, H, T, D), got {q[0].dim()}")
     _check_mask(attn_mask, q[0].device)
     if attn_mask is not None and attn_mask.dim() <= 4 and q[0].dim() == 4 and k[0].dim() == 4:
         # the extension sees the mask made 4-D: name the shape the caller passed

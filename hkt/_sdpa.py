@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import float_mask_in
+from .reference import repeat_kv
 
 __all__ = ["sdpa_attention", "concat_levels"]
 
@@ -78,6 +79,21 @@ variant = os.environ.get("HKT_SDPA_VARIANT", "auto")
 # benchmarks/gpu_session.sh (its gpu.json's "sdpa_fastest_variant"); empty
 # until a GPU run has been committed, so "auto" is "concat" everywhere
 MEASURED_FASTEST: dict = {}
+
+# SDPA's enable_gqa is torch 2.5's; before, the kv heads are repeated (a copy)
+_SDPA_TAKES_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+def _sdpa(qt: Tensor, kt: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool, scale: float) -> Tensor:
+    """F.scaled_dot_product_attention, kt and v with H_kv <= H heads (grouped-query:
+    query head h reads kv head h // (H // H_kv), as the kernels do)."""
+    H = qt.shape[1]
+    if kt.shape[1] != H and not _SDPA_TAKES_GQA:
+        kt, v = repeat_kv(kt, H), repeat_kv(v, H)
+    if _SDPA_TAKES_GQA:
+        return F.scaled_dot_product_attention(qt, kt, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=kt.shape[1] != H)
+    return F.scaled_dot_product_attention(qt, kt, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
 _CUDA_NAMES: dict = {}  # device index -> "cuda sm_XY" (a plain dict: dynamo warns of lru_cache)
@@ -160,12 +176,11 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
     Dv = v.shape[-1]
     if _pick_variant(qt, v) == "pad_v":
         qt, kt, v = _equal_head_sizes(qt, kt, v)
-    gqa = kt.shape[1] != qt.shape[1]  # grouped-query: SDPA reads kv head h // (H // H_kv), as the kernels do
     scale = float(scale)
     if attn_mask is None and (not is_causal or scale > 0):
         # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
         # where SDPA gives zeros
-        out = F.scaled_dot_product_attention(qt, kt, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        out = _sdpa(qt, kt, v, None, is_causal, scale)
         return out[..., :Dv] if out.shape[-1] != Dv else out
     if attn_mask is None:
         # is_causal with a scale <= 0: torch 2.13's CPU kernel for is_causal gives
@@ -186,7 +201,7 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         # NaN is visible (it makes its row NaN, as in the kernels)
         empty = (mask == float("-inf")).all(dim=-1, keepdim=True)
         mask = mask.masked_fill(empty, 0.0)
-    out = F.scaled_dot_product_attention(qt, kt, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = _sdpa(qt, kt, v, mask, False, scale)
     if out.shape[-1] != Dv:
         out = out[..., :Dv]
     return out.masked_fill(empty, 0.0)

@@ -14,7 +14,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import kvcache as _kvcache
 from ._autograd import _heads
-from ._checks import float_mask_in
+from ._checks import ShapeError, float_mask_in
 from ._guards import _symbolic
 from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coarse_off
 # (tests name hkt.modules._downsample_expr and _DOWNSAMPLE_APPLY)
@@ -193,11 +193,14 @@ class MultiheadHKT(nn.Module):
     * float32, float64 and bfloat16 (those of :func:`hkt.hkt_attention`);
       float16 raises ``TypeError``, except under ``torch.autocast``, where
       the attention runs in float32.
-    * Malformed input raises ``ValueError`` or ``TypeError`` naming the
-      argument, where MHA (torch 2.13) raises ``AssertionError`` (a 2-D
-      ``attn_mask`` of the wrong shape: ``RuntimeError``):
+    * Malformed input raises an error naming the argument.  Where MHA
+      (torch 2.13) raises ``AssertionError`` for a shape (a 2-D ``attn_mask``
+      of the wrong shape: ``RuntimeError``), hkt raises ``ShapeError``
+      (``hkt.functional.ShapeError``), which is both a ``ValueError`` and an
+      ``AssertionError``, so code catching either works, and ``python -O``
+      keeps the check:
 
-      - ``ValueError``: ``query`` not 2-D or 3-D; ``key`` / ``value`` of another
+      - ``ShapeError``: ``query`` not 2-D or 3-D; ``key`` / ``value`` of another
         rank than ``query``; feature sizes other than ``embed_dim`` / ``kdim`` /
         ``vdim``; ``key`` and ``value`` (or ``query``) with different batch
         or length; ``key_padding_mask`` or ``attn_mask`` of the wrong rank or
@@ -240,7 +243,7 @@ class MultiheadHKT(nn.Module):
             raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads}")
         if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+            raise ShapeError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if num_kv_heads is None:
             num_kv_heads = num_heads
         if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
@@ -635,16 +638,16 @@ class MultiheadHKT(nn.Module):
                 raise TypeError(f"attn_mask: only bool and floating point masks are supported, got {attn_mask.dtype}")
             if attn_mask.dim() == 2:
                 if list(attn_mask.shape) != [T, S]:
-                    raise ValueError(f"attn_mask: 2-D shape must be (T, S) = {_fmt([T, S])}, got "
+                    raise ShapeError(f"attn_mask: 2-D shape must be (T, S) = {_fmt([T, S])}, got "
                                      f"{_fmt(attn_mask.shape)}")
                 m = attn_mask.reshape(1, 1, T, S)
             elif attn_mask.dim() == 3:
                 want = [H, T, S] if unbatched else [B * H, T, S]
                 if list(attn_mask.shape) != want:
-                    raise ValueError(f"attn_mask: 3-D shape must be {_fmt(want)}, got {_fmt(attn_mask.shape)}")
+                    raise ShapeError(f"attn_mask: 3-D shape must be {_fmt(want)}, got {_fmt(attn_mask.shape)}")
                 m = attn_mask.reshape(1 if unbatched else B, H, T, S)
             else:
-                raise ValueError(f"attn_mask: expected 2 or 3 dimensions, got shape {_fmt(attn_mask.shape)}")
+                raise ShapeError(f"attn_mask: expected 2 or 3 dimensions, got shape {_fmt(attn_mask.shape)}")
             masks.append(m)
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
@@ -652,7 +655,7 @@ class MultiheadHKT(nn.Module):
                                 f"{key_padding_mask.dtype}")
             want = [S] if unbatched else [B, S]
             if list(key_padding_mask.shape) != want:
-                raise ValueError(f"key_padding_mask: shape must be {_fmt(want)}, got "
+                raise ShapeError(f"key_padding_mask: shape must be {_fmt(want)}, got "
                                  f"{_fmt(key_padding_mask.shape)}")
             masks.append(key_padding_mask.reshape(-1, 1, 1, S))
         use_float = False
@@ -791,8 +794,9 @@ class MultiheadHKT(nn.Module):
             unbatched), S' = S + [add_bias_kv] + [add_zero_attn], before dropout.
 
         Raises:
-            ValueError for malformed shapes (ranks, feature sizes, batch or
-            length mismatches, mask shapes, nested tensors); TypeError for mask
+            ShapeError (a ValueError and an AssertionError) for malformed
+            shapes (ranks, feature sizes, batch or length mismatches, mask
+            shapes, nested tensors); TypeError for mask
             dtypes other than bool and floating point.  (In a TorchScript-compiled
             module these arrive as ``torch.jit.Error`` carrying the same message, a dtype
             printed as its number.)
@@ -800,27 +804,27 @@ class MultiheadHKT(nn.Module):
         if not torch.jit.is_scripting():
             _refuse_fx_proxy(query)
         if query.is_nested or key.is_nested or value.is_nested:
-            raise ValueError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
+            raise ShapeError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
                              "around nn.MultiheadAttention creates them in eval mode with a key padding mask; set "
                              "its use_nested_tensor = False (hkt.swap_attention does this)")
         if query.dim() not in (2, 3):
-            raise ValueError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {_fmt(query.shape)}")
+            raise ShapeError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {_fmt(query.shape)}")
         unbatched = query.dim() == 2
         if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
+            raise ShapeError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
                              f"{value.dim()}-D")
         query, key, value = self._batch_first(query, key, value, unbatched)
         # Now (B, T, E), (B, S, kdim), (B, S, vdim).
         B, T, E = query.shape[0], query.shape[1], query.shape[2]
         S = key.shape[1]
         if E != self.embed_dim:
-            raise ValueError(f"query: expected {self.embed_dim} features (embed_dim), got {E}")
+            raise ShapeError(f"query: expected {self.embed_dim} features (embed_dim), got {E}")
         if key.shape[2] != self.kdim:
-            raise ValueError(f"key: expected {self.kdim} features (kdim), got {key.shape[2]}")
+            raise ShapeError(f"key: expected {self.kdim} features (kdim), got {key.shape[2]}")
         if value.shape[2] != self.vdim:
-            raise ValueError(f"value: expected {self.vdim} features (vdim), got {value.shape[2]}")
+            raise ShapeError(f"value: expected {self.vdim} features (vdim), got {value.shape[2]}")
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
-            raise ValueError(f"key, value: batch and length must match each other and query's batch {B}; got "
+            raise ShapeError(f"key, value: batch and length must match each other and query's batch {B}; got "
                              f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
         qs, ks, v, qkv, n_extra = self._project(query, key, value)
         w = self.level_weights()

@@ -42,13 +42,15 @@ _SEED_MASK = (1 << 64) - 1
 # which shows whether the tag can go (README, "CUDA graphs").
 _CUDAGRAPH_SAFE = os.environ.get("HKT_CUDAGRAPH_SAFE", "0") == "1"
 _TAGS = () if _CUDAGRAPH_SAFE or not hasattr(torch.Tag, "cudagraph_unsafe") else (torch.Tag.cudagraph_unsafe,)
+# custom_op takes tags from torch 2.5 on; 2.4's has neither the argument nor that tag
+_OP_OPTIONS = {"tags": _TAGS} if _TAGS else {}
 
 
 def _seed_value(seed: Tensor) -> int:
     return int(seed.item()) & _SEED_MASK
 
 
-@torch.library.custom_op("hkt::attention_forward", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("hkt::attention_forward", mutates_args=(), **_OP_OPTIONS)
 def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                       is_causal: bool, dropout_p: float, scale: float, seed: Tensor) -> tuple[Tensor, Tensor]:
     # the seed is read (on the host) only when there is dropout: without, it may
@@ -65,7 +67,7 @@ def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
     return out, lse
 
 
-@torch.library.custom_op("hkt::attention_backward", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("hkt::attention_backward", mutates_args=(), **_OP_OPTIONS)
 def attention_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor,
                        lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
                        seed: Tensor, mask_grad: bool = False) -> List[Tensor]:

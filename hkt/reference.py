@@ -104,7 +104,13 @@ def float_mask_in(mask: Tensor, dtype: torch.dtype) -> Tensor:
     if mask.element_size() < out.element_size():  # a wider type holds every value
         return out
     over = out.isinf() & mask.isfinite()
-    return torch.where(over, torch.nextafter(out, torch.zeros_like(out)), out)
+    # nextafter of a detached tensor: torch 2.11 and older have no derivative for
+    # it (the backward raises); the mask's gradient passes straight through the
+    # conversion there, as newer torch's derivative passes it
+    edge = torch.nextafter(out.detach(), torch.zeros_like(out))
+    if out.requires_grad:
+        edge = edge + (mask - mask.detach()).to(out.dtype)
+    return torch.where(over, edge, out)
 
 
 def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optional[Tensor], is_causal: bool,

@@ -73,6 +73,8 @@ def bad_cases():
     yield "q-empty", ValueError, "q", dict(q=[])
     yield "q-item-not-tensor", TypeError, "q[1]", dict(q=swap(q, 1, "x"))
     yield "q-rank", ValueError, "q[0]", dict(q=swap(q, 0, q[0][0]))
+    # 0-d: no sizes to read at all (was an IndexError before any check named it)
+    yield "q-0d", ValueError, "q[0]", dict(q=swap(q, 0, torch.tensor(1.0, dtype=torch.float64)))
     yield "q-level-length", ValueError, "q[1]", dict(q=swap(q, 1, torch.randn(2, 3, 4, 4, dtype=torch.float64)))
     yield "q-level-head-dim", ValueError, "q[2]", dict(q=swap(q, 2, torch.randn(2, 3, 3, 6, dtype=torch.float64)))
     yield "k-level-length", ValueError, "k[2]", dict(k=swap(k, 2, torch.randn(2, 3, 3, 4, dtype=torch.float64)))

@@ -214,6 +214,8 @@ def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothin
         def backward(ctx, g):
             return g * ctx.scale, None
     apply = F._c_apply(WithSetup)
-    assert not isinstance(apply, types.BuiltinMethodType)
+    # fn.apply kept: with torch 2.13 the Python function; from 2.14 on torch's
+    # Function.apply is C itself, and binds the defaults there
+    assert apply == WithSetup.apply
     x = torch.ones(3, requires_grad=True)
     assert torch.equal(apply(x), 2 * torch.ones(3))

@@ -1,25 +1,48 @@
-"""make wheel-check: the abi3 wheel works on a CPython other than the one that built it.
+"""make wheel-check: the manylinux abi3 wheel works on a CPython other than the one that built it.
 
-    python tools/wheel_check.py dist/hkt-*-cp310-abi3-*.whl [--python PYTHON]
+    python tools/wheel_check.py dist/hkt-*-cp310-abi3-manylinux*.whl [--python PYTHON]
 
-Finds a second CPython >= 3.10 (``--python``, else $WHEEL_CHECK_PYTHON, else
-python3.13 / 3.12 / 3.10 / 3.14 that run, else pyenv's versions, else Debian's
-python3.X from apt-get), makes a clean venv with it in a temporary folder,
-installs NumPy (from PyPI) and the wheel (``--no-deps``: no torch there), and
-runs this file again inside that venv (``--inner``), which loads the installed
-``hkt/_C.abi3.so`` by itself (``hkt/__init__.py`` imports torch) and checks its
-forward, backward and dropout mask on NumPy arrays against a float64 NumPy
-reference written here.
+Checks the wheel first: tagged abi3 and manylinux (auditwheel's repair, which
+``make wheel`` runs), and no OpenMP runtime inside it (``--exclude
+libgomp.so.1``: torch's own serves hkt._C).  Then finds a second CPython >= 3.10
+(``--python``, else $WHEEL_CHECK_PYTHON, else python3.13 / 3.12 / 3.10 / 3.14
+that run, else pyenv's versions, else Debian's python3.X from apt-get), makes a
+clean venv with it in a temporary folder, installs NumPy (from PyPI) and the
+wheel (``--no-deps``: no torch there), and runs this file again inside that
+venv (``--inner``), which loads the installed ``hkt/_C.abi3.so`` by itself
+(``hkt/__init__.py`` imports torch), checks its forward, backward and dropout
+mask on NumPy arrays against a float64 NumPy reference written here, and that
+the process maps one OpenMP runtime, from outside the installed package.
+
+:func:`openmp_runtimes` is also what tests/test_openmp_runtime.py reads the
+process with (torch and hkt, both import orders).
 """
 import argparse
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 
 CANDIDATES = ["python3.13", "python3.12", "python3.10", "python3.14"]
+
+# GNU's, Intel's and LLVM's OpenMP runtimes, by file name (libgomp.so.1,
+# libgomp-a34b3233.so.1 as auditwheel renames a vendored one, libiomp5.so, libomp.so)
+_OPENMP_RUNTIME = re.compile(r"lib(gomp|iomp5|omp)\b[^/]*\.so[^/]*$")
+
+
+def openmp_runtimes(maps="/proc/self/maps"):
+    """The files of the OpenMP runtimes mapped into this process (a set of paths)."""
+    found = set()
+    with open(maps) as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and _OPENMP_RUNTIME.match(os.path.basename(parts[5].strip())):
+                found.add(parts[5].strip())
+    return found
 
 
 # --------------------------------------------------------------------------- outer: find, install, run
@@ -76,10 +99,27 @@ def find_python(explicit):
              "(set WHEEL_CHECK_PYTHON, or install one)")
 
 
+def check_wheel_file(wheel):
+    """What the wheel's name and contents promise: abi3, manylinux, and no
+    OpenMP runtime of its own (hkt._C takes the process's)."""
+    name = os.path.basename(wheel)
+    if "-abi3-" not in name:
+        sys.exit(f"wheel-check: {name} is not an abi3 wheel")
+    if "-abi3-manylinux" not in name:
+        sys.exit(f"wheel-check: {name} is not a manylinux wheel (auditwheel repair it: make wheel)")
+    with zipfile.ZipFile(wheel) as z:
+        files = z.namelist()
+    vendored = [f for f in files if _OPENMP_RUNTIME.match(os.path.basename(f))]
+    if vendored:
+        sys.exit(f"wheel-check: {name} vendors an OpenMP runtime ({vendored}): a second one beside torch's; "
+                 "repair with --exclude libgomp.so.1")
+    if "hkt/_C.abi3.so" not in files:
+        sys.exit(f"wheel-check: {name} has no hkt/_C.abi3.so")
+
+
 def outer(wheel, python):
+    check_wheel_file(wheel)
     python, v = find_python(python or os.environ.get("WHEEL_CHECK_PYTHON"))
-    if "-abi3-" not in os.path.basename(wheel):
-        sys.exit(f"wheel-check: {wheel} is not an abi3 wheel")
     print(f"wheel-check: {os.path.basename(wheel)} on CPython {v[0]}.{v[1]} ({python}); "
           f"built with {sys.version_info[0]}.{sys.version_info[1]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="hkt-wheel-check-") as tmp:
@@ -188,6 +228,12 @@ def inner():
     if not 0.2 < frac < 0.3:
         sys.exit(f"wheel-check: dropout_mask dropped {frac:.3f}, expected about 0.25")
     print(f"  dropout_mask: {frac:.3f} dropped at p = 0.25")
+    runtimes = openmp_runtimes()
+    package = os.path.dirname(os.path.dirname(os.path.abspath(C.__file__)))  # site-packages
+    if len(runtimes) != 1 or any(r.startswith(package + os.sep) for r in runtimes):
+        sys.exit(f"wheel-check: expected one OpenMP runtime from outside the installed package, found "
+                 f"{sorted(runtimes)}")
+    print(f"  OpenMP runtime: {next(iter(runtimes))} (the only one mapped)")
     print(f"wheel-check: ok on CPython {sys.version.split()[0]} ({C.__name__} from {os.path.basename(C.__file__)}, "
           f"no torch: {'torch' not in sys.modules})")
 
