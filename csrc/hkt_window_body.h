@@ -48,6 +48,8 @@ static inline WFN(range) WFN(level_range)(const hkt_window_params *p, int l, int
         r.hi = a + p->radius[l];
     }
     r.base = r.lo > 0 ? r.lo : 0;
+    if (r.base > Sl) r.base = Sl; /* a query block past the keys' end sees none: an empty range at Sl, so a
+                                    * tile's union of ranges never reaches past the keys either */
     r.end = r.hi < Sl ? r.hi : Sl;
     if (p->is_causal && r.end > a + 1) r.end = a + 1;
     if (r.end < r.base) r.end = r.base;
