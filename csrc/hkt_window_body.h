@@ -326,7 +326,7 @@ static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t
         for (int m = 0; m < p->L; m++) mx = wk->M[m] > mx ? wk->M[m] : mx;
         real *o = out + i * Dv;
         if (mx == -INFINITY) {
-            memset(o, 0, (size_t)Dv * sizeof(real));
+            if (Dv > 0) memset(o, 0, (size_t)Dv * sizeof(real)); /* Dv = 0: out may have no memory */
             lse[i] = INFINITY;
             continue;
         }
@@ -447,8 +447,10 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
     const int64_t D = p->D, Dv = p->Dv, group = p->H / p->H_kv, dvp = (Dv + 15) / 16 * 16;
     for (int l = 0; l < p->L; l++) {
         const int64_t Sl = WFN(blocks)(p->S, l);
-        memset((real *)p->dk[l] + (b * p->H_kv + hk) * Sl * D, 0, (size_t)(Sl * D) * sizeof(real));
-        memset((real *)p->dvs[l] + (b * p->H_kv + hk) * Sl * Dv, 0, (size_t)(Sl * Dv) * sizeof(real));
+        if (Sl * D > 0) /* an empty array may have no memory at all (a NULL data pointer) */
+            memset((real *)p->dk[l] + (b * p->H_kv + hk) * Sl * D, 0, (size_t)(Sl * D) * sizeof(real));
+        if (Sl * Dv > 0)
+            memset((real *)p->dvs[l] + (b * p->H_kv + hk) * Sl * Dv, 0, (size_t)(Sl * Dv) * sizeof(real));
     }
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
         for (int l = 0; l < p->L; l++) wk->tile[l] = -1; /* the tiles hold another head's queries */

@@ -125,6 +125,15 @@ def test_rows_that_see_nothing_are_zero():
     assert_matches(q, k, v, w, [2, 4], False)
 
 
+@pytest.mark.parametrize("T,S,Dv", [(300, 6, 3), (40, 40, 0), (40, 0, 3), (0, 40, 3)])
+def test_far_past_the_keys_and_empty_sizes(T, S, Dv):
+    # Query blocks whose window starts past the last key, and empty value, key or
+    # query axes: the kernels must neither read past the keys nor write to arrays
+    # that hold no memory (make sanitize runs this under ASan and UBSan).
+    q, k, v, w = leaves(1, 2, T, S, 4, Dv, 3, seed=12)
+    assert_matches(q, k, v, w, [2, 4, 8], False)
+    assert_matches(q, k, v, w, [2, 8, None], True)
+
 def test_bitwise_the_same_on_one_and_two_threads():
     for dtype in (torch.float64, torch.float32):
         q, k, v, w = leaves(2, 4, 150, 150, 8, 8, 4, Hk=2, seed=9, dtype=dtype)
