@@ -382,6 +382,47 @@ __device__ __forceinline__ void tc_hide(float s[TC_BN / 8][4], const hkt_params 
         }
 }
 
+/* One step of the forward's online softmax for a lane's two rows (r_lo and
+ * r_lo + 8), each row's statistics shared by the 4 lanes t of its g: the new
+ * running maximum m, the tile's scores s turned into exp(s - m), the running
+ * sum lsum and the accumulator o rescaled to the new maximum. */
+template <typename C>
+__device__ __forceinline__ void tc_online_softmax(float (&s)[TC_BN / 8][4], float (&o)[C::NV][4], float (&m)[2],
+                                                  float (&lsum)[2]) {
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) mx[x >> 1] = max_or_nan(mx[x >> 1], s[n][x]);
+    float scale_o[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; hr++) {
+        mx[hr] = max_or_nan(mx[hr], __shfl_xor_sync(FULL, mx[hr], 1));
+        mx[hr] = max_or_nan(mx[hr], __shfl_xor_sync(FULL, mx[hr], 2));
+        const float mnew = max_or_nan(m[hr], mx[hr]);
+        /* no visible key yet: subtract 0, so exp(-inf) = 0 */
+        const float ref = mnew == -INFINITY ? 0.f : mnew;
+        scale_o[hr] = dev_exp(m[hr] - ref);
+        m[hr] = mnew;
+        float rs = 0.f;
+#pragma unroll
+        for (int n = 0; n < TC_BN / 8; n++)
+#pragma unroll
+            for (int x = 2 * hr; x < 2 * hr + 2; x++) {
+                s[n][x] = dev_exp(s[n][x] - ref);
+                rs += s[n][x];
+            }
+        lsum[hr] = lsum[hr] * scale_o[hr] + rs;
+    }
+#pragma unroll
+    for (int n = 0; n < C::NV; n++) {
+        o[n][0] *= scale_o[0];
+        o[n][1] *= scale_o[0];
+        o[n][2] *= scale_o[1];
+        o[n][3] *= scale_o[1];
+    }
+}
+
 template <typename C>
 __global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_constant__ cuda_args a) {
     const hkt_params &p = a.p;
@@ -434,39 +475,8 @@ __global__ void __launch_bounds__(TC_THREADS, 2) tc_forward_kernel(const __grid_
             const int r_lo = warp * 16 + g;
             tc_fold(s, sm.sc, wl, L, r_lo, t);
             tc_hide<false>(s, p, b, h, i0, j0, r_lo, t, T, S);
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int n = 0; n < TC_BN / 8; n++)
-#pragma unroll
-                for (int x = 0; x < 4; x++) mx[x >> 1] = max_or_nan(mx[x >> 1], s[n][x]);
-            /* 4. online softmax, each row's statistics shared by the 4 lanes t of its g */
-            float scale_o[2];
-#pragma unroll
-            for (int hr = 0; hr < 2; hr++) {
-                mx[hr] = max_or_nan(mx[hr], __shfl_xor_sync(FULL, mx[hr], 1));
-                mx[hr] = max_or_nan(mx[hr], __shfl_xor_sync(FULL, mx[hr], 2));
-                const float mnew = max_or_nan(m[hr], mx[hr]);
-                /* no visible key yet: subtract 0, so exp(-inf) = 0 */
-                const float ref = mnew == -INFINITY ? 0.f : mnew;
-                scale_o[hr] = dev_exp(m[hr] - ref);
-                m[hr] = mnew;
-                float rs = 0.f;
-#pragma unroll
-                for (int n = 0; n < TC_BN / 8; n++)
-#pragma unroll
-                    for (int x = 2 * hr; x < 2 * hr + 2; x++) {
-                        s[n][x] = dev_exp(s[n][x] - ref);
-                        rs += s[n][x];
-                    }
-                lsum[hr] = lsum[hr] * scale_o[hr] + rs;
-            }
-#pragma unroll
-            for (int n = 0; n < C::NV; n++) {
-                o[n][0] *= scale_o[0];
-                o[n][1] *= scale_o[0];
-                o[n][2] *= scale_o[1];
-                o[n][3] *= scale_o[1];
-            }
+            /* 4. online softmax: the tile's probabilities in s, o rescaled */
+            tc_online_softmax<C>(s, o, m, lsum);
             /* 5. o += P V, 16 keys at a time: P's A fragment is two score n-tiles */
 #pragma unroll
             for (int ks = 0; ks < TC_BN / 16; ks++) {
