@@ -100,17 +100,21 @@ fuzz: install
 	    $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py -k "test_fuzz_"
 
 # The test suite and the fuzz against an ASan+UBSan build of hkt._C.  The build and
-# a copy of the package and tests live in build/sanitize/ (the in-place build is
+# a copy of the working tree (what git tracks or would: the tests read the README,
+# the benchmarks and setup.py too) live in build/sanitize/ (the in-place build is
 # untouched); the tests run there, so they import the sanitized extension, and
 # every child interpreter they start inherits the preloaded sanitizer runtimes.
 # Skipped there: the notebook (a Jupyter kernel under ASan), the torchrun test,
 # the training run and the emulated-CUDA grid: plain torch work, slow under ASan;
-# and the check of the committed results files (JSON only, no extension; not copied).
+# the check of the committed results files (JSON only, no extension); and the
+# check that the performance pages are generated (their dates come from git log,
+# which does not see the copy).
 SAN_DIR      = build/sanitize
 SAN_EXAMPLES ?= 1000
 SAN_SKIP     = --ignore=tests/test_notebook.py --ignore=tests/test_experiments.py \
                --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py --ignore=tests/test_results.py \
-               --ignore=tests/test_exp_lanes.py --ignore=tests/test_bench_report.py
+               --ignore=tests/test_exp_lanes.py --ignore=tests/test_bench_report.py \
+               --deselect tests/test_readme.py::test_performance_pages_are_generated_from_the_results
 SAN_ENV      = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
                ASAN_OPTIONS=detect_leaks=0,allocator_may_return_null=1,detect_odr_violation=0 \
                UBSAN_OPTIONS=halt_on_error=1,print_stacktrace=1
@@ -118,7 +122,7 @@ sanitize: install
 	rm -rf $(SAN_DIR)/root
 	mkdir -p $(SAN_DIR)/root
 	HKT_SANITIZE=1 $(BIN)/python setup.py -q build_ext --build-lib $(SAN_DIR)/lib --build-temp $(SAN_DIR)/tmp
-	cp -r hkt research tests examples docs README.md pyproject.toml $(SAN_DIR)/root/
+	git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c 'test ! -e "{}" || cp --parents "{}" $(SAN_DIR)/root/'
 	rm -rf $(SAN_DIR)/root/hkt/_C*.so $$(find $(SAN_DIR)/root -name __pycache__)
 	cp $(SAN_DIR)/lib/hkt/_C*.so $(SAN_DIR)/root/hkt/
 	cd $(SAN_DIR)/root && $(SAN_ENV) $(abspath $(BIN))/python -c \
