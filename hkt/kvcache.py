@@ -16,6 +16,7 @@ from . import _kernels
 from ._autograd import _heads
 from ._checks import _CALL_FAILED, _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
+from ._window_decode import append_windowed, attend_windowed
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -167,11 +168,18 @@ class DecodeCache:
         q_coarse, k_coarse: for each level l >= 1, (B, H, 1, hd) and (B, H_kv,
             1, hd): the level-l query and key of the latest block begun, which
             the following tokens of that block reuse.
+        v_sums: None, or for a module with ``windows``, for each level l >= 1,
+            (B, H_kv, ceil(max_len / 2^l), hd): the sum of the values of every
+            complete level-l block (docs/contract.md section 1.11).  A step
+            then reads the keys and values of level 0's window, and past each
+            level's window only its blocks' keys and value sums, so its cost
+            grows as S / 2^(L-1) (a global top level), not as S.  The cache
+            still holds every key and value, as the unwindowed one does.
     """
 
     def __init__(self, k: List[Tensor], v: Tensor, inputs: List[Tensor], q_coarse: List[Tensor],
-                 k_coarse: List[Tensor], max_len: int) -> None:
-        self.k, self.v = k, v
+                 k_coarse: List[Tensor], max_len: int, v_sums: Optional[List[Tensor]] = None) -> None:
+        self.k, self.v, self.v_sums = k, v, v_sums
         self.inputs, self.q_coarse, self.k_coarse = inputs, q_coarse, k_coarse
         self.max_len = max_len
         self.length = 0
@@ -231,7 +239,8 @@ def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -
     inputs = [torch.zeros(B, 2, K, E, **kw) for _ in range(L - 1)]
     q_coarse = [torch.zeros(B, mha.num_heads, 1, hd, **kw) for _ in range(L - 1)]
     k_coarse = [torch.zeros(B, Hk, 1, hd, **kw) for _ in range(L - 1)]
-    return DecodeCache(k, v, inputs, q_coarse, k_coarse, max_len)
+    v_sums = None if mha.windows is None else [torch.zeros(B, Hk, -(-max_len // 2**l), hd, **kw) for l in range(1, L)]
+    return DecodeCache(k, v, inputs, q_coarse, k_coarse, max_len, v_sums)
 
 
 def _downsample_new(history: Tensor, taps: Tensor, first: int, lo: int, hi: int) -> Tensor:
@@ -279,6 +288,9 @@ def _check_step(mha, x, cache) -> Tensor:
             or any(s.shape[2:] != (mha.downsample_kernel, mha.embed_dim) for s in cache.inputs)):
         raise ValueError("cache: was made by another module (levels, kv heads, head size, embed_dim or "
                          "downsample_kernel differ)")
+    if (mha.windows is None) != (cache.v_sums is None):
+        raise ValueError("cache: was made by a module " + ("without" if cache.v_sums is None else "with")
+                         + " windows; make it with this module's init_cache")
     own = mha._stored_weight().dtype
     if own != cache.v.dtype and not torch.is_autocast_enabled(x.device.type):
         # the projections run in the module's dtype: only autocast reconciles the two
@@ -360,6 +372,20 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     return out if mha.batch_first else out.transpose(0, 1)
 
 
+def _attend(mha, qs: List[Tensor], cache: DecodeCache, w: Tensor, t0: int, ks: List[Tensor], v: Tensor) -> Tensor:
+    """The new positions' attention, (B, H, n, hd), their keys and values
+    written into the cache first: the decoding kernel, or with windows one
+    position at a time (hkt._window_decode)."""
+    if mha.windows is None:
+        return hkt_attention_with_kvcache(qs, cache.k, cache.v, w, t0, ks, v)
+    sums = [cache.v] + cache.v_sums
+    outs = []
+    for i in range(v.shape[2]):
+        append_windowed(cache.k, sums, ks, v, t0 + i, i)
+        outs.append(attend_windowed([x[:, :, i:i + 1] for x in qs], cache.k, sums, w, t0 + i, mha.windows))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     """decode for one new token per sequence (generation's step), in as few
     torch ops as the step allows: at that size each op's fixed cost, not its
@@ -392,7 +418,7 @@ def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:
                     k_coarse[l - 1] = F.linear(new[:, 1], cwk, cbk).view(B, Hk, 1, hd)
         qs.append(q_coarse[l - 1])
         ks.append(k_coarse[l - 1])
-    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, c.w, t, ks, r[:, H + Hk:])
+    out = _attend(mha, qs, cache, c.w, t, ks, r[:, H + Hk:])
     # the state moves on only once the step went through
     cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
     cache.length = t + 1
@@ -437,7 +463,7 @@ def _decode_many(mha, x: Tensor, cache: DecodeCache) -> Tensor:
         qs.append(_rows(q_all, rows))
         ks.append(_rows(k_all, rows))
         q_coarse[l - 1], k_coarse[l - 1] = q_all[:, :, -1:], k_all[:, :, -1:]
-    out = hkt_attention_with_kvcache(qs, cache.k, cache.v, c.w, t0, ks, _heads(v, Hk, hd))
+    out = _attend(mha, qs, cache, c.w, t0, ks, _heads(v, Hk, hd))
     # the state moves on only once the step went through
     cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
     cache.length = t0 + n

@@ -864,7 +864,10 @@ class MultiheadHKT(nn.Module):
         """A cache for :meth:`decode`: ``batch_size`` sequences of at most
         ``max_len`` tokens, empty (``hkt.kvcache.DecodeCache``).  It holds, per
         level, the downsampling state (the last ``downsample_kernel`` inputs of
-        the query and key streams), the coarse keys so far, and the values.
+        the query and key streams), the coarse keys so far, and the values;
+        with ``windows`` also each level's block sums of the values, which let
+        a step read only level 0's window of single keys (see
+        ``hkt.kvcache.DecodeCache``).
 
         device, dtype: default the module's (float32 or float64 only).
 
@@ -873,7 +876,6 @@ class MultiheadHKT(nn.Module):
             ``add_zero_attn``, ``kdim`` / ``vdim`` other than ``embed_dim``) and
             ``batch_size`` / ``max_len`` below 1; TypeError for other dtypes.
         """
-        self._refuse_windowed_decoding()
         return _kvcache.init_cache(self, batch_size, max_len, device=device, dtype=dtype)
 
     def decode(self, x: Tensor, cache: "_kvcache.DecodeCache") -> Tensor:
@@ -889,7 +891,10 @@ class MultiheadHKT(nn.Module):
         time, or chunks; coarse blocks may be partly filled).  Level l's query
         and key of block p are made when its first token, 2^l p, arrives.
         Runs the CPU decoding kernel (:func:`hkt.hkt_attention_with_kvcache`),
-        with ``getattr(self, "num_kv_heads", num_heads)`` kv heads.
+        with ``getattr(self, "num_kv_heads", num_heads)`` kv heads.  With
+        ``windows``, each new position is computed in torch from the cache's
+        block sums (``hkt._window_decode``, any device): a step costs level
+        0's window plus a few blocks per level, not the whole sequence.
 
         Inference only: call it under ``torch.no_grad()`` or
         ``torch.inference_mode()`` (``RuntimeError`` otherwise: the kernel has
@@ -922,14 +927,7 @@ class MultiheadHKT(nn.Module):
         for hook in list(self._forward_pre_hooks.values()):
             if isinstance(hook, _RECOMPUTING_HOOKS):
                 hook(self, ())
-        self._refuse_windowed_decoding()
         return _kvcache.decode(self, x, cache)
-
-    @torch.jit.unused
-    def _refuse_windowed_decoding(self) -> None:
-        if self.windows is not None:
-            raise ValueError("windows: decoding is not supported with windowed levels yet; decode with a module "
-                             "without windows, or run forward over the sequence")
 
 
 def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:

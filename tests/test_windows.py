@@ -267,8 +267,6 @@ def test_module_refuses_by_name():
     x = torch.randn(2, 10, 16)
     with pytest.raises(ValueError, match="key_padding_mask: not supported with windows"):
         m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
-    with pytest.raises(ValueError, match="windows: decoding is not supported"):
-        m.init_cache(1, 8)
     m.pack_padding = True
     with pytest.raises(ValueError, match="pack_padding: not supported with windows"):
         m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
@@ -284,3 +282,57 @@ def test_autocast_bfloat16_takes_windows():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert w.grad is not None and w.grad.dtype == torch.float32
+
+
+DECODE_CASES = [
+    # levels, windows, kv heads, split of the sequence into decode calls
+    (3, [4, 8, None], 2, [1] * 37),            # a global top level, one token at a time
+    (3, [4, 8, 16], 1, [5, 1, 1, 7, 1, 3, 19]),  # every level windowed, multi-query, chunks
+    (4, [2, 8, 16, None], 2, [37]),            # one prompt
+    (1, [6], 2, [3] * 12 + [1]),               # sliding-window attention
+    (2, [10, None], 1, [1] * 5 + [32]),        # a prompt after single tokens
+]
+
+
+@pytest.mark.parametrize("levels,windows,kv,split", DECODE_CASES)
+def test_windowed_decoding_is_the_causal_forward(levels, windows, kv, split):
+    torch.manual_seed(3)
+    m = hkt.MultiheadHKT(16, 2, levels=levels, batch_first=True, num_kv_heads=kv, windows=windows).double().eval()
+    T = sum(split)
+    x = torch.randn(2, T, 16, dtype=torch.float64)
+    with torch.no_grad():
+        want = m(x, x, x, is_causal=True, need_weights=False)[0]
+        dense = hkt.MultiheadHKT(16, 2, levels=levels, batch_first=True, num_kv_heads=kv).double().eval()
+        dense.load_state_dict(m.state_dict())
+        cache, outs, t = m.init_cache(2, T + 3), [], 0
+        for n in split:
+            outs.append(m.decode(x[:, t:t + n], cache))
+            t += n
+    got = torch.cat(outs, dim=1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert cache.length == T and len(cache.v_sums) == levels - 1
+    # the windows do change the result (else the test could not tell them from none)
+    assert not torch.allclose(got, dense(x, x, x, is_causal=True, need_weights=False)[0].detach())
+
+
+def test_windowed_block_sums_are_the_values_summed():
+    m = hkt.MultiheadHKT(8, 1, levels=3, batch_first=True, windows=[2, 4, None]).double().eval()
+    x = torch.randn(1, 13, 8, dtype=torch.float64)
+    with torch.no_grad():
+        cache = m.init_cache(1, 16)
+        m.decode(x, cache)
+    for l, s in enumerate(cache.v_sums, start=1):
+        blocks = 13 >> l  # the complete ones
+        want = cache.v[:, :, :blocks << l].reshape(1, 1, blocks, 1 << l, -1).sum(3)
+        torch.testing.assert_close(s[:, :, :blocks], want, rtol=1e-12, atol=1e-12)
+
+
+def test_windowed_decoding_refuses_another_modules_cache():
+    m = hkt.MultiheadHKT(8, 1, levels=2, batch_first=True, windows=[2, None]).eval()
+    plain = hkt.MultiheadHKT(8, 1, levels=2, batch_first=True).eval()
+    x = torch.randn(1, 1, 8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="cache: was made by a module without windows"):
+            m.decode(x, plain.init_cache(1, 4))
+        with pytest.raises(ValueError, match="cache: was made by a module with windows"):
+            plain.decode(x, m.init_cache(1, 4))

@@ -1,0 +1,116 @@
+"""Decoding with windowed levels (docs/contract.md section 1.11): the attention
+of one new position t against a DecodeCache whose module has ``windows``.
+
+Level l sees key j from query t when (t >> l) - (j >> l) < W_l / 2^l (causal:
+j <= t), that is when j >= start_l = ((t >> l) - W_l / 2^l + 1) * 2^l.  The
+starts cut [0, t] into at most L + 1 runs, and in each run the same levels see
+every key.  With m the finest of them, every score of the run is the same
+across a level-m block (each seeing level's key is constant there), so one
+block of keys counts as one unit: its score, its number of keys, and the sum of
+its values.  The cache keeps those sums per level (``DecodeCache.v_sums``,
+each complete level-l block the sum of its two level-(l - 1) halves, so the
+order of the additions is fixed); a step then costs O(W_0 + sum_l (W_l -
+W_{l-1}) / 2^l + S / 2^(L-1)) units where the unwindowed step costs O(S) keys.
+A piece of a block at a run's edge is summed from the largest complete blocks
+it is made of.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .reference import level_factor
+
+__all__ = ["append_windowed", "attend_windowed"]
+
+
+def _starts(windows: Sequence[Optional[int]], t: int) -> List[int]:
+    """start_l: the first key level l sees from query t (0 for a level without a window)."""
+    return [0 if W is None else max(0, ((t >> l) - (W >> l) + 1) << l) for l, W in enumerate(windows)]
+
+
+def _range_sum(v_sums: List[Tensor], a: int, b: int) -> Tensor:
+    """Sum of the values of keys [a, b) (b <= t + 1), (B, H_kv, 1, Dv), from the
+    largest complete aligned blocks that tile the range, left to right."""
+    total = None
+    top = len(v_sums) - 1
+    while a < b:
+        l = 0
+        while l < top and a % (2 << l) == 0 and a + (2 << l) <= b:
+            l += 1
+        part = v_sums[l][:, :, a >> l:(a >> l) + 1]
+        total = part if total is None else total + part
+        a += 1 << l
+    return total
+
+
+def _units(a: int, b: int, m: int, v_sums: List[Tensor]) -> Tuple[List[int], List[int], List[Tensor]]:
+    """The units of run [a, b) at level m: their level-m block, key count and value sum."""
+    size = 1 << m
+    first, last = -(-a // size), b // size  # the whole blocks: [first, last)
+    blocks, counts, sums = [], [], []
+    if first > last:  # the run lies inside one block
+        return [a >> m], [b - a], [_range_sum(v_sums, a, b)]
+    if a < first * size:
+        blocks.append(a >> m), counts.append(first * size - a), sums.append(_range_sum(v_sums, a, first * size))
+    if last > first:
+        blocks.extend(range(first, last)), counts.extend([size] * (last - first))
+        sums.append(v_sums[m][:, :, first:last])
+    if last * size < b:
+        blocks.append(last), counts.append(b - last * size), sums.append(_range_sum(v_sums, last * size, b))
+    return blocks, counts, sums
+
+
+def attend_windowed(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List[Tensor], w: Tensor, t: int,
+                    windows: Sequence[Optional[int]], scale: Optional[float] = None) -> Tensor:
+    """Row t of the causal windowed hkt_attention, (B, H, 1, Dv): q[l] (B, H, 1, D)
+    the level-l query of position t's block, k_cache[l] the level-l keys,
+    v_sums[l] the level-l block sums of the values (v_sums[0]: the values)."""
+    L = len(q)
+    B, H, _, D = q[0].shape
+    Hk, Dv = k_cache[0].shape[1], v_sums[0].shape[-1]
+    G = H // Hk
+    scale = D ** -0.5 if scale is None else scale
+    f = level_factor(scale, w)  # (L,) or (H, L)
+    f = f.view(1, 1, 1, L).expand(1, Hk, G, L) if f.dim() == 1 else f.view(1, Hk, G, L)
+    starts = _starts(windows, t)
+    cuts = sorted(set(s for s in starts if s <= t)) + [t + 1]
+    scores, counts, sums = [], [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        seeing = [l for l in range(L) if starts[l] <= a]
+        m = seeing[0]
+        blocks, n, s = _units(a, b, m, v_sums)
+        idx = torch.tensor(blocks, device=q[0].device)
+        run = None
+        for l in seeing:  # in level order, as the definition sums them
+            lo, hi = blocks[0] >> (l - m), (blocks[-1] >> (l - m)) + 1
+            dots = torch.matmul(q[l].reshape(B, Hk, G, D), k_cache[l][:, :, lo:hi].transpose(-1, -2))
+            term = f[..., l:l + 1] * dots[..., (idx >> (l - m)) - lo]
+            run = term if run is None else run + term
+        scores.append(run)
+        counts.extend(n)
+        sums.extend(s)
+    score = torch.cat(scores, dim=-1)  # (B, H_kv, G, units)
+    count = torch.tensor(counts, dtype=score.dtype, device=score.device)
+    values = torch.cat(sums, dim=2)  # (B, H_kv, units, Dv)
+    top = score.amax(dim=-1, keepdim=True)
+    top = torch.where(top == -torch.inf, torch.zeros_like(top), top)  # nothing visible: zeros
+    e = torch.exp(score - top)
+    den = (e * count).sum(dim=-1, keepdim=True)
+    out = torch.matmul(e, values) / torch.where(den == 0, torch.ones_like(den), den)
+    return out.reshape(B, H, 1, Dv)
+
+
+def append_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], k: Sequence[Tensor], v: Tensor, t: int,
+                    i: int) -> None:
+    """Writes new position t's keys (k[l][:, :, i], its block's) and value
+    (v[:, :, i]) into the cache, and the sum of every level-l block that t
+    completes (the sum of its two halves)."""
+    for l in range(len(k_cache)):
+        k_cache[l][:, :, t >> l] = k[l][:, :, i]
+    v_sums[0][:, :, t] = v[:, :, i]
+    for l in range(1, len(v_sums)):
+        if (t + 1) % (1 << l):
+            break
+        c = t >> l
+        v_sums[l][:, :, c] = v_sums[l - 1][:, :, 2 * c] + v_sums[l - 1][:, :, 2 * c + 1]
