@@ -65,12 +65,12 @@ from .resumable import (CheckpointError, advance, lr_lambda, median_by_arm, open
 from .stdlib_bytes import BatchSampler, Corpus, describe, eval_windows, load_corpus, stdlib_dir
 from .train import training_step, write_json
 
-__all__ = ["LM_DEFAULTS", "arm_levels", "arm_steps", "new_run", "save_run", "load_run", "train_steps", "run_all",
-           "plot_curves", "main"]
+__all__ = ["LM_DEFAULTS", "arm_levels", "arm_steps", "arm_windows", "new_run", "save_run", "load_run", "train_steps",
+           "run_all", "plot_curves", "main"]
 
 LM_DEFAULTS = dict(seq_len=1024, seeds=[0, 1, 2], levels=[1, 2, 3], steps=3000, warmup=150, batch_size=8, lr=2e-3,
                    weight_decay=0.01, d_model=128, layers=2, heads=4, dropout=0.0, val_fraction=0.05,
-                   split_seed=0, eval_every=250, eval_windows=64, chunk=250, arm_steps=None)
+                   split_seed=0, eval_every=250, eval_windows=64, chunk=250, arm_steps=None, window=None)
 
 # what a checkpoint must agree on to be resumed under a configuration
 _STATE_KEYS = ("seq_len", "warmup", "batch_size", "lr", "weight_decay", "d_model", "layers", "heads", "dropout",
@@ -87,9 +87,17 @@ def arm_steps(cfg: Dict, arm: str) -> int:
     return (cfg.get("arm_steps") or {}).get(arm, cfg["steps"])
 
 
+def arm_windows(cfg: Dict, levels: int) -> Optional[List[Optional[int]]]:
+    """The windows of an arm with ``levels`` levels: with ``cfg["window"]`` = W
+    and levels > 1, W * 2^l for every level but the top one, which sees every
+    key (docs/contract.md section 1.11); else None."""
+    W = cfg.get("window")
+    return None if W is None or levels == 1 else [W << l for l in range(levels - 1)] + [None]
+
+
 def _model_kw(cfg: Dict, levels: int) -> Dict:
     return dict(d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"], levels=levels,
-                max_len=cfg["seq_len"], dropout=cfg["dropout"])
+                max_len=cfg["seq_len"], dropout=cfg["dropout"], windows=arm_windows(cfg, levels))
 
 
 def new_run(cfg: Dict, arm: str, seed: int, train_data: torch.Tensor) -> Dict:
@@ -117,7 +125,10 @@ def _is_stdlib(corpus: Corpus) -> bool:
 
 
 def _state_config(cfg: Dict, arm: str) -> Dict:
-    return {**{k: cfg[k] for k in _STATE_KEYS}, "levels": arm_levels(cfg)[arm], "steps": arm_steps(cfg, arm)}
+    # "windows" only when there are some: checkpoints from before windows existed still resume
+    windows = arm_windows(cfg, arm_levels(cfg)[arm])
+    return {**{k: cfg[k] for k in _STATE_KEYS}, "levels": arm_levels(cfg)[arm], "steps": arm_steps(cfg, arm),
+            **({"windows": windows} if windows else {})}
 
 
 def save_run(run: Dict, path: str, cfg: Dict, corpus: Corpus) -> None:
@@ -183,10 +194,12 @@ def summarise_runs(cfg: Dict, runs: List[Dict], params: Dict[str, int], corpus_i
                 "the paper's byte-level IMDB task); metric: validation bits per byte, lower is better",
         "config": {**{k: cfg[k] for k in _STATE_KEYS}, "seeds": list(cfg["seeds"]), "levels": list(cfg["levels"]),
                    "steps": cfg["steps"], "arm_steps": {a: arm_steps(cfg, a) for a in arm_levels(cfg)},
-                   "eval_every": cfg["eval_every"], "chunk": cfg["chunk"], "torch_threads": torch.get_num_threads()},
+                   "eval_every": cfg["eval_every"], "chunk": cfg["chunk"], "window": cfg.get("window"),
+                   "torch_threads": torch.get_num_threads()},
         "corpus": corpus_info,
         "arms": {a: {"levels": l, "attention": "standard (MultiheadHKT levels=1 = nn.MultiheadAttention)" if l == 1
-                     else f"HKT, {l} levels", "params": params.get(a)} for a, l in arm_levels(cfg).items()},
+                     else f"HKT, {l} levels" + (f", windows {arm_windows(cfg, l)}" if arm_windows(cfg, l) else ""),
+                     "params": params.get(a)} for a, l in arm_levels(cfg).items()},
         "progress": progress_info(runs, sum(arm_steps(cfg, r["arm"]) for r in runs)),
         "time_per_step": {**tps, **ratios},
         "summary": summary,
@@ -284,6 +297,8 @@ def main(argv=None) -> Dict:
     ap.add_argument("--seeds", type=int, nargs="+", default=d["seeds"])
     ap.add_argument("--levels", type=cli.positive_int, nargs="+", default=d["levels"],
                     help="one arm per value (1 = standard)")
+    ap.add_argument("--window", type=cli.positive_int, default=None,
+                    help="W: every arm with levels > 1 gets windows W * 2^l below a global top level")
     ap.add_argument("--equal-time-from", default=None,
                     help="a results JSON: give each arm the steps that fit in the anchor arm's --steps")
     ap.add_argument("--equal-time-anchor", choices=["slowest", "fastest"], default="slowest",

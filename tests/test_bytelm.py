@@ -393,3 +393,27 @@ def test_load_checkpoint_names_a_damaged_file(tmp_path):
     torch.save({"config": {}}, tmp_path / "other.pt")
     with pytest.raises(ValueError, match=r"other\.pt.*not a checkpoint"):
         bytelm.load_checkpoint(str(tmp_path / "other.pt"))
+
+
+def test_lm_run_window_gives_the_hkt_arms_windows(tmp_path, corpus):
+    from research import lm_run
+    cfg = {**lm_run.LM_DEFAULTS, **LM_CFG, "window": 4}
+    assert lm_run.arm_windows(cfg, 1) is None and lm_run.arm_windows(cfg, 3) == [4, 8, None]
+    run = lm_run.new_run(cfg, "L3", 0, corpus.train)
+    assert all(b.attn.windows == (4, 8, None) for b in run["model"].blocks)
+    assert lm_run.new_run(cfg, "L1", 0, corpus.train)["model"].blocks[0].attn.windows is None
+    val = stdlib_bytes.eval_windows(corpus.val, 32, 2)
+    lm_run.train_steps(run, cfg, val, 2)
+    path = str(tmp_path / "ck.pt")
+    lm_run.save_run(run, path, cfg, corpus)
+    assert bytelm.load_checkpoint(path).blocks[0].attn.windows == (4, 8, None)
+    with pytest.raises(ValueError, match="another configuration"):  # the same run without windows is another one
+        lm_run.load_run(path, {**cfg, "window": None}, "L3", 0, corpus)
+    # the windowed model decodes as it runs forward
+    model = bytelm.load_checkpoint(path).eval()
+    x = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        cache = model.init_cache(1, 30)
+        got = torch.cat([model.decode(x[:, :9], cache), model.decode(x[:, 9:], cache)], dim=1)
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+
