@@ -192,7 +192,7 @@ def test_bad_windows_are_named(windows, err, msg):
         hkt.hkt_attention(q, k, v, w, windows=windows)
 
 
-def test_what_windows_refuse_is_named():
+def test_what_windows_refuse_is_named_and_trace_records():
     q, k, v, w = leaves(1, 2, 16, 16, 4, 4, 3)
     win = [4, 8, None]
     with pytest.raises(ValueError, match="attn_mask: not supported with windows"):
@@ -207,8 +207,10 @@ def test_what_windows_refuse_is_named():
 
     def call(*xs):
         return hkt.hkt_attention(list(xs[:3]), list(xs[3:6]), xs[6], xs[7], windows=win)
-    with pytest.raises(RuntimeError, match="windows: torch.jit.trace cannot record it"):
-        torch.jit.trace(call, tuple(plain))
+    traced = torch.jit.trace(call, tuple(plain))  # the windowed op is recorded, and replays on new values
+    q2, k2, v2, w2 = leaves(1, 2, 16, 16, 4, 4, 3, seed=5)
+    fresh = [x.detach() for x in (*q2, *k2, v2, w2)]
+    assert torch.equal(traced(*fresh), call(*fresh))
     with pytest.raises(NotImplementedError, match="windows: the windowed kernels do not run under torch.func"):
         torch.func.vmap(call)(*[x[None] for x in plain])
 
@@ -336,3 +338,65 @@ def test_windowed_decoding_refuses_another_modules_cache():
             m.decode(x, plain.init_cache(1, 4))
         with pytest.raises(ValueError, match="cache: was made by a module with windows"):
             plain.decode(x, m.init_cache(1, 4))
+
+
+def test_window_ops_pass_opcheck():
+    # torch.library's checks of the windowed ops: schema, fake kernel, autograd registration
+    from hkt._window import window_backward, window_forward
+    q, k, v, w = leaves(1, 2, 21, 21, 4, 3, 3, seed=15)
+    w2 = w.detach().clone().requires_grad_()
+    args = (q, k, v, w2, [4, 4, 0], True, 0.5)
+    torch.library.opcheck(window_forward, args)
+    out, lse = window_forward(*args)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(window_backward, (dout, [x.detach() for x in q], [x.detach() for x in k], v.detach(),
+                                            w2.detach(), out.detach(), lse.detach(), [4, 4, 0], True, 0.5))
+
+
+class _Windowed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 24, dtype=torch.float64)
+        self.w = torch.nn.Parameter(torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64))
+
+    def forward(self, x):
+        q, k, v = self.proj(x).unsqueeze(1).chunk(3, dim=-1)
+        qs, ks = [q, q[:, :, ::2], q[:, :, ::4]], [k, k[:, :, ::2], k[:, :, ::4]]
+        return hkt.hkt_attention(qs, ks, v, self.w, is_causal=True, windows=[4, 8, None])
+
+
+def test_compile_fullgraph_takes_windows():
+    model, x = _Windowed(), torch.randn(2, 29, 8, dtype=torch.float64)
+    eager = model(x)
+    eager.sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    out = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    out.sum().backward()
+    assert torch.equal(out, eager)
+    for a, p in zip(want, model.parameters()):
+        assert torch.equal(p.grad, a)
+
+
+def test_export_records_the_window_op():
+    model, x = _Windowed().eval(), torch.randn(2, 29, 8, dtype=torch.float64)
+    ep = torch.export.export(model, (x,))
+    assert "hkt.window_forward" in str(ep.graph)
+    assert torch.equal(ep.module()(x), model(x))
+
+
+def test_double_backward_raises_by_name():
+    q, k, v, w = leaves(1, 2, 20, 20, 4, 3, 2, seed=16)
+    out = hkt.hkt_attention(q, k, v, w, is_causal=True, windows=[4, None])
+    g = torch.autograd.grad(out.square().sum(), q[0], create_graph=True)[0]
+    with pytest.raises(NotImplementedError, match="windows: the windowed kernels have no double backward"):
+        g.sum().backward()
+
+
+def test_meta_tensors_give_the_shapes():
+    q, k, v, w = leaves(1, 2, 16, 16, 4, 3, 3)
+    meta = lambda xs: [x.detach().to("meta") for x in xs]  # noqa: E731
+    out = hkt.hkt_attention(meta(q), meta(k), v.detach().to("meta"), w.detach().to("meta"), windows=[4, 8, None])
+    assert out.device.type == "meta" and out.shape == (1, 2, 16, 3)
