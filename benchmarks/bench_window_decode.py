@@ -1,7 +1,9 @@
 """One decoding step at long context: MultiheadHKT.decode with windowed levels
 (docs/contract.md section 1.11, hkt._window_decode) against the same module
 without windows (the C decoding kernel, which reads every cached key) and
-against torch SDPA of one query over the same number of keys.
+against torch SDPA of one query over the same number of keys.  The two module
+figures are whole steps (projections, downsampling state, attention, output
+projection); SDPA's is the attention alone, a floor for a standard layer's.
 
     python benchmarks/bench_window_decode.py           # S = 4096 .. 262,144
     python benchmarks/bench_window_decode.py --quick   # S = 4096 and 16,384

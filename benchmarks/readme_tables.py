@@ -217,6 +217,23 @@ def long_context(folder, d):
     return out + ["", f"![windowed HKT against SDPA by sequence length](../benchmarks/results/{d}/long.png)"]
 
 
+def window_decoding(folder):
+    """bench_window_decode.py's rows: one decoding step of a windowed module
+    against the same module without windows and SDPA's attention alone."""
+    path = os.path.join(folder, "window_decode.json")
+    if not os.path.isfile(path):
+        return []
+    a = json.loads(_read(path))
+    out = ["", f"Decoding one token at long context (`bench_window_decode.py`: MultiheadHKT E={a['E']}, "
+           f"{a['heads']} heads, L={a['levels']}, windows {a['windows'][:-1]} and a global top level, float32, B=1; "
+           f"the module's whole step, projections included, against the same module without windows (the decoding "
+           f"kernel) and SDPA's attention alone over the same keys; medians):", "",
+           "| cached tokens S | windowed step | step without windows | SDPA attention |", "|---|---|---|---|"]
+    for r in a["rows"]:
+        out.append(f"| {r['S']} | {r['windowed_ms']:.2f} ms | {r['hkt_ms']:.2f} ms | {r['sdpa_ms']:.2f} ms |")
+    return out
+
+
 def _long_plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -265,6 +282,7 @@ def performance_page(runs):
                       f"{scaling['sdpa fwd+bwd']:.2f}x and sgemm {scaling['sgemm']:.2f}x."]
         lines += _other_benchmarks(folder)
         lines += long_context(folder, d)
+        lines += window_decoding(folder)
         if os.path.isfile(os.path.join(folder, "attention.png")):
             lines += ["", f"![{cpu_title(a['machine'])}](../benchmarks/results/{d}/attention.png)"]
         notes = note(folder, "notes.md")
