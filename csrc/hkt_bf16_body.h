@@ -443,7 +443,8 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
     const int64_t ldo = p->bf16_out ? Dv : p->out_stride[2];
     const bf16 *vb = (const bf16 *)p->v + b * p->v_stride[0] + kv_head(p, h) * p->v_stride[1];
     uint32_t *vall = (uint32_t *)(base + ws->values_all);
-    start_task(p, ws, block, b, h, nq, ob, ldo);
+    const query_tile tile = {p, ws, base, b, h, i0, nq, ob, ldo};
+    start_task(&tile, block);
     const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
     for (int64_t j0 = 0; j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
@@ -468,11 +469,11 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
         for (int l = 0; l < p->L; l++) kp[l] = (const uint32_t *)buf[l];
         grams_bf16(p, ws, base, b, h, i0, i1, j0, j1, kp, ld);
         tile_fold(p, ws, base, b, h, i0, i1, j0, j1);
-        softmax_update(p, ws, base, b, h, i0, nq, j0, nk, ob, ldo);
+        softmax_update(&tile, j0, nk);
         rows_to_bf16(base + ws->scores, BK, nq, nk, 1.0f, pb, BK);
         gemm_bf16(ws, nq, Dv, (nk + 1) / 2, pb, 2 * BK, 4, vp, Dv, ob, ldo, 1);
     }
-    finish_rows(p, ws, base, b, h, i0, nq, ob, ldo);
+    finish_rows(&tile);
     if (p->bf16_out) rows_out_bf16(ob, ldo, nq, Dv, (bf16 *)p->out + out_at, p->out_stride[2]);
 }
 

@@ -2,7 +2,7 @@
  * hkt_cpu.h -- what the CPU kernel files share (private to csrc/, not installed).
  *
  * The CPU kernels are bodies written once for a type `real`
- * (hkt_attention_body.h, hkt_backward_body.h, hkt_decode_body.h, with
+ * (hkt_products_body.h, hkt_attention_body.h, hkt_backward_body.h, hkt_decode_body.h, with
  * hkt_real.h's helpers; hkt_bf16_body.h for bfloat16 in float32's) and
  * compiled once per real type: hkt_cpu_f32.c and hkt_cpu_f64.c each define
  * `real` and include them, so their static functions have plain names in each

@@ -1,5 +1,5 @@
 /*
- * hkt_real.h -- small helpers the CPU kernel bodies (hkt_attention_body.h,
+ * hkt_real.h -- small helpers the CPU kernel bodies (hkt_products_body.h, hkt_attention_body.h,
  * hkt_backward_body.h, hkt_decode_body.h) share for one real type: the vector
  * types and their fused multiply-adds, loads and
  * stores, a dot product, the vectorisable exp of the softmax and the row max.
