@@ -19,6 +19,18 @@ def _recording() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+# dynamo before torch 2.11 (2.4.1 checked) cannot trace the torch.func check
+# (fullgraph compiles fail on it): under torch.compile there it is skipped
+_FUNCTORCH_CHECK_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
+
+
+def _functorch_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, ...) is active around this call."""
+    if not _FUNCTORCH_CHECK_TRACES and torch.compiler.is_compiling():
+        return False
+    return torch._C._are_functorch_transforms_active()
+
+
 def _refuse_trace(what: str) -> None:
     """For the kernels with no registered op (decoding, variable-length):
     torch.jit.trace cannot record them, so a trace would silently replay

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_call
+from ._guards import _functorch_active
 from ._kernels import _threads, window_kernels
 from .reference import check_windows
 
@@ -131,7 +132,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if dropout_p > 0:
         raise ValueError("dropout_p: dropout is not supported with windows (it drops single keys, which would "
                          "break the sharing of one probability by a block's keys); use dropout_p=0")
-    if torch._C._are_functorch_transforms_active():  # whichever backend was asked for
+    if _functorch_active():  # whichever backend was asked for
         raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
                                   "grad, jacrev, ...)")
     if q[0].device.type not in ("cpu", "meta"):  # meta: the op's fake kernel gives the shapes

@@ -9,6 +9,7 @@ from ._autograd import _ATTENTION_APPLY, _QKV_APPLY, _SEED_HIGH, _eager_seed, _s
 from ._checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
 from ._checks import (_CALL_FAILED, _check_inputs, _check_mask, _kernel_args, _name_the_argument, _real,
                       check_arguments, check_call)
+from ._guards import _functorch_active
 from ._guards import _autocast_inputs, _c_apply, _recording, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
 
 __all__ = ["hkt_attention"]
@@ -21,17 +22,6 @@ __all__ = ["hkt_attention"]
 # kernels.
 _CUDA_KERNELS_PREFERRED = False
 _BACKENDS = (None, "auto", "kernels", "sdpa")
-
-
-# dynamo before torch 2.11 (2.4.1 checked) cannot trace the torch.func check
-# (fullgraph compiles fail on it): under torch.compile there it is skipped
-_FUNCTORCH_CHECK_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
-
-
-def _functorch_active() -> bool:
-    if not _FUNCTORCH_CHECK_TRACES and torch.compiler.is_compiling():
-        return False
-    return torch._C._are_functorch_transforms_active()
 
 
 def _pick_backend(backend, q, dropout_p) -> str:
