@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt  # noqa: E402
-from research.timing import machine_info, results_dir  # noqa: E402
+from hkt._window import block_sums  # noqa: E402
+from research.timing import machine_info, results_dir, time_rounds  # noqa: E402
 
 E, H, L, THREADS = 256, 4, 6, 2
 WINDOWS = [256 << l for l in range(L - 1)] + [None]
@@ -65,25 +65,10 @@ def filled(mod, S):
     for kl in cache.k:
         kl.copy_(torch.randn(kl.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
-    prev = cache.v
-    for s in cache.v_sums or []:
-        n = s.shape[2]
-        s.copy_(prev[:, :, :2 * n].reshape(*s.shape[:2], n, 2, -1).sum(3) if prev.shape[2] >= 2 * n else
-                torch.cat([prev[:, :, :2 * (n - 1)].reshape(*s.shape[:2], n - 1, 2, -1).sum(3),
-                           prev[:, :, -1:]], dim=2))
-        prev = s
+    for s, want in zip(cache.v_sums or [], block_sums(cache.v, len(cache.k))[1:]):
+        s.copy_(want)
     cache.length = S - 1
     return cache
-
-
-def timed(fns, repeats):
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main():
@@ -110,9 +95,8 @@ def main():
         fns = {"windowed": lambda: step(win, cw), "hkt": lambda: step(plain, cp),
                "sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
         with torch.inference_mode():
-            for fn in fns.values():
-                fn()
-            res = timed(fns, args.repeats)
+            times = time_rounds(fns, repeats=args.repeats, warmup=1)
+        res = {name: (statistics.median(t), min(t)) for name, t in times.items()}
         row = {"S": S, **{f"{n}_ms": round(m * 1e3, 3) for n, (m, _) in res.items()},
                **{f"{n}_min_ms": round(lo * 1e3, 3) for n, (_, lo) in res.items()}}
         rows.append(row)
