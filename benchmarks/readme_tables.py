@@ -234,6 +234,25 @@ def window_decoding(folder):
     return out
 
 
+def window_masks(folder):
+    """bench_window_masks.py's rows: what each way of masking costs the
+    windowed kernels, against the same call unmasked."""
+    path = os.path.join(folder, "window_masks.json")
+    if not os.path.isfile(path):
+        return []
+    a = json.loads(_read(path))
+    names = list(a["rows"][0]["seconds"])
+    out = ["", f"Masks and dropout with windows (`bench_window_masks.py`: causal forward+backward, B={a['B']}, "
+           f"H={a['heads']}, L={a['levels']}, D={a['D']}, float32, windows 256·2^l with a global top level; key "
+           f"padding hides the last eighth of the keys, the query mask 10% of the entries at random; medians of "
+           f"{a['repeats']} interleaved rounds):", "",
+           "| T | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in a["rows"]:
+        cells = [f"{r['seconds'][n]:.2f} s" if n in r["seconds"] else "not run" for n in names]
+        out.append(f"| {r['T']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def _long_plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -283,6 +302,7 @@ def performance_page(runs):
         lines += _other_benchmarks(folder)
         lines += long_context(folder, d)
         lines += window_decoding(folder)
+        lines += window_masks(folder)
         if os.path.isfile(os.path.join(folder, "attention.png")):
             lines += ["", f"![{cpu_title(a['machine'])}](../benchmarks/results/{d}/attention.png)"]
         notes = note(folder, "notes.md")

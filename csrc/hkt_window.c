@@ -4,6 +4,7 @@
  * HKT_CPU_KERNELS names). */
 #include "hkt_window.h"
 #include "hkt_cpu.h"
+#include "hkt_dropout.h"
 
 #include <math.h>
 #include <string.h>

@@ -25,8 +25,16 @@
  * Forward OVERWRITES out and lse (lse = +inf for a row with no visible key,
  * whose out is 0).  Backward OVERWRITES dq[l] (like q[l]), dk[l] (like k[l]),
  * dvs[l] (like vs[l]: the gradient of each block sum; the caller spreads
- * dvs[l] onto the 2^l value rows of each block) and dw (H, L).  No mask, no
- * dropout: both would break the sharing of a block's probability.
+ * dvs[l] onto the 2^l value rows of each block) and dw (H, L).
+ *
+ * Masks and dropout (section 1.11 of the contract).  A mask that does not
+ * vary with the query, given as per-level counts (below), keeps the sharing:
+ * a block's visible keys still share one probability.  A general mask
+ * (mask_kind, as hkt.h's) or dropout (the entries hkt_dropout.h keeps, the
+ * same as the other kernels keep for the same seed) varies inside a block:
+ * the kernels then visit every key of a unit one by one, at its unit's score
+ * (plus the float mask's entry), which costs O(T S Dv) like dense attention
+ * but still no T x S buffer.
  *
  * Results are bitwise the same for any thread count: one task per (batch,
  * head) in the forward, per (batch, kv head) in the backward (its query heads
@@ -59,6 +67,19 @@ typedef struct {
     const void *w;
     void *out, *lse;                       /* forward's outputs; backward's inputs */
     const void *dout;                      /* backward only */
+    /* a mask (B, H, T, S), element strides (0 broadcasts): bool bytes (True: may attend) or `real` added to the
+     * score; HKT_MASK_NONE for none */
+    int mask_kind;
+    const void *mask;
+    int64_t mask_stride[4];
+    double dropout_p;                      /* 0: none */
+    uint64_t seed;
+    /* a key-only bool mask instead (no mask_kind then): per level, (B, H_kv, Sl) `real` counts of each block's
+     * visible keys, vs[l] then the visible keys' sums; NULL for none */
+    const void *counts[HKT_MAX_LEVELS];
+    /* backward, float mask only, or NULL: (B, H, T, S) C-contiguous, every entry's score gradient (0 where the
+     * entry is hidden), OVERWRITTEN */
+    void *dmask;
     void *dq[HKT_MAX_LEVELS];
     void *dk[HKT_MAX_LEVELS];
     void *dvs[HKT_MAX_LEVELS];

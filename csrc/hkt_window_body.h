@@ -264,6 +264,13 @@ static inline const real *WFN(vrow)(const hkt_window_params *p, const void *cons
 
 /* the partial softmax of the current units: max M, sum Z (each unit counted
  * for its keys), O = sum of exp(s - M) * its summed values */
+/* the counts of visible keys of level lev's blocks from idx on (a key-only
+ * mask), or NULL: every block has all its keys */
+static inline const real *WFN(count_row)(const hkt_window_params *p, int lev, int64_t b, int64_t hk, int64_t idx) {
+    if (!p->counts[lev]) return NULL;
+    return (const real *)p->counts[lev] + (b * p->H_kv + hk) * WFN(blocks)(p->S, lev) + idx;
+}
+
 static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *O, real *M,
                          real *Z) {
     const int64_t Dv = p->Dv;
@@ -271,12 +278,17 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
     int nan = 0;
     for (int x = 0; x < wk->nruns; x++) {
         const WFN(run) *r = &wk->runs[x];
-        for (int64_t u = 0; u < r->n; u++) mx = r->s[u] > mx ? r->s[u] : mx;
+        const real *cn = WFN(count_row)(p, r->lev, b, hk, r->idx);
+        for (int64_t u = 0; u < r->n; u++)
+            if (!cn || cn[u] > 0) mx = r->s[u] > mx ? r->s[u] : mx;
     }
     memset(O, 0, (size_t)Dv * sizeof(real));
     if (mx == -INFINITY) { /* no unit, or none but hidden ones -- or NaN ones, which must reach the row */
-        for (int x = 0; x < wk->nruns; x++)
-            for (int64_t u = 0; u < wk->runs[x].n; u++) nan |= wk->runs[x].s[u] != wk->runs[x].s[u];
+        for (int x = 0; x < wk->nruns; x++) {
+            const real *cn = WFN(count_row)(p, wk->runs[x].lev, b, hk, wk->runs[x].idx);
+            for (int64_t u = 0; u < wk->runs[x].n; u++)
+                nan |= (!cn || cn[u] > 0) && wk->runs[x].s[u] != wk->runs[x].s[u];
+        }
         *M = nan ? 0 : -INFINITY;
         *Z = nan ? NAN : 0;
         if (!nan) return;
@@ -286,16 +298,27 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
     for (int x = 0; x < wk->nruns; x++) {
         const WFN(run) *r = &wk->runs[x];
         const int64_t n = r->n;
+        const real *cn = WFN(count_row)(p, r->lev, b, hk, r->idx);
         real se = 0;
 #pragma omp simd reduction(+ : se)
         for (int64_t u = 0; u < n; u++) {
             e[u] = REAL_EXP_NONPOS(r->s[u] - mx);
             se += e[u];
         }
-        sum += r->keys * se + (r->last_keys - r->keys) * e[n - 1];
+        if (cn) { /* a block of no visible key weighs nothing, whatever its score */
+            se = 0;
+            for (int64_t u = 0; u < n; u++) {
+                e[u] = cn[u] > 0 ? e[u] : 0;
+                se += cn[u] * e[u];
+            }
+            sum += se;
+        } else {
+            sum += r->keys * se + (r->last_keys - r->keys) * e[n - 1];
+        }
         const real *V = WFN(vrow)(p, p->vs, r->lev, b, hk, r->idx);
         for (int64_t u = 0; u < n; u++) {
             const real eu = e[u];
+            if (cn && cn[u] == 0) continue;
             const real *vr = V + u * Dv;
 #pragma omp simd
             for (int64_t d = 0; d < Dv; d++) O[d] += eu * vr[d];
@@ -303,6 +326,93 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
     }
     *M = mx;
     *Z = sum;
+}
+
+/* One query row's mask and dropout, for the kernels' per-key mode (a mask
+ * that varies with the query, or dropout): the row's mask entries from key 0
+ * on (a bool or a float row, or neither), and its dropout draws. */
+typedef struct {
+    const unsigned char *mb;
+    const real *mf;
+    int64_t ms;                 /* the mask row's stride along the keys */
+    uint64_t sm, th, rowidx;    /* keep_entry's mixed seed and threshold; the index of the row's key 0 */
+    real kf;                    /* what a kept entry is multiplied by */
+    int drop;
+} WFN(keyrow);
+
+static int WFN(per_key)(const hkt_window_params *p) { return p->mask_kind != HKT_MASK_NONE || p->dropout_p > 0; }
+
+static WFN(keyrow) WFN(key_row)(const hkt_window_params *p, int64_t b, int64_t h, int64_t i) {
+    WFN(keyrow) kr;
+    memset(&kr, 0, sizeof kr);
+    const int64_t off = b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2];
+    if (p->mask_kind == HKT_MASK_BOOL) kr.mb = (const unsigned char *)p->mask + off;
+    else if (p->mask_kind == HKT_MASK_FLOAT) kr.mf = (const real *)p->mask + off;
+    kr.ms = p->mask_stride[3];
+    kr.drop = p->dropout_p > 0;
+    kr.sm = mix64(p->seed);
+    kr.th = keep_threshold(p->dropout_p);
+    kr.kf = (real)keep_scale(p->dropout_p);
+    kr.rowidx = (uint64_t)(((b * p->H + h) * p->T + i) * p->S);
+    return kr;
+}
+
+/* key j's score, its unit's s plus the float mask's entry; -inf where the
+ * bool mask hides it (even for a NaN s: a hidden entry is out of its row) */
+static inline real WFN(key_score)(const WFN(keyrow) *kr, real s, int64_t j) {
+    if (kr->mb) return kr->mb[j * kr->ms] ? s : -INFINITY;
+    if (kr->mf) return s + kr->mf[j * kr->ms];
+    return s;
+}
+
+/* the keys of a run's unit u: [*j0, return) */
+static inline int64_t WFN(unit_keys)(const hkt_window_params *p, const WFN(run) *r, int64_t u, int64_t *j0) {
+    *j0 = (r->idx + u) << r->lev;
+    const int64_t j1 = *j0 + ((int64_t)1 << r->lev);
+    return j1 < p->S ? j1 : p->S;
+}
+
+/* partial for the per-key mode: every key of every unit at its own score, in
+ * one pass (a new max rescales what is summed so far); the normaliser counts
+ * every visible key, out only the kept ones.  A NaN score makes Z NaN, which
+ * poisons the row when the partials merge. */
+static void WFN(partial_keys)(const hkt_window_params *p, WFN(work) *wk, const WFN(keyrow) *kr, int64_t b,
+                              int64_t hk, real *O, real *M, real *Z) {
+    const int64_t Dv = p->Dv;
+    const real *V0 = WFN(vrow)(p, p->vs, 0, b, hk, 0);
+    real mx = -INFINITY, sum = 0;
+    int nan = 0;
+    memset(O, 0, (size_t)Dv * sizeof(real));
+    for (int x = 0; x < wk->nruns; x++) {
+        const WFN(run) *r = &wk->runs[x];
+        for (int64_t u = 0, j0; u < r->n; u++) {
+            const int64_t j1 = WFN(unit_keys)(p, r, u, &j0);
+            for (int64_t j = j0; j < j1; j++) {
+                const real s = WFN(key_score)(kr, r->s[u], j);
+                if (s == -INFINITY) continue; /* hidden */
+                if (s != s) {
+                    nan = 1;
+                    continue;
+                }
+                if (s > mx) {
+                    const real a = mx == -INFINITY ? 0 : REAL_EXP_NONPOS(mx - s);
+                    sum *= a;
+                    for (int64_t d = 0; d < Dv; d++) O[d] *= a;
+                    mx = s;
+                }
+                const real e = REAL_EXP_NONPOS(s - mx);
+                sum += e;
+                if (kr->drop && !keep_entry(kr->sm, kr->th, kr->rowidx + (uint64_t)j)) continue;
+                const real *vr = V0 + j * Dv;
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; d++) O[d] += e * vr[d];
+            }
+        }
+    }
+    if (kr->drop)
+        for (int64_t d = 0; d < Dv; d++) O[d] *= kr->kf;
+    *M = mx == -INFINITY && nan ? 0 : mx;
+    *Z = nan ? NAN : sum;
 }
 
 static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h) {
@@ -313,14 +423,17 @@ static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t
     real *out = (real *)p->out + (b * p->H + h) * p->T * Dv;
     real *lse = (real *)p->lse + (b * p->H + h) * p->T;
     const int64_t dvp = (Dv + 15) / 16 * 16;
+    const int per_key = WFN(per_key)(p);
     for (int64_t i = 0; i < p->T; i++) {
         for (int l = p->L - 1; l >= 0; l--)
             if (WFN(starts)(i, l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
-        /* level m's part, shared by the queries of one level-(m-1) block */
+        /* level m's part, shared by the queries of one level-(m-1) block (per key: each query's own) */
+        const WFN(keyrow) kr = WFN(key_row)(p, b, h, i);
         for (int m = p->L - 1; m >= 0; m--)
-            if (m == 0 || WFN(starts)(i, m - 1)) {
+            if (m == 0 || per_key || WFN(starts)(i, m - 1)) {
                 WFN(seg_units)(p, wk, m);
-                WFN(partial)(p, wk, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
+                if (per_key) WFN(partial_keys)(p, wk, &kr, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
+                else WFN(partial)(p, wk, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
             }
         real mx = -INFINITY;
         for (int m = 0; m < p->L; m++) mx = wk->M[m] > mx ? wk->M[m] : mx;
@@ -429,6 +542,17 @@ static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b
         real *dV = (real *)WFN(vrow)(p, (const void *const *)p->dvs, r->lev, b, hk, r->idx);
         real *E = wk->E[r->m] + r->ec;
         const real kD = r->keys * Dg;
+        const real *cn = WFN(count_row)(p, r->lev, b, hk, r->idx);
+        int hidden = 0;
+        for (int64_t u = 0; u < n; u++) hidden |= r->s[u] == -INFINITY;
+        if (cn || hidden) { /* a key-only mask's counts, or units a -inf score hides (even in a NaN row) */
+            for (int64_t u = 0; u < n; u++) {
+                if ((cn && cn[u] == 0) || r->s[u] == -INFINITY) continue; /* hidden: no P, no gradient */
+                const real g = WFN(dot_axpy)(go, V + u * Dv, dV + u * Dv, P[u], Dv);
+                E[u] += P[u] * (g - (cn ? cn[u] : u == n - 1 ? r->last_keys : r->keys) * Dg);
+            }
+            continue;
+        }
         for (int64_t u = 0; u < n; u++) {
             const real Pu = P[u];
             const real *vr = V + u * Dv;
@@ -436,6 +560,68 @@ static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b
             const real g = WFN(dot_axpy)(go, vr, dvr, Pu, Dv);
             E[u] += Pu * (g - (u == n - 1 ? r->last_keys * Dg : kD));
         }
+    }
+}
+
+/* unit_grads for the per-key mode: each key's P = exp(s - c) * pa at its
+ * own score, its dropout factor on <go, v_j> and on dv_j; the unit's E gets
+ * the sum of its keys' score gradients, dmask_row (or NULL) each one */
+static void WFN(unit_grads_keys)(const hkt_window_params *p, WFN(work) *wk, const WFN(keyrow) *kr, int64_t b,
+                                 int64_t hk, real c, real pa, const real *go, real Di, real *dmask_row) {
+    const int64_t Dv = p->Dv;
+    const real *V0 = WFN(vrow)(p, p->vs, 0, b, hk, 0);
+    real *dV0 = (real *)WFN(vrow)(p, (const void *const *)p->dvs, 0, b, hk, 0);
+    for (int x = 0; x < wk->nruns; x++) {
+        const WFN(run) *r = &wk->runs[x];
+        real *E = wk->E[r->m] + r->ec;
+        for (int64_t u = 0, j0; u < r->n; u++) {
+            const int64_t j1 = WFN(unit_keys)(p, r, u, &j0);
+            real acc = 0;
+            for (int64_t j = j0; j < j1; j++) {
+                const real s = WFN(key_score)(kr, r->s[u], j);
+                if (s == -INFINITY) continue; /* hidden: no probability, no gradient */
+                const real P = REAL_EXP_NONPOS(s - c) * pa;
+                const real kappa =
+                    !kr->drop ? 1 : keep_entry(kr->sm, kr->th, kr->rowidx + (uint64_t)j) ? kr->kf : 0;
+                const real g = kappa != 0 ? WFN(dot_axpy)(go, V0 + j * Dv, dV0 + j * Dv, P * kappa, Dv) : 0;
+                const real dS = P * (kappa * g - Di);
+                acc += dS;
+                if (dmask_row) dmask_row[j] = dS;
+            }
+            E[u] += acc;
+        }
+    }
+}
+
+/* lse that large has lost log(sum) to rounding (a row of a float mask's
+ * finfo.min): such a row's P comes from its max and sum, taken again */
+#define WIN_LSE_EXACT ((real)(sizeof(real) == 4 ? 4096.0 : 2199023255552.0))
+
+/* the per-key backward of query i (its A current): units, P, gradients */
+static void WFN(query_grads_keys)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h, int64_t hk,
+                                  int64_t i, real li, const real *go, real Di) {
+    const WFN(keyrow) kr = WFN(key_row)(p, b, h, i);
+    real *dmrow = p->dmask ? (real *)p->dmask + ((b * p->H + h) * p->T + i) * p->S : NULL;
+    real c = li, pa = 1;
+    if (!(li > -WIN_LSE_EXACT && li < WIN_LSE_EXACT)) {
+        real mx = -INFINITY, sum = 0, Mm, Zm;
+        for (int m = 0; m < p->L; m++) { /* the row's max and sum, merged over its levels' parts */
+            WFN(seg_units)(p, wk, m);
+            WFN(partial_keys)(p, wk, &kr, b, hk, wk->acc, &Mm, &Zm);
+            if (Mm == -INFINITY) continue;
+            if (Mm > mx) {
+                sum = sum * REAL_EXP_NONPOS(mx - Mm) + Zm;
+                mx = Mm;
+            } else {
+                sum += Zm * REAL_EXP_NONPOS(Mm - mx);
+            }
+        }
+        c = mx;
+        pa = 1 / sum;
+    }
+    for (int m = 0; m < p->L; m++) {
+        WFN(seg_units)(p, wk, m);
+        WFN(unit_grads_keys)(p, wk, &kr, b, hk, c, pa, go, Di, dmrow);
     }
 }
 
@@ -452,8 +638,11 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
         if (Sl * Dv > 0)
             memset((real *)p->dvs[l] + (b * p->H_kv + hk) * Sl * Dv, 0, (size_t)(Sl * Dv) * sizeof(real));
     }
+    const int per_key = WFN(per_key)(p);
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
         for (int l = 0; l < p->L; l++) wk->tile[l] = -1; /* the tiles hold another head's queries */
+        if (p->dmask && p->T * p->S > 0)
+            memset((real *)p->dmask + (b * p->H + h) * p->T * p->S, 0, (size_t)(p->T * p->S) * sizeof(real));
         const real *w = (const real *)p->w + h * p->L;
         real f[HKT_MAX_LEVELS], dwl[HKT_MAX_LEVELS];
         for (int l = 0; l < p->L; l++) {
@@ -476,13 +665,17 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                             hi = lse[r] > hi ? lse[r] : hi;
                             lo = lse[r] < lo ? lse[r] : lo;
                         }
-                    wk->shared[m] = hi == -INFINITY || hi - lo <= WIN_SPREAD; /* false for NaN too */
+                    /* false for NaN too, and where a mask or dropout sets keys of a block apart */
+                    wk->shared[m] = !per_key && (hi == -INFINITY || hi - lo <= WIN_SPREAD);
                     wk->c[m] = hi == -INFINITY ? 0 : hi;
                     wk->Y[m] = 0;
                     memset(wk->X + m * dvp, 0, (size_t)Dv * sizeof(real));
                 }
             const real li = lse[i];
-            if (li != INFINITY) { /* a row that sees nothing has no gradient */
+            if (li != INFINITY && per_key) {
+                const real *go = dout + i * Dv;
+                WFN(query_grads_keys)(p, wk, b, h, hk, i, li, go, WFN(dot)(go, out + i * Dv, Dv));
+            } else if (li != INFINITY) { /* a row that sees nothing has no gradient */
                 const real *go = dout + i * Dv;
                 const real Di = WFN(dot)(go, out + i * Dv, Dv);
                 for (int m = 0; m < p->L; m++) {
@@ -539,4 +732,5 @@ static void WFN(backward)(const hkt_window_params *p) {
 }
 
 #undef WIN_SPREAD
+#undef WIN_LSE_EXACT
 #undef WIN_TILE

@@ -146,8 +146,12 @@ def hkt_attention(
     key) or W_l tokens, a positive multiple of 2^l, growing with the level:
     level l then sees key j from query i only when |(i >> l) - (j >> l)| <
     W_l / 2^l, a key no level sees is hidden, and the cost is near linear in
-    T (docs/contract.md section 1.11).  CPU kernels only; no mask, no dropout,
-    not ``backend="sdpa"``; bfloat16 is computed in float32.
+    T (docs/contract.md section 1.11).  CPU kernels only, not
+    ``backend="sdpa"``; bfloat16 is computed in float32.  ``attn_mask`` and
+    ``dropout_p`` apply as without windows: a bool mask the same for every
+    query (key padding, T dimension 1) keeps the cost near linear; any other
+    mask, and dropout, make the kernels visit every key the windows let
+    through, O(T * S) work like dense attention.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
@@ -155,7 +159,11 @@ def hkt_attention(
         from ._window import windowed_attention
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)
-        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
+        try:
+            out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
+        except _CALL_FAILED:
+            _name_the_argument(q, k, v, w, attn_mask)  # the error the unwindowed call would give, if one
+            raise
         if out is not None:
             return out
     try:

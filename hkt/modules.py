@@ -174,10 +174,12 @@ class MultiheadHKT(nn.Module):
 
     ``windows`` (one entry per level, None or W_l tokens, growing with the
     level; docs/contract.md section 1.11) gives each level a window: near-linear
-    cost in the sequence length.  With windows there is no ``attn_mask``,
-    ``key_padding_mask``, ``pack_padding`` or dropout in training, and no
-    :meth:`decode` (each raises ``ValueError`` naming itself); causality comes
-    from ``is_causal=True``.
+    cost in the sequence length.  Masks and dropout apply as without windows:
+    ``is_causal=True`` and a ``key_padding_mask`` alone keep the cost near
+    linear; an ``attn_mask`` (alone or with key padding) or dropout in training
+    makes the kernels visit each key the windows let through, O(T * S) work
+    like dense attention.  ``pack_padding`` is refused with windows
+    (``ValueError``); :meth:`decode` takes them.
 
     Differences from ``nn.MultiheadAttention``:
 
@@ -385,17 +387,14 @@ class MultiheadHKT(nn.Module):
         """hkt_attention with the module's windows; what they cannot take refused by name."""
         if packs:
             raise ValueError("pack_padding: not supported with windows (its packed call takes no windows)")
-        if mask is not None:
-            raise ValueError("attn_mask, key_padding_mask: not supported with windows (a mask would break the "
-                             "sharing of one probability by a block's keys); use is_causal=True for causality")
-        if dropout_p > 0:
-            raise ValueError("dropout: not supported with windows in training; set dropout=0 or call eval()")
-        return hkt_attention(qs, ks, v, w, is_causal=causal, windows=self.windows)
+        return hkt_attention(qs, ks, v, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
+                             windows=self.windows)
 
     @torch.jit.unused
-    def _windowed_probs(self, qs: List[Tensor], ks: List[Tensor], w: Tensor, causal: bool) -> Tensor:
+    def _windowed_probs(self, qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor],
+                        causal: bool) -> Tensor:
         """need_weights with windows: the dense definition's probabilities (O(T*S), as MHA's weights)."""
-        return probs_of_scores(*windowed_scores(qs, ks, w, self.windows), None, causal)
+        return probs_of_scores(*windowed_scores(qs, ks, w, self.windows), mask, causal)
 
     @torch.jit.unused
     def _stored_weight(self) -> Tensor:
@@ -850,7 +849,7 @@ class MultiheadHKT(nn.Module):
 
         weights: Optional[Tensor] = None
         if need_weights:
-            probs = self._windowed_probs(qs, ks, w, causal) if self._windowed else None
+            probs = self._windowed_probs(qs, ks, w, mask, causal) if self._windowed else None
             weights = _attention_weights(qs, ks, w, mask, causal, real, average_attn_weights, dtype, probs)
         if unbatched:
             out = out.squeeze(0)

@@ -6,37 +6,8 @@ import torch
 import hkt
 from hkt.reference import check_windows, hkt_attention_reference as reference
 
-from helpers import sample_inputs, with_threads
-
-TOL = dict(rtol=1e-10, atol=1e-10)
-
-
-def leaves(B, H, T, S, D, Dv, L, Hk=None, seed=0, dtype=torch.float64, per_head=True):
-    q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=dtype, seed=seed, kv_heads=Hk, per_head=per_head)
-    return [x.detach().clone().requires_grad_() for x in q], [x.detach().clone().requires_grad_() for x in k], \
-        v.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-
-
-def results(fn, q, k, v, w, dout, **kw):
-    out = fn(q, k, v, w, **kw)
-    grads = torch.autograd.grad(out, [*q, *k, v, w], dout)
-    return [out.detach(), *grads]
-
-
-def names(L):
-    return ["out"] + [f"dq[{l}]" for l in range(L)] + [f"dk[{l}]" for l in range(L)] + ["dv", "dw"]
-
-
-def assert_matches(q, k, v, w, windows, causal, scale=None, tol=TOL):
-    B, H, T = q[0].shape[:3]
-    dout = torch.randn(B, H, T, v.shape[-1], dtype=v.dtype, generator=torch.Generator().manual_seed(5))
-    kw = dict(is_causal=causal, windows=windows, scale=scale)
-    got = results(hkt.hkt_attention, q, k, v, w, dout, **kw)
-    want = results(reference, q, k, v, w, dout, **kw)
-    for name, a, b in zip(names(len(q)), got, want):
-        torch.testing.assert_close(a, b.to(a.dtype), **tol, msg=lambda m: f"{name}: {m}")
-    return got
-
+from helpers import with_threads
+from window_cases import TOL, assert_matches, leaves, module_matches_reference, names, results
 
 CASES = [
     # T, S, L, windows, H, Hk
@@ -195,10 +166,12 @@ def test_bad_windows_are_named(windows, err, msg):
 def test_what_windows_refuse_is_named_and_trace_records():
     q, k, v, w = leaves(1, 2, 16, 16, 4, 4, 3)
     win = [4, 8, None]
-    with pytest.raises(ValueError, match="attn_mask: not supported with windows"):
-        hkt.hkt_attention(q, k, v, w, windows=win, attn_mask=torch.ones(16, 16, dtype=torch.bool))
-    with pytest.raises(ValueError, match="dropout_p: dropout is not supported with windows"):
-        hkt.hkt_attention(q, k, v, w, windows=win, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"attn_mask: shape \(16, 15\) does not broadcast"):
+        hkt.hkt_attention(q, k, v, w, windows=win, attn_mask=torch.ones(16, 15, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask: dtype must be bool or floating point"):
+        hkt.hkt_attention(q, k, v, w, windows=win, attn_mask=torch.ones(16, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\]"):
+        hkt.hkt_attention(q, k, v, w, windows=win, dropout_p=1.5)
     with pytest.raises(ValueError, match="backend: 'sdpa' does not take windows"):
         hkt.hkt_attention(q, k, v, w, windows=win, backend="sdpa")
     with pytest.raises(ValueError, match=r"q\[1\]"):  # the other arguments are checked as always
@@ -228,17 +201,7 @@ def test_module_with_windows_matches_the_reference_path(monkeypatch):
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(16, 4, levels=3, batch_first=True, num_kv_heads=2, windows=[4, 8, None]).double()
     x = torch.randn(2, 45, 16, dtype=torch.float64)
-
-    def step():
-        m.zero_grad()
-        out, wts = m(x, x, x, is_causal=True, need_weights=True)
-        out.square().sum().backward()
-        return [out.detach(), wts, *[p.grad.clone() for p in m.parameters()]]
-    got = step()
-    monkeypatch.setattr(hkt.modules, "hkt_attention", reference)
-    want = step()
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, **TOL)
+    got = module_matches_reference(m, x, monkeypatch, is_causal=True)
     # keys only the global top level sees share one weight per level-2 block: the windows did apply
     far = got[1][:, 30, :16].unflatten(-1, (4, 4))
     torch.testing.assert_close(far, far[..., :1].expand_as(far), rtol=1e-12, atol=0)
@@ -267,14 +230,9 @@ def test_module_refuses_by_name():
         hkt.MultiheadHKT(16, 2, levels=2, windows=[4, 3])
     m = hkt.MultiheadHKT(16, 2, levels=2, batch_first=True, windows=[4, None])
     x = torch.randn(2, 10, 16)
-    with pytest.raises(ValueError, match="key_padding_mask: not supported with windows"):
-        m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
     m.pack_padding = True
     with pytest.raises(ValueError, match="pack_padding: not supported with windows"):
         m(x, x, x, key_padding_mask=torch.zeros(2, 10, dtype=torch.bool))
-    d = hkt.MultiheadHKT(16, 2, levels=2, dropout=0.1, windows=[4, None]).train()
-    with pytest.raises(ValueError, match="dropout: not supported with windows"):
-        d(x, x, x)
 
 
 def test_autocast_bfloat16_takes_windows():
@@ -345,12 +303,18 @@ def test_window_ops_pass_opcheck():
     from hkt._window import window_backward, window_forward
     q, k, v, w = leaves(1, 2, 21, 21, 4, 3, 3, seed=15)
     w2 = w.detach().clone().requires_grad_()
-    args = (q, k, v, w2, [4, 4, 0], True, 0.5)
-    torch.library.opcheck(window_forward, args)
-    out, lse = window_forward(*args)
-    dout = torch.randn_like(out)
-    torch.library.opcheck(window_backward, (dout, [x.detach() for x in q], [x.detach() for x in k], v.detach(),
-                                            w2.detach(), out.detach(), lse.detach(), [4, 4, 0], True, 0.5))
+    seed = torch.tensor(77)
+    masks = [None, torch.randn(1, 2, 21, 21, dtype=torch.float64, requires_grad=True),
+             torch.rand(1, 1, 1, 21) > 0.3, torch.rand(1, 1, 21, 21) > 0.3]
+    for mask, dropout_p in zip(masks + [None], [0.0, 0.0, 0.0, 0.0, 0.25]):
+        args = (q, k, v, w2, mask, [4, 4, 0], True, 0.5, dropout_p, seed)
+        torch.library.opcheck(window_forward, args)
+        out, lse = window_forward(*args)
+        dout = torch.randn_like(out)
+        plain = mask.detach() if mask is not None else None
+        torch.library.opcheck(window_backward, (dout, [x.detach() for x in q], [x.detach() for x in k], v.detach(),
+                                                w2.detach(), plain, out.detach(), lse.detach(), [4, 4, 0], True,
+                                                0.5, dropout_p, seed, plain is not None and plain.is_floating_point()))
 
 
 class _Windowed(torch.nn.Module):

@@ -38,44 +38,6 @@ static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, cons
     return 0;
 }
 
-/* attn_mask: 4-D, each dim 1 (broadcast) or the full (B, H, T, S); bool or q's dtype. */
-static const DLTensor *take_mask(hkt_params *p, held *hd, PyObject *mask, const DLTensor *q0) {
-    const DLTensor *mt = import_array(hd, mask, "attn_mask");
-    if (!mt || check_device(mt, "attn_mask", q0)) return NULL;
-    const int64_t full[4] = {p->B, p->H, p->T, p->S};
-    int ok = mt->ndim == 4;
-    for (int d = 0; ok && d < 4; d++) ok = mt->shape[d] == full[d] || mt->shape[d] == 1;
-    if (!ok) {
-        char got[160], exp[160];
-        format_shape(got, sizeof got, mt->shape, mt->ndim);
-        format_shape(exp, sizeof exp, full, 4);
-        PyErr_Format(PyExc_ValueError, "attn_mask: expected 4 dimensions, each 1 or that of (B, H, T, S) = %s, "
-                     "got %s", exp, got);
-        return NULL;
-    }
-    /* bool only: a uint8 mask (DLPack's bool before kDLBool) is refused, as SDPA refuses it */
-    if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && mt->dtype.code == kDLBool) {
-        p->mask_kind = HKT_MASK_BOOL;
-    } else if (mt->dtype.lanes == 1 && mt->dtype.code == q0->dtype.code && mt->dtype.bits == q0->dtype.bits) {
-        if (check_aligned(mt, "attn_mask")) return NULL;
-        p->mask_kind = HKT_MASK_FLOAT;
-    } else {
-        PyErr_Format(PyExc_TypeError, "attn_mask: dtype must be bool or %s like q[0], got %s",
-                     dtype_name(q0->dtype), dtype_name(mt->dtype));
-        return NULL;
-    }
-    for (int d = 0; d < 4; d++) {
-        p->mask_stride[d] = mt->shape[d] > 1 ? stride_of(mt, d) : 0;
-        if (p->mask_stride[d] < 0) {
-            PyErr_SetString(PyExc_ValueError, "attn_mask: negative strides are not supported");
-            return NULL;
-        }
-    }
-    p->mask = data_of(mt);
-    note_span(hd, mt, "attn_mask", 0);
-    return mt;
-}
-
 /* Parses and checks everything forward and backward share; fills p.  out and lse
  * are the forward's outputs (output = 1) or the backward's inputs (0). */
 static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyObject *v,
@@ -129,7 +91,10 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     if (take_weights(p, hd, w, cref)) goto done;
     p->mask_kind = HKT_MASK_NONE;
     *mask_out = NULL;
-    if (mask != Py_None && !(*mask_out = take_mask(p, hd, mask, cref))) goto done;
+    if (mask != Py_None) {
+        const int64_t full[4] = {p->B, p->H, p->T, p->S};
+        if (!(*mask_out = take_mask(hd, mask, cref, full, &p->mask_kind, p->mask_stride, &p->mask))) goto done;
+    }
 
     const DLTensor *ot = import_array(hd, out, "out");
     if (!ot) goto done;

@@ -131,6 +131,8 @@ const DLTensor *compute_ref(const DLTensor *q0, DLTensor *f32);
 const DLTensor *check_q0(const DLTensor *q0, int allow_bf16);
 const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16);
 int take_weights(hkt_params *p, held *hd, PyObject *w, const DLTensor *q0);
+const DLTensor *take_mask(held *hd, PyObject *mask, const DLTensor *q0, const int64_t *full, int *kind,
+                          int64_t *stride, const void **data);
 const DLTensor *grad_ref(grad_dtype *gd, const DLTensor *t, const DLTensor *ref);
 int take_level_outputs(held *hd, PyObject *seq, const char *base, int L, int nd, const int64_t (*want)[4],
                        const char *meaning, const DLTensor *q0, grad_dtype *gd, void **ptrs, int64_t (*strides)[3]);

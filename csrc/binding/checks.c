@@ -353,6 +353,46 @@ const DLTensor *take_q0(held *hd, PyObject *obj, int allow_bf16) {
     return q0 ? check_q0(q0, allow_bf16) : NULL;
 }
 
+/* attn_mask: 4-D, each dim 1 (broadcast) or that of full (B, H, T, S); bool or
+ * q0's dtype.  Fills its kind (enum hkt_mask_kind), its element strides (0
+ * where it broadcasts) and its data. */
+const DLTensor *take_mask(held *hd, PyObject *mask, const DLTensor *q0, const int64_t *full, int *kind,
+                          int64_t *stride, const void **data) {
+    const DLTensor *mt = import_array(hd, mask, "attn_mask");
+    if (!mt || check_device(mt, "attn_mask", q0)) return NULL;
+    int ok = mt->ndim == 4;
+    for (int d = 0; ok && d < 4; d++) ok = mt->shape[d] == full[d] || mt->shape[d] == 1;
+    if (!ok) {
+        char got[160], exp[160];
+        format_shape(got, sizeof got, mt->shape, mt->ndim);
+        format_shape(exp, sizeof exp, full, 4);
+        PyErr_Format(PyExc_ValueError, "attn_mask: expected 4 dimensions, each 1 or that of (B, H, T, S) = %s, "
+                     "got %s", exp, got);
+        return NULL;
+    }
+    /* bool only: a uint8 mask (DLPack's bool before kDLBool) is refused, as SDPA refuses it */
+    if (mt->dtype.lanes == 1 && mt->dtype.bits == 8 && mt->dtype.code == kDLBool) {
+        *kind = HKT_MASK_BOOL;
+    } else if (mt->dtype.lanes == 1 && mt->dtype.code == q0->dtype.code && mt->dtype.bits == q0->dtype.bits) {
+        if (check_aligned(mt, "attn_mask")) return NULL;
+        *kind = HKT_MASK_FLOAT;
+    } else {
+        PyErr_Format(PyExc_TypeError, "attn_mask: dtype must be bool or %s like q[0], got %s",
+                     dtype_name(q0->dtype), dtype_name(mt->dtype));
+        return NULL;
+    }
+    for (int d = 0; d < 4; d++) {
+        stride[d] = mt->shape[d] > 1 ? stride_of(mt, d) : 0;
+        if (stride[d] < 0) {
+            PyErr_SetString(PyExc_ValueError, "attn_mask: negative strides are not supported");
+            return NULL;
+        }
+    }
+    *data = data_of(mt);
+    note_span(hd, mt, "attn_mask", 0);
+    return mt;
+}
+
 int take_weights(hkt_params *p, held *hd, PyObject *w, const DLTensor *q0) {
     const DLTensor *wt = import_array(hd, w, "w");
     if (!wt || check_real(wt, "w", q0)) return -1;

@@ -45,37 +45,105 @@ static int win_levels(held *hd, PyObject *seq, const char *base, int L, const DL
     return rc;
 }
 
+/* radius: L ints, W_l / 2^l (0: no window), into p->radius; growing windows
+ * (W_l > W_{l-1}, i.e. radius_l > radius_{l-1} / 2; none above a level
+ * without one), as the kernels need. */
+static int win_radius(hkt_window_params *p, PyObject *rt) {
+    if (PyTuple_Size(rt) != p->L) {
+        PyErr_Format(PyExc_ValueError, "radius: expected %d entries, got %zd", p->L, PyTuple_Size(rt));
+        return -1;
+    }
+    for (int l = 0; l < p->L; l++) {
+        const long long r = PyLong_AsLongLong(PyTuple_GetItem(rt, l));
+        if (r == -1 && PyErr_Occurred()) return -1;
+        const long long below = l ? (long long)p->radius[l - 1] : -1;
+        if (r < 0 || (l && below == 0 && r != 0) || (l && r != 0 && 2 * r <= below)) {
+            PyErr_Format(PyExc_ValueError, "radius[%d]: %lld does not make the windows grow with the level", l, r);
+            return -1;
+        }
+        p->radius[l] = r;
+    }
+    return 0;
+}
+
+/* The optional arrays: attn_mask (into mask_kind, mask, mask_stride), the
+ * per-level counts of a key-only mask, and the backward's dmask. */
+static int win_extras(hkt_window_params *p, held *hd, const DLTensor *q0, PyObject *mask, PyObject *counts,
+                      PyObject *dmask) {
+    const int64_t full[4] = {p->B, p->H, p->T, p->S};
+    if (mask != Py_None && !take_mask(hd, mask, q0, full, &p->mask_kind, p->mask_stride, &p->mask)) return -1;
+    if (counts != Py_None) {
+        if (mask != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "counts: not with attn_mask (counts stand for a key-only mask)");
+            return -1;
+        }
+        PyObject *ct;
+        if (sequence_of(counts, "counts", &ct)) return -1;
+        int rc = PyTuple_Size(ct) == p->L ? 0 : -1;
+        if (rc) PyErr_Format(PyExc_ValueError, "counts: expected %d levels, got %zd", p->L, PyTuple_Size(ct));
+        for (int l = 0; rc == 0 && l < p->L; l++) {
+            char name[24];
+            level_name(name, "counts", l);
+            const int64_t want[3] = {p->B, p->H_kv, level_len(p->S, l)};
+            rc = win_array(hd, PyTuple_GetItem(ct, l), name, q0, want, 3, 0, &p->counts[l]);
+        }
+        Py_DECREF(ct);
+        if (rc) return -1;
+    }
+    if (dmask != Py_None) {
+        if (p->mask_kind != HKT_MASK_FLOAT) {
+            PyErr_SetString(PyExc_ValueError, "dmask: only a float attn_mask has a gradient");
+            return -1;
+        }
+        if (win_array(hd, dmask, "dmask", q0, full, 4, 1, (const void **)&p->dmask)) return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(window_doc,
 "window(q, k, vs, w, out, lse, radius, is_causal=False, scale=1.0, num_threads=0,\n"
-"       dout=None, dq=None, dk=None, dvs=None, dw=None)\n--\n\n"
+"       dout=None, dq=None, dk=None, dvs=None, dw=None, attn_mask=None, dropout_p=0.0,\n"
+"       seed=0, counts=None, dmask=None)\n--\n\n"
 "Windowed HKT attention (csrc/hkt_window.h).  q, k, vs: L C-contiguous arrays\n"
 "(B, H, ceil(T/2^l), D), (B, H_kv, ceil(S/2^l), D), (B, H_kv, ceil(S/2^l), Dv),\n"
 "vs[0] = v and vs[l] its level-l block sums; w (H, L); out (B, H, T, Dv), lse\n"
 "(B, H, T); radius: L ints, W_l / 2^l (0: no window), growing as hkt_window.h\n"
 "requires.  Without dout: the forward, writing out and lse.  With dout (like out):\n"
 "the backward from out and lse, writing dq, dk, dvs (like q, k, vs) and dw (H, L).\n"
-"float32 or float64, on the CPU.");
+"attn_mask: None or 4-D, each dimension 1 or that of (B, H, T, S), bool or q's\n"
+"dtype; dropout_p and seed as forward's; either makes the kernels visit every\n"
+"key one by one.  counts: None or L arrays (B, H_kv, ceil(S/2^l)), each block's\n"
+"visible keys (a key-only mask; vs then the visible keys' sums), not with\n"
+"attn_mask.  dmask (backward, float attn_mask): (B, H, T, S) C-contiguous, the\n"
+"score gradient of every entry.  float32 or float64, on the CPU.");
 
 static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "vs", "w", "out", "lse", "radius", "is_causal", "scale", "num_threads",
-                             "dout", "dq", "dk", "dvs", "dw", NULL};
+                             "dout", "dq", "dk", "dvs", "dw", "attn_mask", "dropout_p", "seed", "counts", "dmask",
+                             NULL};
     PyObject *qs, *ks, *vss, *w, *out, *lse, *radius, *nthreads = NULL;
     PyObject *dout = Py_None, *dqs = Py_None, *dks = Py_None, *dvss = Py_None, *dw = Py_None;
+    PyObject *mask = Py_None, *counts = Py_None, *dmask = Py_None;
     int causal = 0;
-    double scale = 1.0;
+    double scale = 1.0, dropout_p = 0.0;
+    unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO|pdOOOOOO:window", kwlist, &qs, &ks, &vss, &w, &out, &lse,
-                                     &radius, &causal, &scale, &nthreads, &dout, &dqs, &dks, &dvss, &dw))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO|pdOOOOOOOdKOO:window", kwlist, &qs, &ks, &vss, &w, &out,
+                                     &lse, &radius, &causal, &scale, &nthreads, &dout, &dqs, &dks, &dvss, &dw,
+                                     &mask, &dropout_p, &seed, &counts, &dmask))
         return NULL;
     const int backward = dout != Py_None;
     hkt_window_params p;
     memset(&p, 0, sizeof p);
     p.is_causal = causal;
     p.scale = scale;
+    p.dropout_p = dropout_p;
+    p.seed = seed;
     if (!isfinite(scale)) {
         PyErr_SetString(PyExc_ValueError, "scale: must be finite");
         return NULL;
     }
+    if (check_dropout(dropout_p)) return NULL;
     if (parse_threads(nthreads, &p.num_threads)) return NULL;
     held hd;
     held_start(&hd);
@@ -85,22 +153,7 @@ static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
     const int L = level_tuples(qs, ks, "k", &qt, &kt);
     if (L < 0) goto done;
     p.L = L;
-    if (sequence_of(radius, "radius", &rt)) goto done;
-    if (PyTuple_Size(rt) != L) {
-        PyErr_Format(PyExc_ValueError, "radius: expected %d entries, got %zd", L, PyTuple_Size(rt));
-        goto done;
-    }
-    for (int l = 0; l < L; l++) {
-        const long long r = PyLong_AsLongLong(PyTuple_GetItem(rt, l));
-        if (r == -1 && PyErr_Occurred()) goto done;
-        const long long below = l ? (long long)p.radius[l - 1] : -1;
-        /* growing windows: W_l > W_{l-1}, i.e. radius_l > radius_{l-1} / 2; none above a level without one */
-        if (r < 0 || (l && below == 0 && r != 0) || (l && r != 0 && 2 * r <= below)) {
-            PyErr_Format(PyExc_ValueError, "radius[%d]: %lld does not make the windows grow with the level", l, r);
-            goto done;
-        }
-        p.radius[l] = r;
-    }
+    if (sequence_of(radius, "radius", &rt) || win_radius(&p, rt)) goto done;
     const DLTensor *q0 = import_array(&hd, PyTuple_GetItem(qt, 0), "q[0]");
     if (q0 == NULL) goto done;
     if (q0->ndim != 4 || q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
@@ -138,6 +191,11 @@ static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
         win_array(&hd, out, "out", q0, wo, 4, !backward, (const void **)&p.out) ||
         win_array(&hd, lse, "lse", q0, wo, 3, !backward, (const void **)&p.lse))
         goto done;
+    if (win_extras(&p, &hd, q0, mask, counts, backward ? dmask : Py_None)) goto done;
+    if (!backward && dmask != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "dmask: a backward array (give dout too)");
+        goto done;
+    }
     if (backward &&
         (win_array(&hd, dout, "dout", q0, wo, 4, 0, &p.dout) ||
          win_levels(&hd, dqs, "dq", L, q0, wq, p.T, 1, (const void **)p.dq) ||
