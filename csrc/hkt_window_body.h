@@ -30,6 +30,13 @@
  */
 
 #define WIN_TILE 16
+/* the per-key mode's chunk of keys, scored and exponentiated together */
+#define WIN_KEYS 128
+/* the per-key mode's queries that take a level's shared units together: up to
+ * 2^WIN_GROUP_LOG of one level-(m-1) block (one pass over the keys' values for
+ * them all) */
+#define WIN_GROUP_LOG 4
+#define WIN_GROUP (1 << WIN_GROUP_LOG)
 
 /* where level l's keys of query block a lie, in level-l blocks: the window
  * [lo, hi) unclipped (no window: all of them), and [base, end) clipped */
@@ -77,6 +84,9 @@ typedef struct {
     int lev, m;
 } WFN(run);
 
+/* a mask that varies with the query, or dropout: every key visited on its own */
+static int WFN(per_key)(const hkt_window_params *p) { return p->mask_kind != HKT_MASK_NONE || p->dropout_p > 0; }
+
 /* one thread's workspace, carved from its slice */
 typedef struct {
     real *G[HKT_MAX_LEVELS], *A[HKT_MAX_LEVELS], *E[HKT_MAX_LEVELS];
@@ -87,6 +97,10 @@ typedef struct {
     int64_t tile[HKT_MAX_LEVELS], tile_base[HKT_MAX_LEVELS]; /* the tile's first query block (-1: none); first key */
     int nruns;
     real *O, *X;                        /* per level m, Dv each: a partial's weighted values; the backward's summed dout */
+    /* per-key mode: per query of a group, a chunk of keys' scores, exps (or P) and dropout factors
+     * (WIN_KEYS each); per level m and query of a group, a partial's weighted values, max and sum */
+    real *ks, *ke, *kk, *QO, *QM, *QZ;
+    int grouped[HKT_MAX_LEVELS];        /* backward, per-key mode: level m's units visited once per group */
     real M[HKT_MAX_LEVELS], Z[HKT_MAX_LEVELS]; /* per level: a partial's max and sum */
     real c[HKT_MAX_LEVELS], Y[HKT_MAX_LEVELS]; /* backward: a block's largest lse, its weighted sum of <dout, out> */
     int shared[HKT_MAX_LEVELS];         /* backward: level m's units visited once per level-(m-1) block */
@@ -101,7 +115,8 @@ static size_t WFN(thread_bytes)(const hkt_window_params *p, int backward) {
     }
     units = (units + 15) / 16 * 16;
     const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
-    return (reals + units + (1 + 2 * (size_t)p->L) * dv + WIN_TILE * (size_t)p->D) * sizeof(real) + 64;
+    const size_t keyed = WFN(per_key)(p) ? (WIN_GROUP + 1) * 3 * WIN_KEYS + WIN_GROUP * (size_t)p->L * (dv + 2) : 0;
+    return (reals + units + (1 + 2 * (size_t)p->L) * dv + WIN_TILE * (size_t)p->D + keyed) * sizeof(real) + 64;
 }
 
 static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(work) *wk) {
@@ -131,6 +146,16 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
     wk->X = x;
     x += dv * (size_t)p->L;
     wk->QT = x;
+    x += WIN_TILE * (size_t)p->D;
+    const size_t keys = WFN(per_key)(p) ? (WIN_GROUP + 1) * WIN_KEYS : 0, slots = WFN(per_key)(p) ? WIN_GROUP : 0;
+    wk->ks = x;
+    wk->ke = x + keys;
+    wk->kk = x + 2 * keys;
+    x += 3 * keys;
+    wk->QO = x;
+    x += slots * (size_t)p->L * dv;
+    wk->QM = x;
+    wk->QZ = x + slots * (size_t)p->L;
 }
 
 static inline real WFN(dot)(const real *a, const real *b, int64_t n) {
@@ -328,92 +353,7 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
     *Z = sum;
 }
 
-/* One query row's mask and dropout, for the kernels' per-key mode (a mask
- * that varies with the query, or dropout): the row's mask entries from key 0
- * on (a bool or a float row, or neither), and its dropout draws. */
-typedef struct {
-    const unsigned char *mb;
-    const real *mf;
-    int64_t ms;                 /* the mask row's stride along the keys */
-    uint64_t sm, th, rowidx;    /* keep_entry's mixed seed and threshold; the index of the row's key 0 */
-    real kf;                    /* what a kept entry is multiplied by */
-    int drop;
-} WFN(keyrow);
-
-static int WFN(per_key)(const hkt_window_params *p) { return p->mask_kind != HKT_MASK_NONE || p->dropout_p > 0; }
-
-static WFN(keyrow) WFN(key_row)(const hkt_window_params *p, int64_t b, int64_t h, int64_t i) {
-    WFN(keyrow) kr;
-    memset(&kr, 0, sizeof kr);
-    const int64_t off = b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2];
-    if (p->mask_kind == HKT_MASK_BOOL) kr.mb = (const unsigned char *)p->mask + off;
-    else if (p->mask_kind == HKT_MASK_FLOAT) kr.mf = (const real *)p->mask + off;
-    kr.ms = p->mask_stride[3];
-    kr.drop = p->dropout_p > 0;
-    kr.sm = mix64(p->seed);
-    kr.th = keep_threshold(p->dropout_p);
-    kr.kf = (real)keep_scale(p->dropout_p);
-    kr.rowidx = (uint64_t)(((b * p->H + h) * p->T + i) * p->S);
-    return kr;
-}
-
-/* key j's score, its unit's s plus the float mask's entry; -inf where the
- * bool mask hides it (even for a NaN s: a hidden entry is out of its row) */
-static inline real WFN(key_score)(const WFN(keyrow) *kr, real s, int64_t j) {
-    if (kr->mb) return kr->mb[j * kr->ms] ? s : -INFINITY;
-    if (kr->mf) return s + kr->mf[j * kr->ms];
-    return s;
-}
-
-/* the keys of a run's unit u: [*j0, return) */
-static inline int64_t WFN(unit_keys)(const hkt_window_params *p, const WFN(run) *r, int64_t u, int64_t *j0) {
-    *j0 = (r->idx + u) << r->lev;
-    const int64_t j1 = *j0 + ((int64_t)1 << r->lev);
-    return j1 < p->S ? j1 : p->S;
-}
-
-/* partial for the per-key mode: every key of every unit at its own score, in
- * one pass (a new max rescales what is summed so far); the normaliser counts
- * every visible key, out only the kept ones.  A NaN score makes Z NaN, which
- * poisons the row when the partials merge. */
-static void WFN(partial_keys)(const hkt_window_params *p, WFN(work) *wk, const WFN(keyrow) *kr, int64_t b,
-                              int64_t hk, real *O, real *M, real *Z) {
-    const int64_t Dv = p->Dv;
-    const real *V0 = WFN(vrow)(p, p->vs, 0, b, hk, 0);
-    real mx = -INFINITY, sum = 0;
-    int nan = 0;
-    memset(O, 0, (size_t)Dv * sizeof(real));
-    for (int x = 0; x < wk->nruns; x++) {
-        const WFN(run) *r = &wk->runs[x];
-        for (int64_t u = 0, j0; u < r->n; u++) {
-            const int64_t j1 = WFN(unit_keys)(p, r, u, &j0);
-            for (int64_t j = j0; j < j1; j++) {
-                const real s = WFN(key_score)(kr, r->s[u], j);
-                if (s == -INFINITY) continue; /* hidden */
-                if (s != s) {
-                    nan = 1;
-                    continue;
-                }
-                if (s > mx) {
-                    const real a = mx == -INFINITY ? 0 : REAL_EXP_NONPOS(mx - s);
-                    sum *= a;
-                    for (int64_t d = 0; d < Dv; d++) O[d] *= a;
-                    mx = s;
-                }
-                const real e = REAL_EXP_NONPOS(s - mx);
-                sum += e;
-                if (kr->drop && !keep_entry(kr->sm, kr->th, kr->rowidx + (uint64_t)j)) continue;
-                const real *vr = V0 + j * Dv;
-#pragma omp simd
-                for (int64_t d = 0; d < Dv; d++) O[d] += e * vr[d];
-            }
-        }
-    }
-    if (kr->drop)
-        for (int64_t d = 0; d < Dv; d++) O[d] *= kr->kf;
-    *M = mx == -INFINITY && nan ? 0 : mx;
-    *Z = nan ? NAN : sum;
-}
+#include "hkt_window_keys_body.h"
 
 static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h) {
     const int64_t hk = h / (p->H / p->H_kv), Dv = p->Dv;
@@ -427,12 +367,22 @@ static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t
     for (int64_t i = 0; i < p->T; i++) {
         for (int l = p->L - 1; l >= 0; l--)
             if (WFN(starts)(i, l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
-        /* level m's part, shared by the queries of one level-(m-1) block (per key: each query's own) */
-        const WFN(keyrow) kr = WFN(key_row)(p, b, h, i);
+        /* level m's part, shared by the queries of one level-(m-1) block; per key, by a group of them */
         for (int m = p->L - 1; m >= 0; m--)
-            if (m == 0 || per_key || WFN(starts)(i, m - 1)) {
+            if (per_key && m >= 2) {
+                const int64_t g = WFN(group_at)(p, m, i);
+                if (g) {
+                    WFN(seg_units)(p, wk, m);
+                    WFN(partial_group)(p, wk, b, h, hk, i, g, wk->QO + m * WIN_GROUP * dvp, wk->QM + m * WIN_GROUP,
+                                       wk->QZ + m * WIN_GROUP);
+                }
+                const int64_t slot = i & (WIN_GROUP - 1) & ((((int64_t)1) << (m - 1)) - 1);
+                wk->M[m] = wk->QM[m * WIN_GROUP + slot];
+                wk->Z[m] = wk->QZ[m * WIN_GROUP + slot];
+                memcpy(wk->O + m * dvp, wk->QO + (m * WIN_GROUP + slot) * dvp, (size_t)Dv * sizeof(real));
+            } else if (m == 0 || per_key || WFN(starts)(i, m - 1)) {
                 WFN(seg_units)(p, wk, m);
-                if (per_key) WFN(partial_keys)(p, wk, &kr, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
+                if (per_key) WFN(partial_group)(p, wk, b, h, hk, i, 1, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
                 else WFN(partial)(p, wk, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
             }
         real mx = -INFINITY;
@@ -517,6 +467,7 @@ static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real
     }
     g = _mm512_reduce_add_pd(acc);
 #endif
+    if (d == Dv) return g + 0; /* no tail: skip the vector reduction's epilogue, a sum of lanes through memory */
     real t = 0;
 #pragma omp simd reduction(+ : t)
     for (int64_t e = d; e < Dv; e++) {
@@ -560,68 +511,6 @@ static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b
             const real g = WFN(dot_axpy)(go, vr, dvr, Pu, Dv);
             E[u] += Pu * (g - (u == n - 1 ? r->last_keys * Dg : kD));
         }
-    }
-}
-
-/* unit_grads for the per-key mode: each key's P = exp(s - c) * pa at its
- * own score, its dropout factor on <go, v_j> and on dv_j; the unit's E gets
- * the sum of its keys' score gradients, dmask_row (or NULL) each one */
-static void WFN(unit_grads_keys)(const hkt_window_params *p, WFN(work) *wk, const WFN(keyrow) *kr, int64_t b,
-                                 int64_t hk, real c, real pa, const real *go, real Di, real *dmask_row) {
-    const int64_t Dv = p->Dv;
-    const real *V0 = WFN(vrow)(p, p->vs, 0, b, hk, 0);
-    real *dV0 = (real *)WFN(vrow)(p, (const void *const *)p->dvs, 0, b, hk, 0);
-    for (int x = 0; x < wk->nruns; x++) {
-        const WFN(run) *r = &wk->runs[x];
-        real *E = wk->E[r->m] + r->ec;
-        for (int64_t u = 0, j0; u < r->n; u++) {
-            const int64_t j1 = WFN(unit_keys)(p, r, u, &j0);
-            real acc = 0;
-            for (int64_t j = j0; j < j1; j++) {
-                const real s = WFN(key_score)(kr, r->s[u], j);
-                if (s == -INFINITY) continue; /* hidden: no probability, no gradient */
-                const real P = REAL_EXP_NONPOS(s - c) * pa;
-                const real kappa =
-                    !kr->drop ? 1 : keep_entry(kr->sm, kr->th, kr->rowidx + (uint64_t)j) ? kr->kf : 0;
-                const real g = kappa != 0 ? WFN(dot_axpy)(go, V0 + j * Dv, dV0 + j * Dv, P * kappa, Dv) : 0;
-                const real dS = P * (kappa * g - Di);
-                acc += dS;
-                if (dmask_row) dmask_row[j] = dS;
-            }
-            E[u] += acc;
-        }
-    }
-}
-
-/* lse that large has lost log(sum) to rounding (a row of a float mask's
- * finfo.min): such a row's P comes from its max and sum, taken again */
-#define WIN_LSE_EXACT ((real)(sizeof(real) == 4 ? 4096.0 : 2199023255552.0))
-
-/* the per-key backward of query i (its A current): units, P, gradients */
-static void WFN(query_grads_keys)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h, int64_t hk,
-                                  int64_t i, real li, const real *go, real Di) {
-    const WFN(keyrow) kr = WFN(key_row)(p, b, h, i);
-    real *dmrow = p->dmask ? (real *)p->dmask + ((b * p->H + h) * p->T + i) * p->S : NULL;
-    real c = li, pa = 1;
-    if (!(li > -WIN_LSE_EXACT && li < WIN_LSE_EXACT)) {
-        real mx = -INFINITY, sum = 0, Mm, Zm;
-        for (int m = 0; m < p->L; m++) { /* the row's max and sum, merged over its levels' parts */
-            WFN(seg_units)(p, wk, m);
-            WFN(partial_keys)(p, wk, &kr, b, hk, wk->acc, &Mm, &Zm);
-            if (Mm == -INFINITY) continue;
-            if (Mm > mx) {
-                sum = sum * REAL_EXP_NONPOS(mx - Mm) + Zm;
-                mx = Mm;
-            } else {
-                sum += Zm * REAL_EXP_NONPOS(Mm - mx);
-            }
-        }
-        c = mx;
-        pa = 1 / sum;
-    }
-    for (int m = 0; m < p->L; m++) {
-        WFN(seg_units)(p, wk, m);
-        WFN(unit_grads_keys)(p, wk, &kr, b, hk, c, pa, go, Di, dmrow);
     }
 }
 
@@ -671,10 +560,20 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                     wk->Y[m] = 0;
                     memset(wk->X + m * dvp, 0, (size_t)Dv * sizeof(real));
                 }
+            for (int m = 2; per_key && m < p->L; m++) { /* a group of queries sharing level m's units */
+                const int64_t g = WFN(group_at)(p, m, i);
+                if (!g) continue;
+                int exact = 1;
+                for (int64_t r = i; r < i + g; r++) exact &= WFN(lse_exact)(lse[r]);
+                wk->grouped[m] = exact; /* else its rows visit them one by one, from their max and sum */
+                if (exact) {
+                    WFN(seg_units)(p, wk, m);
+                    WFN(grads_group)(p, wk, b, h, hk, i, g, NULL);
+                }
+            }
             const real li = lse[i];
             if (li != INFINITY && per_key) {
-                const real *go = dout + i * Dv;
-                WFN(query_grads_keys)(p, wk, b, h, hk, i, li, go, WFN(dot)(go, out + i * Dv, Dv));
+                WFN(query_grads_keys)(p, wk, b, h, hk, i, li);
             } else if (li != INFINITY) { /* a row that sees nothing has no gradient */
                 const real *go = dout + i * Dv;
                 const real Di = WFN(dot)(go, out + i * Dv, Dv);
@@ -734,3 +633,6 @@ static void WFN(backward)(const hkt_window_params *p) {
 #undef WIN_SPREAD
 #undef WIN_LSE_EXACT
 #undef WIN_TILE
+#undef WIN_KEYS
+#undef WIN_GROUP
+#undef WIN_GROUP_LOG

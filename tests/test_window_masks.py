@@ -44,6 +44,7 @@ CASES = [
     (45, 45, 4, [6, 12, 24, None], 4, 2),   # windows that do not divide T, GQA
     (50, 29, 3, [2, 8, 16], 2, 1),          # T > S, multi-query, every level windowed
     (29, 50, 4, [6, 16, 24, None], 2, 2),   # T < S
+    (150, 150, 6, [2, 4, 8, 16, 32, None], 2, 1),  # levels whose queries share units in groups of up to 16
 ]
 
 
