@@ -188,6 +188,14 @@ def test_what_windows_refuse_is_named_and_trace_records():
         torch.func.vmap(call)(*[x[None] for x in plain])
 
 
+def test_varlen_takes_no_windows_and_names_the_argument():
+    q, k, v, w = leaves(1, 2, 16, 16, 4, 4, 2)
+    cu = torch.tensor([0, 16])
+    packed = [x[0].transpose(0, 1) for x in q], [x[0].transpose(0, 1) for x in k]
+    with pytest.raises(TypeError, match="windows"):
+        hkt.hkt_attention_varlen(*packed, v[0].transpose(0, 1), w, cu, cu, windows=[4, None])
+
+
 def test_check_windows_normalises():
     assert check_windows(None, 3) is None
     assert check_windows([None, None], 2) is None
