@@ -124,3 +124,17 @@ void hkt_window_backward_cpu(const hkt_window_params *p) {
     if (p->dtype == HKT_FLOAT64) WIN_PICK(f64, backward, p);
     else WIN_PICK(f32, backward, p);
 }
+
+size_t hkt_window_decode_workspace_bytes(const hkt_window_decode_params *p) {
+    const size_t per =
+        ((p->dtype == HKT_FLOAT64 ? win_f64_generic_decode_thread_bytes(p) : win_f32_generic_decode_thread_bytes(p)) +
+         63) / 64 * 64;
+    size_t total;
+    if (__builtin_mul_overflow(per, (size_t)(p->num_threads > 0 ? p->num_threads : 1), &total)) return SIZE_MAX;
+    return total;
+}
+
+void hkt_window_decode_cpu(const hkt_window_decode_params *p) {
+    if (p->dtype == HKT_FLOAT64) WIN_PICK(f64, decode, p);
+    else WIN_PICK(f32, decode, p);
+}

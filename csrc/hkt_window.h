@@ -94,6 +94,45 @@ size_t hkt_window_workspace_bytes(const hkt_window_params *p, int backward);
 void hkt_window_forward_cpu(const hkt_window_params *p);
 void hkt_window_backward_cpu(const hkt_window_params *p);
 
+/*
+ * Decoding with windows: the causal rows of n new positions t0 .. t0 + n - 1
+ * against a cache that already holds their keys and their values' block sums
+ * (docs/contract.md section 1.11).  Position t reads the keys level l sees,
+ * j >= start_l = ((t >> l) - radius_l + 1) * 2^l (0 without a window); the
+ * starts cut [0, t] into runs in which the same levels see every key, and a
+ * run whose finest seeing level is m is read as level-m blocks: each block a
+ * unit (its score, its count of keys, its values' sum), a piece of a block at
+ * a run's edge summed from the largest complete aligned blocks it is made of.
+ * Per row: O(W_0 + sum_l (W_l - W_{l-1}) / 2^l + t / 2^(L-1)) units, not t + 1
+ * keys.
+ *
+ * Shapes (every array C-contiguous; cap_l >= ceil((t0 + n) / 2^l), the
+ * cache's level-l rows):
+ *   q[l]  (B, H, n, D)          row i the level-l query of position t0 + i's block
+ *   k[l]  (B, H_kv, cap_l, D)   the cache's level-l keys
+ *   vs[l] (B, H_kv, cap_l, Dv)  vs[0] the values, vs[l] each complete level-l block's sum
+ *   w     (H, L)                out (B, H, n, Dv), OVERWRITTEN
+ * Each row is one task's; results are bitwise the same for any thread count.
+ */
+typedef struct {
+    int64_t B, H, H_kv, n, t0, D, Dv;
+    int64_t cap[HKT_MAX_LEVELS];
+    int L;
+    int dtype;                             /* HKT_FLOAT32 or HKT_FLOAT64 */
+    double scale;
+    int64_t radius[HKT_MAX_LEVELS];        /* W_l / 2^l; 0: no window */
+    const void *q[HKT_MAX_LEVELS];
+    const void *k[HKT_MAX_LEVELS];
+    const void *vs[HKT_MAX_LEVELS];
+    const void *w;
+    void *out;
+    void *workspace;                       /* hkt_window_decode_workspace_bytes, 64-byte aligned */
+    int num_threads;                       /* >= 1 */
+} hkt_window_decode_params;
+
+size_t hkt_window_decode_workspace_bytes(const hkt_window_decode_params *p);
+void hkt_window_decode_cpu(const hkt_window_decode_params *p);
+
 #ifdef __cplusplus
 }
 #endif

@@ -630,6 +630,8 @@ static void WFN(backward)(const hkt_window_params *p) {
         for (int64_t x = 0; x < p->H * p->L; x++) dw[x] += dw_part[b * p->H * p->L + x];
 }
 
+#include "hkt_window_decode_body.h"
+
 #undef WIN_SPREAD
 #undef WIN_LSE_EXACT
 #undef WIN_TILE

@@ -15,7 +15,7 @@ from . import _C
 from ._checks import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
-           "_downsample_backward", "window_kernels", "dropout_keep_mask", "has_cuda", "cpu_tile"]
+           "_downsample_backward", "window_kernels", "window_decode_kernel", "dropout_keep_mask", "has_cuda", "cpu_tile"]
 
 has_cuda = bool(_C.has_cuda)
 # the CPU kernels' query and key tile size, as the extension was built with it
@@ -387,6 +387,12 @@ def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor, want_x: bool = T
     gt = torch.empty_like(taps, memory_format=cf)
     _C.downsample_backward(_feat(grad), _feat(x), _feat(taps), _dl(gx), _dl(gt), _threads())
     return gx, gt
+
+
+def window_decode_kernel(*args, **kwargs) -> None:
+    """Decoding with windows (hkt._C.window_decode; hkt/_window_decode.py makes
+    the call)."""
+    _C.window_decode(*args, **kwargs)
 
 
 def window_kernels(*args, **kwargs) -> None:

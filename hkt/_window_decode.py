@@ -1,5 +1,6 @@
 """Decoding with windowed levels (docs/contract.md section 1.11): the attention
-of one new position t against a DecodeCache whose module has ``windows``.
+of new positions against a DecodeCache whose module has ``windows`` -- in C on
+the CPU (csrc/hkt_window_decode_body.h), else in torch, a position t at a time.
 
 Level l sees key j from query t when (t >> l) - (j >> l) < W_l / 2^l (causal:
 j <= t), that is when j >= start_l = ((t >> l) - W_l / 2^l + 1) * 2^l.  The
@@ -19,9 +20,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ._kernels import _threads, window_decode_kernel
 from .reference import level_factor
 
-__all__ = ["append_windowed", "attend_windowed"]
+__all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows"]
 
 
 def _starts(windows: Sequence[Optional[int]], t: int) -> List[int]:
@@ -101,16 +103,39 @@ def attend_windowed(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List
     return out.reshape(B, H, 1, Dv)
 
 
-def append_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], k: Sequence[Tensor], v: Tensor, t: int,
-                    i: int) -> None:
-    """Writes new position t's keys (k[l][:, :, i], its block's) and value
-    (v[:, :, i]) into the cache, and the sum of every level-l block that t
-    completes (the sum of its two halves)."""
+def append_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], k: Sequence[Tensor], v: Tensor,
+                    t0: int) -> None:
+    """Writes new positions t0 .. t0 + n - 1 into the cache: their keys
+    (k[l][:, :, i], position t0 + i's block's), their values (v, (B, H_kv, n,
+    Dv)), and the sum of every level-l block they complete, level by level,
+    each the sum of its two halves."""
+    n = v.shape[2]
     for l in range(len(k_cache)):
-        k_cache[l][:, :, t >> l] = k[l][:, :, i]
-    v_sums[0][:, :, t] = v[:, :, i]
+        lo, hi = t0 >> l, ((t0 + n - 1) >> l) + 1
+        rows = torch.tensor([max(c << l, t0) - t0 for c in range(lo, hi)], device=v.device)  # a row of each block
+        k_cache[l][:, :, lo:hi] = k[l].index_select(2, rows)
+    v_sums[0][:, :, t0:t0 + n] = v
     for l in range(1, len(v_sums)):
-        if (t + 1) % (1 << l):
+        lo, hi = t0 >> l, (t0 + n) >> l  # the level-l blocks complete now, and not before
+        if hi <= lo:  # none, so none above either
             break
-        c = t >> l
-        v_sums[l][:, :, c] = v_sums[l - 1][:, :, 2 * c] + v_sums[l - 1][:, :, 2 * c + 1]
+        below = v_sums[l - 1]
+        v_sums[l][:, :, lo:hi] = below[:, :, 2 * lo:2 * hi:2] + below[:, :, 2 * lo + 1:2 * hi:2]
+
+
+def attend_windowed_rows(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List[Tensor], w: Tensor, t0: int,
+                         windows: Sequence[Optional[int]]) -> Tensor:
+    """Rows t0 .. t0 + n - 1 of the causal windowed hkt_attention, (B, H, n, Dv),
+    the cache holding their keys and block sums (append_windowed): the C kernel
+    (csrc/hkt_window_decode_body.h) for float32 and float64 CPU tensors, else
+    attend_windowed a row at a time."""
+    L, (B, H, n, D) = len(q), q[0].shape
+    if q[0].device.type != "cpu" or q[0].dtype not in (torch.float32, torch.float64):
+        return torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], k_cache, v_sums, w, t0 + i, windows)
+                          for i in range(n)], dim=2)
+    out = q[0].new_empty(B, H, n, v_sums[0].shape[-1])
+    w2 = w.to(q[0].dtype).expand(H, L).contiguous() if w.dim() == 1 else w.to(q[0].dtype).contiguous()
+    radius = tuple(0 if W is None else W >> l for l, W in enumerate(windows))
+    window_decode_kernel([x.contiguous() for x in q], list(k_cache), list(v_sums), w2, out, t0, radius,
+                         D ** -0.5, _threads())
+    return out

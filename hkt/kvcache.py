@@ -16,7 +16,7 @@ from . import _kernels
 from ._autograd import _heads
 from ._checks import _CALL_FAILED, _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from ._window_decode import append_windowed, attend_windowed
+from ._window_decode import append_windowed, attend_windowed_rows
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -374,16 +374,13 @@ def decode(mha, x: Tensor, cache: DecodeCache) -> Tensor:
 
 def _attend(mha, qs: List[Tensor], cache: DecodeCache, w: Tensor, t0: int, ks: List[Tensor], v: Tensor) -> Tensor:
     """The new positions' attention, (B, H, n, hd), their keys and values
-    written into the cache first: the decoding kernel, or with windows one
-    position at a time (hkt._window_decode)."""
+    written into the cache first: the decoding kernel, or with windows
+    hkt._window_decode's (all the new positions in one call on the CPU)."""
     if mha.windows is None:
         return hkt_attention_with_kvcache(qs, cache.k, cache.v, w, t0, ks, v)
     sums = [cache.v] + cache.v_sums
-    outs = []
-    for i in range(v.shape[2]):
-        append_windowed(cache.k, sums, ks, v, t0 + i, i)
-        outs.append(attend_windowed([x[:, :, i:i + 1] for x in qs], cache.k, sums, w, t0 + i, mha.windows))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    append_windowed(cache.k, sums, ks, v, t0)
+    return attend_windowed_rows(qs, cache.k, sums, w, t0, mha.windows)
 
 
 def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:

@@ -891,9 +891,10 @@ class MultiheadHKT(nn.Module):
         and key of block p are made when its first token, 2^l p, arrives.
         Runs the CPU decoding kernel (:func:`hkt.hkt_attention_with_kvcache`),
         with ``getattr(self, "num_kv_heads", num_heads)`` kv heads.  With
-        ``windows``, each new position is computed in torch from the cache's
-        block sums (``hkt._window_decode``, any device): a step costs level
-        0's window plus a few blocks per level, not the whole sequence.
+        ``windows``, the new positions are computed from the cache's block
+        sums (a C kernel on the CPU in float32 and float64, torch elsewhere;
+        ``hkt._window_decode``): a step costs level 0's window plus a few
+        blocks per level, not the whole sequence.
 
         Inference only: call it under ``torch.no_grad()`` or
         ``torch.inference_mode()`` (``RuntimeError`` otherwise: the kernel has

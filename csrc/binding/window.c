@@ -25,7 +25,8 @@ static int win_array(held *hd, PyObject *obj, const char *name, const DLTensor *
 }
 
 /* L arrays of a sequence (q, k, vs, dq, dk, dvs): level l's shape is want
- * with dimension 2 replaced by ceil(n / 2^l) */
+ * with dimension 2 replaced by ceil(n / 2^l), or by n itself at every level
+ * for n < 0 (-n: a decoding call's new rows) */
 static int win_levels(held *hd, PyObject *seq, const char *base, int L, const DLTensor *ref, const int64_t *want,
                       int64_t n, int output, const void **ptrs) {
     PyObject *t;
@@ -38,32 +39,60 @@ static int win_levels(held *hd, PyObject *seq, const char *base, int L, const DL
     for (int l = 0; rc == 0 && l < L; l++) {
         char name[24];
         level_name(name, base, l);
-        const int64_t shape[4] = {want[0], want[1], level_len(n, l), want[3]};
+        const int64_t shape[4] = {want[0], want[1], n < 0 ? -n : level_len(n, l), want[3]};
         rc = win_array(hd, PyTuple_GetItem(t, l), name, ref, shape, 4, output, &ptrs[l]);
     }
     Py_DECREF(t);
     return rc;
 }
 
+/* a call's workspace, 64-byte aligned (SIZE_MAX: it does not fit a size_t);
+ * NULL with MemoryError set where it cannot be had */
+static char *win_workspace(size_t bytes) {
+    char *mem = bytes == SIZE_MAX ? NULL : aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (mem == NULL)
+        PyErr_Format(PyExc_MemoryError, "k[0]: the windowed kernels' workspace (%zu bytes) could not be allocated",
+                     bytes);
+    return mem;
+}
+
 /* radius: L ints, W_l / 2^l (0: no window), into p->radius; growing windows
  * (W_l > W_{l-1}, i.e. radius_l > radius_{l-1} / 2; none above a level
  * without one), as the kernels need. */
-static int win_radius(hkt_window_params *p, PyObject *rt) {
-    if (PyTuple_Size(rt) != p->L) {
-        PyErr_Format(PyExc_ValueError, "radius: expected %d entries, got %zd", p->L, PyTuple_Size(rt));
+static int win_radius(int L, int64_t *radius, PyObject *rt) {
+    if (PyTuple_Size(rt) != L) {
+        PyErr_Format(PyExc_ValueError, "radius: expected %d entries, got %zd", L, PyTuple_Size(rt));
         return -1;
     }
-    for (int l = 0; l < p->L; l++) {
+    for (int l = 0; l < L; l++) {
         const long long r = PyLong_AsLongLong(PyTuple_GetItem(rt, l));
         if (r == -1 && PyErr_Occurred()) return -1;
-        const long long below = l ? (long long)p->radius[l - 1] : -1;
+        const long long below = l ? (long long)radius[l - 1] : -1;
         if (r < 0 || (l && below == 0 && r != 0) || (l && r != 0 && 2 * r <= below)) {
             PyErr_Format(PyExc_ValueError, "radius[%d]: %lld does not make the windows grow with the level", l, r);
             return -1;
         }
-        p->radius[l] = r;
+        radius[l] = r;
     }
     return 0;
+}
+
+/* What both windowed calls begin with: q and k as tuples of L levels, radius
+ * (growing windows) into radius_out, and q[0], a 4-D float32 or float64 CPU
+ * array, whose dtype goes into *dtype.  NULL on an error (set). */
+static const DLTensor *win_start(held *hd, PyObject *qs, PyObject *ks, PyObject *radius, PyObject **qt,
+                                 PyObject **kt, PyObject **rt, int *L, int64_t *radius_out, int *dtype) {
+    *L = level_tuples(qs, ks, "k", qt, kt);
+    if (*L < 0 || sequence_of(radius, "radius", rt) || win_radius(*L, radius_out, *rt)) return NULL;
+    const DLTensor *q0 = import_array(hd, PyTuple_GetItem(*qt, 0), "q[0]");
+    if (q0 == NULL) return NULL;
+    if (q0->ndim != 4 || q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
+        q0->dtype.lanes != 1 || q0->device.device_type != kDLCPU) {
+        PyErr_SetString(PyExc_TypeError, "q[0]: the windowed kernels take 4-D float32 or float64 CPU arrays");
+        return NULL;
+    }
+    *dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    return q0;
 }
 
 /* The optional arrays: attn_mask (into mask_kind, mask, mask_stride), the
@@ -150,18 +179,9 @@ static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *qt = NULL, *kt = NULL, *rt = NULL;
     char *mem = NULL;
     int rc = -1;
-    const int L = level_tuples(qs, ks, "k", &qt, &kt);
-    if (L < 0) goto done;
-    p.L = L;
-    if (sequence_of(radius, "radius", &rt) || win_radius(&p, rt)) goto done;
-    const DLTensor *q0 = import_array(&hd, PyTuple_GetItem(qt, 0), "q[0]");
+    const DLTensor *q0 = win_start(&hd, qs, ks, radius, &qt, &kt, &rt, &p.L, p.radius, &p.dtype);
     if (q0 == NULL) goto done;
-    if (q0->ndim != 4 || q0->dtype.code != kDLFloat || (q0->dtype.bits != 32 && q0->dtype.bits != 64) ||
-        q0->dtype.lanes != 1 || q0->device.device_type != kDLCPU) {
-        PyErr_SetString(PyExc_TypeError, "q[0]: the windowed kernels take 4-D float32 or float64 CPU arrays");
-        goto done;
-    }
-    p.dtype = q0->dtype.bits == 64 ? HKT_FLOAT64 : HKT_FLOAT32;
+    const int L = p.L;
     p.B = q0->shape[0], p.H = q0->shape[1], p.T = q0->shape[2], p.D = q0->shape[3];
     {
         const DLTensor *k0 = import_array(&hd, PyTuple_GetItem(kt, 0), "k[0]");
@@ -204,13 +224,7 @@ static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
          win_array(&hd, dw, "dw", q0, ww, 2, 1, (const void **)&p.dw)))
         goto done;
     if (check_overlaps(&hd) || check_caller_stack()) goto done;
-    const size_t bytes = hkt_window_workspace_bytes(&p, backward);
-    mem = bytes == SIZE_MAX ? NULL : aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (mem == NULL) {
-        PyErr_Format(PyExc_MemoryError, "k[0]: the windowed kernels' workspace (%zu bytes) could not be allocated",
-                     bytes);
-        goto done;
-    }
+    if (!(mem = win_workspace(hkt_window_workspace_bytes(&p, backward)))) goto done;
     p.workspace = mem;
     Py_BEGIN_ALLOW_THREADS
     if (backward) hkt_window_backward_cpu(&p);
@@ -228,7 +242,92 @@ done:
 }
 
 
+PyDoc_STRVAR(window_decode_doc,
+"window_decode(q, k, vs, w, out, t0, radius, scale=1.0, num_threads=0)\n--\n\n"
+"Decoding with windows (csrc/hkt_window.h): the causal rows of positions t0 ..\n"
+"t0 + n - 1 against a cache that already holds their keys and block sums.  q: L\n"
+"arrays (B, H, n, D), row i the level-l query of position t0 + i's block; k: L\n"
+"arrays (B, H_kv, ceil(cap / 2^l), D); vs: L arrays (B, H_kv, ceil(cap / 2^l), Dv),\n"
+"vs[0] the values, vs[l] the complete level-l blocks' sums; t0 + n <= cap; w (H, L);\n"
+"out (B, H, n, Dv), written.  C-contiguous float32 or float64 CPU arrays.");
+
+static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"q", "k", "vs", "w", "out", "t0", "radius", "scale", "num_threads", NULL};
+    PyObject *qs, *ks, *vss, *w, *out, *radius, *nthreads = NULL;
+    long long t0;
+    double scale = 1.0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOLO|dO:window_decode", kwlist, &qs, &ks, &vss, &w, &out, &t0,
+                                     &radius, &scale, &nthreads))
+        return NULL;
+    hkt_window_decode_params p;
+    memset(&p, 0, sizeof p);
+    p.scale = scale;
+    p.t0 = t0;
+    if (!isfinite(scale)) {
+        PyErr_SetString(PyExc_ValueError, "scale: must be finite");
+        return NULL;
+    }
+    if (t0 < 0) {
+        PyErr_Format(PyExc_ValueError, "t0: must be >= 0, got %lld", t0);
+        return NULL;
+    }
+    if (parse_threads(nthreads, &p.num_threads)) return NULL;
+    held hd;
+    held_start(&hd);
+    PyObject *qt = NULL, *kt = NULL, *rt = NULL, *vt = NULL;
+    char *mem = NULL;
+    int rc = -1;
+    const DLTensor *q0 = win_start(&hd, qs, ks, radius, &qt, &kt, &rt, &p.L, p.radius, &p.dtype);
+    const int L = p.L;
+    const DLTensor *k0 = q0 ? import_array(&hd, PyTuple_GetItem(kt, 0), "k[0]") : NULL;
+    if (k0 == NULL || sequence_of(vss, "vs", &vt)) goto done;
+    const DLTensor *v0 = PyTuple_Size(vt) ? import_array(&hd, PyTuple_GetItem(vt, 0), "vs[0]") : NULL;
+    if (v0 == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "vs: expected one array per level");
+        goto done;
+    }
+    if (k0->ndim != 4 || v0->ndim != 4) {
+        PyErr_SetString(PyExc_ValueError, "k[0], vs[0]: expected 4 dimensions (B, H_kv, cap, D)");
+        goto done;
+    }
+    p.B = q0->shape[0], p.H = q0->shape[1], p.n = q0->shape[2], p.D = q0->shape[3];
+    p.H_kv = k0->shape[1], p.Dv = v0->shape[3];
+    const int64_t cap = k0->shape[2];
+    if (check_kv_heads("k[0]", p.H, p.H_kv)) goto done;
+    if (p.t0 + p.n > cap) {
+        PyErr_Format(PyExc_ValueError, "t0: positions through %lld past the cache's %lld rows",
+                     (long long)(p.t0 + p.n - 1), (long long)cap);
+        goto done;
+    }
+    for (int l = 0; l < L; l++) p.cap[l] = level_len(cap, l);
+    const int64_t wq[4] = {p.B, p.H, p.n, p.D}, wk[4] = {p.B, p.H_kv, cap, p.D}, wv[4] = {p.B, p.H_kv, cap, p.Dv};
+    const int64_t wo[4] = {p.B, p.H, p.n, p.Dv}, ww[2] = {p.H, L};
+    if (win_levels(&hd, qt, "q", L, q0, wq, -p.n, 0, p.q) || win_levels(&hd, kt, "k", L, q0, wk, cap, 0, p.k) ||
+        win_levels(&hd, vss, "vs", L, q0, wv, cap, 0, p.vs) || win_array(&hd, w, "w", q0, ww, 2, 0, &p.w) ||
+        win_array(&hd, out, "out", q0, wo, 4, 1, (const void **)&p.out) || check_overlaps(&hd) ||
+        check_caller_stack())
+        goto done;
+    if (!(mem = win_workspace(hkt_window_decode_workspace_bytes(&p)))) goto done;
+    p.workspace = mem;
+    Py_BEGIN_ALLOW_THREADS
+    hkt_window_decode_cpu(&p);
+    Py_END_ALLOW_THREADS
+    rc = 0;
+done:
+    free(mem);
+    Py_XDECREF(qt);
+    Py_XDECREF(kt);
+    Py_XDECREF(rt);
+    Py_XDECREF(vt);
+    release_all(&hd);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
 PyMethodDef binding_window_methods[] = {
     {"window", (PyCFunction)(void (*)(void))py_window, METH_VARARGS | METH_KEYWORDS, window_doc},
+    {"window_decode", (PyCFunction)(void (*)(void))py_window_decode, METH_VARARGS | METH_KEYWORDS,
+     window_decode_doc},
     {NULL, NULL, 0, NULL},
 };

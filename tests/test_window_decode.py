@@ -1,0 +1,137 @@
+"""Decoding with windows (docs/contract.md section 1.11): the C kernel that
+reads a row's units from the cache (hkt._C.window_decode) against the torch
+one (hkt._window_decode.attend_windowed), the cache's vectorised append
+against its definition, and the kernel's argument checks."""
+import pytest
+import torch
+
+import hkt
+from hkt import _C
+from hkt._window import block_sums
+from hkt._window_decode import append_windowed, attend_windowed, attend_windowed_rows
+
+from helpers import with_threads
+
+
+def cache_of(B, Hk, cap, D, Dv, L, length, seed=0, dtype=torch.float64):
+    """A cache holding `length` positions: random keys per level (one per block
+    begun), values and their block sums, as a decode would have written them."""
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(B, Hk, -(-cap >> l), D, generator=g, dtype=dtype) for l in range(L)]
+    v = torch.zeros(B, Hk, cap, Dv, dtype=dtype)
+    v[:, :, :length] = torch.randn(B, Hk, length, Dv, generator=g, dtype=dtype)
+    sums = [v] + [torch.zeros(B, Hk, -(-cap >> l), Dv, dtype=dtype) for l in range(1, L)]
+    full = block_sums(v[:, :, :length], L)
+    for l in range(1, L):
+        done = length >> l  # the complete blocks
+        sums[l][:, :, :done] = full[l][:, :, :done]
+    return k, sums
+
+
+def queries(B, H, n, D, L, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, D, generator=g, dtype=dtype) for _ in range(L)]
+
+
+CASES = [
+    # L, windows, H, Hk, t0, n
+    (3, [4, 8, None], 2, 2, 0, 37),           # from the start, a global top level
+    (3, [4, 8, 16], 4, 1, 21, 9),             # every level windowed (keys no level sees), multi-query
+    (4, [2, 8, 16, None], 4, 2, 5, 40),       # unaligned start, grouped heads
+    (1, [6], 2, 2, 30, 3),                    # sliding-window attention
+    (6, [2, 4, 8, 16, 32, None], 2, 1, 200, 61),
+]
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("L,windows,H,Hk,t0,n", CASES)
+def test_the_kernel_is_the_torch_rows(L, windows, H, Hk, t0, n, per_head):
+    B, D, Dv = 2, 5, 3
+    k, sums = cache_of(B, Hk, t0 + n + 4, D, Dv, L, t0 + n, seed=t0)
+    q = queries(B, H, n, D, L, seed=n)
+    w = torch.randn(H, L, dtype=torch.float64) if per_head else torch.randn(L, dtype=torch.float64)
+    got = attend_windowed_rows(q, k, sums, w, t0, windows)
+    want = torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], k, sums, w, t0 + i, windows)
+                      for i in range(n)], dim=2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_and_bitwise_on_one_and_two_threads():
+    k, sums = cache_of(2, 2, 300, 16, 8, 5, 290, dtype=torch.float32)
+    q = queries(2, 4, 33, 16, 5, dtype=torch.float32)
+    w, win = torch.rand(4, 5), [4, 8, 16, 32, None]
+    one = with_threads(1, lambda: attend_windowed_rows(q, k, sums, w, 257, win))
+    two = with_threads(2, lambda: attend_windowed_rows(q, k, sums, w, 257, win))
+    assert torch.equal(one, two)
+    want = torch.cat([attend_windowed([x[:, :, i:i + 1].double() for x in q], [x.double() for x in k],
+                                      [x.double() for x in sums], w.double(), 257 + i, win) for i in range(33)], dim=2)
+    torch.testing.assert_close(one, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_other_dtypes_take_the_torch_rows():
+    k, sums = cache_of(1, 1, 40, 4, 4, 2, 40, dtype=torch.bfloat16)
+    q = queries(1, 1, 3, 4, 2, dtype=torch.bfloat16)
+    w = torch.rand(2, dtype=torch.bfloat16)
+    got = attend_windowed_rows(q, k, sums, w, 37, [4, None])
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 1, 3, 4)
+    for i in range(3):
+        assert torch.equal(got[:, :, i:i + 1], attend_windowed([x[:, :, i:i + 1] for x in q], k, sums, w, 37 + i,
+                                                               [4, None]))
+
+
+def test_append_writes_what_one_position_at_a_time_would():
+    """The vectorised append: keys of each block begun, values, and the sums of
+    the blocks completed, the same bits as the definition's pairwise sums."""
+    L, B, Hk, D, Dv = 4, 2, 2, 3, 5
+    g = torch.Generator().manual_seed(9)
+    x_v = torch.randn(B, Hk, 50, Dv, generator=g, dtype=torch.float64)
+    x_k = [torch.randn(B, Hk, -(-50 >> l), D, generator=g, dtype=torch.float64) for l in range(L)]
+    k = [torch.zeros(B, Hk, -(-52 >> l), D, dtype=torch.float64) for l in range(L)]
+    sums = [torch.zeros(B, Hk, 52, Dv, dtype=torch.float64)] + \
+        [torch.zeros(B, Hk, -(-52 >> l), Dv, dtype=torch.float64) for l in range(1, L)]
+    t = 0
+    for n in (3, 1, 10, 7, 29):  # chunks that start and end inside blocks
+        rows = [torch.stack([x_k[l][:, :, (t + i) >> l] for i in range(n)], dim=2) for l in range(L)]
+        append_windowed(k, sums, rows, x_v[:, :, t:t + n], t)
+        t += n
+    want = block_sums(x_v, L)
+    for l in range(L):
+        done = 50 >> l
+        assert torch.equal(sums[l][:, :, :done], want[l][:, :, :done]), l
+        assert torch.equal(k[l][:, :, :-(-50 >> l)], x_k[l]), l
+
+
+def test_the_module_decodes_a_prompt_in_one_kernel_call(monkeypatch):
+    calls = []
+    real = _C.window_decode
+
+    def spy(*args, **kw):
+        calls.append(args[4].shape[2])  # out (B, H, n, Dv): the rows of one call
+        return real(*args, **kw)
+    monkeypatch.setattr(_C, "window_decode", spy)
+    m = hkt.MultiheadHKT(16, 2, levels=3, batch_first=True, windows=[4, 8, None]).double().eval()
+    x = torch.randn(1, 30, 16, dtype=torch.float64)
+    with torch.no_grad():
+        cache = m.init_cache(1, 32)
+        got = torch.cat([m.decode(x[:, :25], cache), m.decode(x[:, 25:26], cache), m.decode(x[:, 26:], cache)], 1)
+        want = m(x, x, x, is_causal=True, need_weights=False)[0]
+    assert calls == [25, 1, 4]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_the_kernel_names_its_arguments():
+    k, sums = cache_of(1, 1, 16, 4, 4, 2, 16)
+    q = queries(1, 1, 2, 4, 2)
+    w, out = torch.rand(1, 2, dtype=torch.float64), torch.empty(1, 1, 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="t0: must be >= 0"):
+        _C.window_decode(q, k, sums, w, out, -1, (2, 0))
+    with pytest.raises(ValueError, match="t0: positions through 16 past the cache's 16 rows"):
+        _C.window_decode(q, k, sums, w, out, 15, (2, 0))
+    with pytest.raises(ValueError, match=r"radius\[1\]: 1 does not make the windows grow"):
+        _C.window_decode(q, k, sums, w, out, 3, (2, 1))
+    with pytest.raises(ValueError, match=r"vs\[1\]"):
+        _C.window_decode(q, k, [sums[0], sums[1][:, :, :3]], w, out, 3, (2, 0))
+    with pytest.raises(TypeError, match=r"q\[0\]: the windowed kernels take 4-D float32 or float64 CPU arrays"):
+        _C.window_decode([x.bfloat16() for x in q], k, sums, w, out, 3, (2, 0))
+    with pytest.raises(ValueError, match="out"):
+        _C.window_decode(q, k, sums, w, out[:, :, :1], 3, (2, 0))
