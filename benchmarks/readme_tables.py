@@ -228,9 +228,12 @@ def window_decoding(folder):
            f"{a['heads']} heads, L={a['levels']}, windows {a['windows'][:-1]} and a global top level, float32, B=1; "
            f"the module's whole step, projections included, against the same module without windows (the decoding "
            f"kernel) and SDPA's attention alone over the same keys; medians):", "",
-           "| cached tokens S | windowed step | step without windows | SDPA attention |", "|---|---|---|---|"]
+           "| cached tokens S | windowed step | step without windows | SDPA attention | caches (windowed, without) |",
+           "|---|---|---|---|---|"]
     for r in a["rows"]:
-        out.append(f"| {r['S']} | {r['windowed_ms']:.2f} ms | {r['hkt_ms']:.2f} ms | {r['sdpa_ms']:.2f} ms |")
+        sizes = (f"{r['windowed_cache_mib']:.1f} MiB, {r['hkt_cache_mib']:.1f} MiB" if "hkt_cache_mib" in r
+                 else "not recorded")
+        out.append(f"| {r['S']} | {r['windowed_ms']:.2f} ms | {r['hkt_ms']:.2f} ms | {r['sdpa_ms']:.2f} ms | {sizes} |")
     return out
 
 

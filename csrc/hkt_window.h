@@ -106,8 +106,9 @@ void hkt_window_backward_cpu(const hkt_window_params *p);
  * Per row: O(W_0 + sum_l (W_l - W_{l-1}) / 2^l + t / 2^(L-1)) units, not t + 1
  * keys.
  *
- * Shapes (every array C-contiguous; cap_l >= ceil((t0 + n) / 2^l), the
- * cache's level-l rows):
+ * Shapes (every array C-contiguous; cap_l >= 1, the cache's level-l rows,
+ * level-l block c in row c % cap_l: a ring that holds what the rows read, or
+ * every block):
  *   q[l]  (B, H, n, D)          row i the level-l query of position t0 + i's block
  *   k[l]  (B, H_kv, cap_l, D)   the cache's level-l keys
  *   vs[l] (B, H_kv, cap_l, Dv)  vs[0] the values, vs[l] each complete level-l block's sum

@@ -9,7 +9,7 @@
  * pieces at its edges), their scores (each seeing level's dots with the
  * blocks it holds, over the contiguous range of them the run covers, summed
  * in level order), then one softmax in which a unit counts its keys and adds
- * its values' sum.
+ * its values' sum.  Level-l block c lies in row c % cap[l] of k[l] and vs[l].
  */
 
 /* how many units a row of position t can have, at most: per level m, its
@@ -43,7 +43,7 @@ static void WFN(range_sum)(const hkt_window_decode_params *p, int64_t b0, int64_
     while (a < b) {
         int l = 0;
         while (l < p->L - 1 && a % ((int64_t)2 << l) == 0 && a + ((int64_t)2 << l) <= b) l++;
-        const real *row = (const real *)p->vs[l] + ((b0 * p->H_kv + hk) * p->cap[l] + (a >> l)) * Dv;
+        const real *row = (const real *)p->vs[l] + ((b0 * p->H_kv + hk) * p->cap[l] + (a >> l) % p->cap[l]) * Dv;
         for (int64_t d = 0; d < Dv; d++) y[d] += row[d];
         a += (int64_t)1 << l;
     }
@@ -70,9 +70,9 @@ static void WFN(decode_run)(const hkt_window_decode_params *p, WFN(decode_row_wo
     for (int x = 0; x < npieces; x++) {
         const int64_t lo = pieces[x][0], hi = pieces[x][1];
         if (x == 1 && first <= last) /* the whole blocks, before the right piece */
-            for (int64_t c = first; c < last; c++) {
+            for (int64_t c = first, row = first % p->cap[m]; c < last; c++, row = row + 1 < p->cap[m] ? row + 1 : 0) {
                 rw->cnt[rw->nu] = (real)size;
-                rw->rows[rw->nu++] = vm + c * p->Dv;
+                rw->rows[rw->nu++] = vm + row * p->Dv;
             }
         if (lo >= hi) continue;
         real *y = rw->edge + rw->nedge++ * ((p->Dv + 15) / 16 * 16);
@@ -88,7 +88,8 @@ static void WFN(decode_run)(const hkt_window_decode_params *p, WFN(decode_row_wo
         const int sh = l - m;
         const int64_t lo = blk0 >> sh, hi = (blk0 + (rw->nu - u0) - 1) >> sh;
         const real *kl = (const real *)p->k[l] + (b0 * p->H_kv + hk) * p->cap[l] * p->D;
-        for (int64_t c = lo; c <= hi; c++) rw->dots[c - lo] = WFN(dot_tree)(qv[l], kl + c * p->D, p->D);
+        for (int64_t c = lo, row = lo % p->cap[l]; c <= hi; c++, row = row + 1 < p->cap[l] ? row + 1 : 0)
+            rw->dots[c - lo] = WFN(dot_tree)(qv[l], kl + row * p->D, p->D);
         for (int64_t u = u0; u < rw->nu; u++) rw->s[u] += f[l] * rw->dots[((blk0 + (u - u0)) >> sh) - lo];
     }
 }

@@ -14,6 +14,14 @@ order of the additions is fixed); a step then costs O(W_0 + sum_l (W_l -
 W_{l-1}) / 2^l + S / 2^(L-1)) units where the unwindowed step costs O(S) keys.
 A piece of a block at a run's edge is summed from the largest complete blocks
 it is made of.
+
+What a step reads lies within a bounded distance of the newest position, but
+for the levels without a window (a suffix of the levels) and the value sums of
+the first of them: so the cache keeps those whole, and every other level's
+keys and value sums in a ring of ``cache_rows`` rows, block c in row c % rows
+(a whole array is a ring too large to wrap).  Its memory then grows as S /
+2^g (g the first level without a window), not as S; with every level
+windowed it does not grow at all.
 """
 from typing import List, Optional, Sequence, Tuple
 
@@ -23,7 +31,31 @@ from torch import Tensor
 from ._kernels import _threads, window_decode_kernel
 from .reference import level_factor
 
-__all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows"]
+__all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows"]
+
+
+def cache_rows(windows: Sequence[Optional[int]], max_len: int) -> Tuple[List[int], int]:
+    """(rows, chunk): the rows the cache keeps of each level's keys and value
+    sums (level 0's: the values), and the most new positions one round of a
+    decoding call writes and then reads.  A level without a window, and the
+    levels above it, keep all ceil(max_len / 2^l) blocks; any other level a
+    ring that holds what a round reads: its window, the coarse blocks that
+    begin and end the runs, and the round's own positions."""
+    L = len(windows)
+    chunk = windows[0] if windows[0] is not None else max_len
+    reach = max((W for W in windows if W is not None), default=0) + (2 << L) + chunk
+    whole = [-(-max_len >> l) for l in range(L)]
+    rows = [whole[l] if W is None else min(whole[l], (reach >> l) + 2) for l, W in enumerate(windows)]
+    return rows, chunk if rows != whole else max_len  # no ring wraps: one round
+
+
+def _index(x: Tensor, lo: int, hi: int) -> Tensor:
+    """Blocks lo .. hi - 1 of x (dim 2), a ring of x.shape[2] rows: a slice
+    where they do not wrap."""
+    rows = x.shape[2]
+    if lo // rows == (hi - 1) // rows:
+        return x[:, :, lo % rows:(hi - 1) % rows + 1]
+    return x.index_select(2, torch.arange(lo, hi, device=x.device) % rows)
 
 
 def _starts(windows: Sequence[Optional[int]], t: int) -> List[int]:
@@ -40,7 +72,7 @@ def _range_sum(v_sums: List[Tensor], a: int, b: int) -> Tensor:
         l = 0
         while l < top and a % (2 << l) == 0 and a + (2 << l) <= b:
             l += 1
-        part = v_sums[l][:, :, a >> l:(a >> l) + 1]
+        part = _index(v_sums[l], a >> l, (a >> l) + 1)
         total = part if total is None else total + part
         a += 1 << l
     return total
@@ -57,7 +89,7 @@ def _units(a: int, b: int, m: int, v_sums: List[Tensor]) -> Tuple[List[int], Lis
         blocks.append(a >> m), counts.append(first * size - a), sums.append(_range_sum(v_sums, a, first * size))
     if last > first:
         blocks.extend(range(first, last)), counts.extend([size] * (last - first))
-        sums.append(v_sums[m][:, :, first:last])
+        sums.append(_index(v_sums[m], first, last))
     if last * size < b:
         blocks.append(last), counts.append(b - last * size), sums.append(_range_sum(v_sums, last * size, b))
     return blocks, counts, sums
@@ -86,7 +118,7 @@ def attend_windowed(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List
         run = None
         for l in seeing:  # in level order, as the definition sums them
             lo, hi = blocks[0] >> (l - m), (blocks[-1] >> (l - m)) + 1
-            dots = torch.matmul(q[l].reshape(B, Hk, G, D), k_cache[l][:, :, lo:hi].transpose(-1, -2))
+            dots = torch.matmul(q[l].reshape(B, Hk, G, D), _index(k_cache[l], lo, hi).transpose(-1, -2))
             term = f[..., l:l + 1] * dots[..., (idx >> (l - m)) - lo]
             run = term if run is None else run + term
         scores.append(run)
@@ -112,15 +144,24 @@ def append_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], k: Sequence
     n = v.shape[2]
     for l in range(len(k_cache)):
         lo, hi = t0 >> l, ((t0 + n - 1) >> l) + 1
-        rows = torch.tensor([max(c << l, t0) - t0 for c in range(lo, hi)], device=v.device)  # a row of each block
-        k_cache[l][:, :, lo:hi] = k[l].index_select(2, rows)
-    v_sums[0][:, :, t0:t0 + n] = v
+        first = torch.tensor([max(c << l, t0) - t0 for c in range(lo, hi)], device=v.device)  # a row of each block
+        _put(k_cache[l], lo, hi, k[l].index_select(2, first))
+    _put(v_sums[0], t0, t0 + n, v)
     for l in range(1, len(v_sums)):
         lo, hi = t0 >> l, (t0 + n) >> l  # the level-l blocks complete now, and not before
         if hi <= lo:  # none, so none above either
             break
-        below = v_sums[l - 1]
-        v_sums[l][:, :, lo:hi] = below[:, :, 2 * lo:2 * hi:2] + below[:, :, 2 * lo + 1:2 * hi:2]
+        halves = _index(v_sums[l - 1], 2 * lo, 2 * hi)
+        _put(v_sums[l], lo, hi, halves[:, :, 0::2] + halves[:, :, 1::2])
+
+
+def _put(x: Tensor, lo: int, hi: int, rows: Tensor) -> None:
+    """Blocks lo .. hi - 1 of x (a ring, as _index reads it) set to rows."""
+    n = x.shape[2]
+    if lo // n == (hi - 1) // n:
+        x[:, :, lo % n:(hi - 1) % n + 1] = rows
+    else:
+        x.index_copy_(2, torch.arange(lo, hi, device=x.device) % n, rows)
 
 
 def attend_windowed_rows(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List[Tensor], w: Tensor, t0: int,

@@ -16,7 +16,7 @@ from . import _kernels
 from ._autograd import _heads
 from ._checks import _CALL_FAILED, _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from ._window_decode import append_windowed, attend_windowed_rows
+from ._window_decode import append_windowed, attend_windowed_rows, cache_rows
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -157,8 +157,8 @@ class DecodeCache:
     Attributes (H_kv = the module's kv heads, hd = head_dim, K = downsample_kernel):
         length: tokens decoded so far (the same for every sequence).
         k: L tensors, ``k[l]`` (B, H_kv, ceil(max_len / 2^l), hd): the level-l
-            keys of the blocks begun so far.
-        v: (B, H_kv, max_len, hd), the values so far.
+            keys of the blocks begun so far (with windows, see ``v_sums``).
+        v: (B, H_kv, max_len, hd), the values so far (with windows, see ``v_sums``).
         inputs: for each level l >= 1, the downsampling state (B, 2, K,
             embed_dim): the last K inputs of the query stream ([:, 0]) and of
             the key stream ([:, 1]) at level l - 1, oldest first (zeros before
@@ -169,12 +169,17 @@ class DecodeCache:
             1, hd): the level-l query and key of the latest block begun, which
             the following tokens of that block reuse.
         v_sums: None, or for a module with ``windows``, for each level l >= 1,
-            (B, H_kv, ceil(max_len / 2^l), hd): the sum of the values of every
-            complete level-l block (docs/contract.md section 1.11).  A step
-            then reads the keys and values of level 0's window, and past each
-            level's window only its blocks' keys and value sums, so its cost
-            grows as S / 2^(L-1) (a global top level), not as S.  The cache
-            still holds every key and value, as the unwindowed one does.
+            (B, H_kv, rows_l, hd): the sum of the values of every complete
+            level-l block (docs/contract.md section 1.11).  A step then reads
+            the keys and values of level 0's window, and past each level's
+            window only its blocks' keys and value sums, so its cost grows as
+            S / 2^(L-1) (a global top level), not as S.  With windows, ``k``,
+            ``v`` and ``v_sums`` of a level with a window are rings of rows_l
+            rows (``hkt._window_decode.cache_rows``), block c in row c %
+            rows_l, holding what a step reads (its window, and the few blocks
+            beyond it that pieces of runs need); only the levels without a
+            window keep all ceil(max_len / 2^l) blocks, so the cache grows as
+            max_len / 2^g, g the first level without a window.
     """
 
     def __init__(self, k: List[Tensor], v: Tensor, inputs: List[Tensor], q_coarse: List[Tensor],
@@ -234,12 +239,14 @@ def init_cache(mha, batch_size: int, max_len: int, *, device=None, dtype=None) -
     B, L, K, E, hd = batch_size, mha.levels, mha.downsample_kernel, mha.embed_dim, mha.head_dim
     Hk = mha.num_kv_heads
     kw = {"device": device, "dtype": dtype}
-    k = [torch.zeros(B, Hk, -(-max_len // 2**l), hd, **kw) for l in range(L)]
-    v = torch.zeros(B, Hk, max_len, hd, **kw)
+    # every block of each level, or with windows rings where the steps read only near the newest token
+    rows = [-(-max_len // 2**l) for l in range(L)] if mha.windows is None else cache_rows(mha.windows, max_len)[0]
+    k = [torch.zeros(B, Hk, rows[l], hd, **kw) for l in range(L)]
+    v = torch.zeros(B, Hk, rows[0], hd, **kw)
     inputs = [torch.zeros(B, 2, K, E, **kw) for _ in range(L - 1)]
     q_coarse = [torch.zeros(B, mha.num_heads, 1, hd, **kw) for _ in range(L - 1)]
     k_coarse = [torch.zeros(B, Hk, 1, hd, **kw) for _ in range(L - 1)]
-    v_sums = None if mha.windows is None else [torch.zeros(B, Hk, -(-max_len // 2**l), hd, **kw) for l in range(1, L)]
+    v_sums = None if mha.windows is None else [torch.zeros(B, Hk, rows[l], hd, **kw) for l in range(1, L)]
     return DecodeCache(k, v, inputs, q_coarse, k_coarse, max_len, v_sums)
 
 
@@ -379,8 +386,12 @@ def _attend(mha, qs: List[Tensor], cache: DecodeCache, w: Tensor, t0: int, ks: L
     if mha.windows is None:
         return hkt_attention_with_kvcache(qs, cache.k, cache.v, w, t0, ks, v)
     sums = [cache.v] + cache.v_sums
-    append_windowed(cache.k, sums, ks, v, t0)
-    return attend_windowed_rows(qs, cache.k, sums, w, t0, mha.windows)
+    chunk = cache_rows(mha.windows, cache.max_len)[1]  # what the rings have room for between reads
+    outs = []
+    for i in range(0, v.shape[2], chunk):
+        append_windowed(cache.k, sums, [x[:, :, i:i + chunk] for x in ks], v[:, :, i:i + chunk], t0 + i)
+        outs.append(attend_windowed_rows([x[:, :, i:i + chunk] for x in qs], cache.k, sums, w, t0 + i, mha.windows))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:

@@ -56,6 +56,50 @@ def test_the_kernel_is_the_torch_rows(L, windows, H, Hk, t0, n, per_head):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def ring_of(x, rows, length, l):
+    """x (every level-l block) as a ring of `rows` rows holding its newest
+    blocks: block c in row c % rows."""
+    ring = torch.full((*x.shape[:2], rows, x.shape[3]), float("nan"), dtype=x.dtype)
+    last = -(-length >> l)
+    for c in range(max(0, last - rows), last):
+        ring[:, :, c % rows] = x[:, :, c]
+    return ring
+
+
+@pytest.mark.parametrize("L,windows,H,Hk,t0,n", CASES[:3] + CASES[4:])
+def test_rings_read_as_every_block(L, windows, H, Hk, t0, n):
+    """The cache a windowed module keeps (hkt._window_decode.cache_rows): rings
+    for the windowed levels, holding only the newest blocks (the rest NaN,
+    which must not be read), give the rows of a cache that holds every block."""
+    B, D, Dv, cap = 2, 5, 3, 600
+    k, sums = cache_of(B, Hk, cap, D, Dv, L, t0 + n, seed=t0)
+    rows, chunk = hkt._window_decode.cache_rows(windows, cap)
+    assert any(r < -(-cap >> l) for l, r in enumerate(rows))  # some level is a ring
+    n = min(n, chunk)
+    rk = [ring_of(x, r, t0 + n, l) for l, (x, r) in enumerate(zip(k, rows))]
+    rs = [ring_of(x, r, t0 + n, l) for l, (x, r) in enumerate(zip(sums, rows))]
+    q = queries(B, H, n, D, L, seed=n)
+    w = torch.randn(H, L, dtype=torch.float64)
+    want = attend_windowed_rows(q, k, sums, w, t0, windows)
+    torch.testing.assert_close(attend_windowed_rows(q, rk, rs, w, t0, windows), want, rtol=1e-12, atol=1e-12)
+    torch_rows = torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], rk, rs, w, t0 + i, windows)
+                            for i in range(n)], dim=2)
+    torch.testing.assert_close(torch_rows, want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_cache_grows_with_the_global_level_only():
+    """A million-token cache of a module whose windows end at a global top
+    level: rings for the windowed levels, every block only at the top."""
+    m = hkt.MultiheadHKT(16, 2, levels=4, batch_first=True, windows=[64, 128, 256, None])
+    cache = m.init_cache(1, 2**20)
+    rows, _ = hkt._window_decode.cache_rows([64, 128, 256, None], 2**20)
+    assert [x.shape[2] for x in cache.k] == rows and cache.v.shape[2] == rows[0]
+    assert [x.shape[2] for x in cache.v_sums] == rows[1:]
+    assert rows[3] == 2**17 and max(rows[:3]) < 512  # the top keeps every block; the rest a few hundred rows
+    full = sum(-(-2**20 >> l) for l in range(4)) * 2 + 2**20  # keys, sums and values of every block
+    assert sum(rows) * 2 < full / 6
+
+
 def test_float32_and_bitwise_on_one_and_two_threads():
     k, sums = cache_of(2, 2, 300, 16, 8, 5, 290, dtype=torch.float32)
     q = queries(2, 4, 33, 16, 5, dtype=torch.float32)
@@ -101,7 +145,12 @@ def test_append_writes_what_one_position_at_a_time_would():
         assert torch.equal(k[l][:, :, :-(-50 >> l)], x_k[l]), l
 
 
-def test_the_module_decodes_a_prompt_in_one_kernel_call(monkeypatch):
+@pytest.mark.parametrize("windows,max_len,rounds", [([8, 16, None], 32, [25, 1, 4]),
+                                                    ([4, 8, None], 400, [4] * 6 + [1, 1, 4])])
+def test_a_prompt_is_one_kernel_call_a_round(monkeypatch, windows, max_len, rounds):
+    """A cache short enough to keep every block takes a decode call's positions
+    in one kernel call; with rings, in rounds of W_0 positions (what a ring
+    holds beyond what the rows read)."""
     calls = []
     real = _C.window_decode
 
@@ -109,13 +158,13 @@ def test_the_module_decodes_a_prompt_in_one_kernel_call(monkeypatch):
         calls.append(args[4].shape[2])  # out (B, H, n, Dv): the rows of one call
         return real(*args, **kw)
     monkeypatch.setattr(_C, "window_decode", spy)
-    m = hkt.MultiheadHKT(16, 2, levels=3, batch_first=True, windows=[4, 8, None]).double().eval()
+    m = hkt.MultiheadHKT(16, 2, levels=3, batch_first=True, windows=windows).double().eval()
     x = torch.randn(1, 30, 16, dtype=torch.float64)
     with torch.no_grad():
-        cache = m.init_cache(1, 32)
+        cache = m.init_cache(1, max_len)
         got = torch.cat([m.decode(x[:, :25], cache), m.decode(x[:, 25:26], cache), m.decode(x[:, 26:], cache)], 1)
         want = m(x, x, x, is_causal=True, need_weights=False)[0]
-    assert calls == [25, 1, 4]
+    assert calls == rounds
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -125,8 +174,8 @@ def test_the_kernel_names_its_arguments():
     w, out = torch.rand(1, 2, dtype=torch.float64), torch.empty(1, 1, 2, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="t0: must be >= 0"):
         _C.window_decode(q, k, sums, w, out, -1, (2, 0))
-    with pytest.raises(ValueError, match="t0: positions through 16 past the cache's 16 rows"):
-        _C.window_decode(q, k, sums, w, out, 15, (2, 0))
+    with pytest.raises(ValueError, match=r"k\[1\]: expected \(B, H_kv, rows, D\) with at least one row"):
+        _C.window_decode(q, [k[0], k[1][:, :, :0]], sums, w, out, 3, (2, 0))
     with pytest.raises(ValueError, match=r"radius\[1\]: 1 does not make the windows grow"):
         _C.window_decode(q, k, sums, w, out, 3, (2, 1))
     with pytest.raises(ValueError, match=r"vs\[1\]"):

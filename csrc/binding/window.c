@@ -242,14 +242,42 @@ done:
 }
 
 
+/* A decoding cache's levels: k[l] (B, H_kv, rows_l, D) and vs[l] (B, H_kv,
+ * rows_l, Dv), each level's rows its own (a ring, or every block), at least
+ * one where a row is to be computed; rows_l into p->cap[l]. */
+static int win_cache_levels(hkt_window_decode_params *p, held *hd, PyObject *kt, PyObject *vt, const DLTensor *q0) {
+    if (PyTuple_Size(vt) != p->L) {
+        PyErr_Format(PyExc_ValueError, "vs: expected %d levels, got %zd", p->L, PyTuple_Size(vt));
+        return -1;
+    }
+    for (int l = 0; l < p->L; l++) {
+        char kname[24], vname[24];
+        level_name(kname, "k", l);
+        level_name(vname, "vs", l);
+        const DLTensor *kl = import_array(hd, PyTuple_GetItem(kt, l), kname);
+        if (kl == NULL) return -1;
+        p->cap[l] = kl->ndim == 4 ? kl->shape[2] : 0;
+        if (p->cap[l] < 1 && p->B * p->H * p->n > 0) {
+            PyErr_Format(PyExc_ValueError, "%s: expected (B, H_kv, rows, D) with at least one row", kname);
+            return -1;
+        }
+        const int64_t wk[4] = {p->B, p->H_kv, p->cap[l], p->D}, wv[4] = {p->B, p->H_kv, p->cap[l], p->Dv};
+        if (win_array(hd, PyTuple_GetItem(kt, l), kname, q0, wk, 4, 0, &p->k[l]) ||
+            win_array(hd, PyTuple_GetItem(vt, l), vname, q0, wv, 4, 0, &p->vs[l]))
+            return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(window_decode_doc,
 "window_decode(q, k, vs, w, out, t0, radius, scale=1.0, num_threads=0)\n--\n\n"
 "Decoding with windows (csrc/hkt_window.h): the causal rows of positions t0 ..\n"
 "t0 + n - 1 against a cache that already holds their keys and block sums.  q: L\n"
 "arrays (B, H, n, D), row i the level-l query of position t0 + i's block; k: L\n"
-"arrays (B, H_kv, ceil(cap / 2^l), D); vs: L arrays (B, H_kv, ceil(cap / 2^l), Dv),\n"
-"vs[0] the values, vs[l] the complete level-l blocks' sums; t0 + n <= cap; w (H, L);\n"
-"out (B, H, n, Dv), written.  C-contiguous float32 or float64 CPU arrays.");
+"arrays (B, H_kv, rows_l, D); vs: L arrays (B, H_kv, rows_l, Dv), vs[0] the values,\n"
+"vs[l] the complete level-l blocks' sums; level-l block c in row c % rows_l (a\n"
+"ring, or every block); w (H, L); out (B, H, n, Dv), written.  C-contiguous\n"
+"float32 or float64 CPU arrays.");
 
 static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "vs", "w", "out", "t0", "radius", "scale", "num_threads", NULL};
@@ -293,18 +321,9 @@ static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) 
     }
     p.B = q0->shape[0], p.H = q0->shape[1], p.n = q0->shape[2], p.D = q0->shape[3];
     p.H_kv = k0->shape[1], p.Dv = v0->shape[3];
-    const int64_t cap = k0->shape[2];
-    if (check_kv_heads("k[0]", p.H, p.H_kv)) goto done;
-    if (p.t0 + p.n > cap) {
-        PyErr_Format(PyExc_ValueError, "t0: positions through %lld past the cache's %lld rows",
-                     (long long)(p.t0 + p.n - 1), (long long)cap);
-        goto done;
-    }
-    for (int l = 0; l < L; l++) p.cap[l] = level_len(cap, l);
-    const int64_t wq[4] = {p.B, p.H, p.n, p.D}, wk[4] = {p.B, p.H_kv, cap, p.D}, wv[4] = {p.B, p.H_kv, cap, p.Dv};
-    const int64_t wo[4] = {p.B, p.H, p.n, p.Dv}, ww[2] = {p.H, L};
-    if (win_levels(&hd, qt, "q", L, q0, wq, -p.n, 0, p.q) || win_levels(&hd, kt, "k", L, q0, wk, cap, 0, p.k) ||
-        win_levels(&hd, vss, "vs", L, q0, wv, cap, 0, p.vs) || win_array(&hd, w, "w", q0, ww, 2, 0, &p.w) ||
+    if (check_kv_heads("k[0]", p.H, p.H_kv) || win_cache_levels(&p, &hd, kt, vt, q0)) goto done;
+    const int64_t wq[4] = {p.B, p.H, p.n, p.D}, wo[4] = {p.B, p.H, p.n, p.Dv}, ww[2] = {p.H, L};
+    if (win_levels(&hd, qt, "q", L, q0, wq, -p.n, 0, p.q) || win_array(&hd, w, "w", q0, ww, 2, 0, &p.w) ||
         win_array(&hd, out, "out", q0, wo, 4, 1, (const void **)&p.out) || check_overlaps(&hd) ||
         check_caller_stack())
         goto done;
