@@ -126,11 +126,12 @@ void hkt_window_backward_cpu(const hkt_window_params *p) {
 }
 
 size_t hkt_window_decode_workspace_bytes(const hkt_window_decode_params *p) {
-    const size_t per =
-        ((p->dtype == HKT_FLOAT64 ? win_f64_generic_decode_thread_bytes(p) : win_f32_generic_decode_thread_bytes(p)) +
-         63) / 64 * 64;
+    const size_t one = p->dtype == HKT_FLOAT64 ? win_f64_generic_decode_thread_bytes(p)
+                                               : win_f32_generic_decode_thread_bytes(p);
     size_t total;
-    if (__builtin_mul_overflow(per, (size_t)(p->num_threads > 0 ? p->num_threads : 1), &total)) return SIZE_MAX;
+    if (one > SIZE_MAX - 63 ||
+        __builtin_mul_overflow((one + 63) / 64 * 64, (size_t)(p->num_threads > 0 ? p->num_threads : 1), &total))
+        return SIZE_MAX;
     return total;
 }
 

@@ -29,10 +29,15 @@ static size_t WFN(decode_slots)(const hkt_window_decode_params *p) {
 }
 
 /* one thread's scratch: per unit its score, key count and values' row; a
- * level's dots over a run; the row's sum of values; the edge pieces' sums */
+ * level's dots over a run; the row's sum of values; the edge pieces' sums
+ * (SIZE_MAX if that does not fit a size_t) */
 static size_t WFN(decode_thread_bytes)(const hkt_window_decode_params *p) {
     const size_t units = WFN(decode_slots)(p), dv = ((size_t)p->Dv + 15) / 16 * 16;
-    return (3 * units + (2 * (size_t)p->L + 3) * dv) * sizeof(real) + units * sizeof(real *) + 64;
+    const size_t per_unit = 3 * sizeof(real) + sizeof(real *), fixed = (2 * (size_t)p->L + 3) * dv * sizeof(real) + 64;
+    size_t total;
+    if (__builtin_mul_overflow(units, per_unit, &total) || __builtin_add_overflow(total, fixed, &total))
+        return SIZE_MAX;
+    return total;
 }
 
 /* the values' sum of keys [a, b) into y (Dv): the largest complete aligned

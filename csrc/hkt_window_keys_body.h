@@ -297,7 +297,7 @@ static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t 
             for (int64_t t = 0; t < n; t++) {
                 const int64_t j = j0 + t;
                 const real *vr = V0 + j * Dv;
-                real c[WIN_GROUP], es = 0;
+                real coef[WIN_GROUP], es = 0;
                 const real *rows[WIN_GROUP];
                 int64_t k = 0, seen = 0;
                 for (int64_t a = 0; a < na; a++) {
@@ -309,12 +309,12 @@ static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                     seen = 1;
                     if (dm[a]) dm[a][j] = dS;
                     if (kappa != 0) {
-                        c[k] = P * kappa;
+                        coef[k] = P * kappa;
                         rows[k++] = go[a];
                     }
                 }
                 if (seen) E[(j >> r->lev) - r->idx] += es;
-                WFN(axpy_rows)(dV0 + j * Dv, c, rows, k, Dv); /* dv_j += each row's P * kappa * dout */
+                WFN(axpy_rows)(dV0 + j * Dv, coef, rows, k, Dv); /* dv_j += each row's P * kappa * dout */
             }
         }
     }

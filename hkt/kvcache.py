@@ -189,6 +189,8 @@ class DecodeCache:
         self.max_len = max_len
         self.length = 0
         self._constants = None  # _step_constants: (parameters, their versions, _Constants)
+        # a windowed call in rounds whose rings were written past what a retry of it reads (_attend)
+        self._torn = False
 
     @property
     def q_inputs(self) -> List[Tensor]:
@@ -274,6 +276,9 @@ def _check_step(mha, x, cache) -> Tensor:
     """x as (B, n, E), after checking it against the module and the cache."""
     if not isinstance(cache, DecodeCache):
         raise TypeError(f"cache: expected the DecodeCache of mha.init_cache(...), got {type(cache).__name__}")
+    if cache._torn:
+        raise RuntimeError("cache: a decode call failed after writing some of its tokens into the rings of a "
+                           "windowed cache, over rows that a retry would read; make a new cache with init_cache")
     if not isinstance(x, Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:
@@ -387,6 +392,8 @@ def _attend(mha, qs: List[Tensor], cache: DecodeCache, w: Tensor, t0: int, ks: L
         return hkt_attention_with_kvcache(qs, cache.k, cache.v, w, t0, ks, v)
     sums = [cache.v] + cache.v_sums
     chunk = cache_rows(mha.windows, cache.max_len)[1]  # what the rings have room for between reads
+    if v.shape[2] > chunk:  # a later round overwrites ring rows that the first reads: no retry once it starts
+        cache._torn = True
     outs = []
     for i in range(0, v.shape[2], chunk):
         append_windowed(cache.k, sums, [x[:, :, i:i + chunk] for x in ks], v[:, :, i:i + chunk], t0 + i)
@@ -430,6 +437,7 @@ def _decode_one(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     # the state moves on only once the step went through
     cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
     cache.length = t + 1
+    cache._torn = False
     # the module, not F.linear of its weight, as forward: its hooks (an adapter, prune's mask) run
     return mha.out_proj(out.view(B, 1, -1))
 
@@ -475,4 +483,5 @@ def _decode_many(mha, x: Tensor, cache: DecodeCache) -> Tensor:
     # the state moves on only once the step went through
     cache.inputs, cache.q_coarse, cache.k_coarse = inputs, q_coarse, k_coarse
     cache.length = t0 + n
+    cache._torn = False
     return mha.out_proj(out.transpose(1, 2).reshape(B, n, mha.embed_dim))

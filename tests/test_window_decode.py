@@ -172,10 +172,15 @@ def test_the_kernel_names_its_arguments():
     k, sums = cache_of(1, 1, 16, 4, 4, 2, 16)
     q = queries(1, 1, 2, 4, 2)
     w, out = torch.rand(1, 2, dtype=torch.float64), torch.empty(1, 1, 2, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="t0: must be >= 0"):
+    with pytest.raises(ValueError, match=r"t0: must be in \[0, 2\^48\], got -1"):
         _C.window_decode(q, k, sums, w, out, -1, (2, 0))
     with pytest.raises(ValueError, match=r"k\[1\]: expected \(B, H_kv, rows, D\) with at least one row"):
         _C.window_decode(q, [k[0], k[1][:, :, :0]], sums, w, out, 3, (2, 0))
+    with pytest.raises(ValueError, match=r"t0: must be in \[0, 2\^48\]"):
+        _C.window_decode(q, k, sums, w, out, 2**62, (2, 0))
+    with pytest.raises(ValueError, match=r"k\[1\]: a level without a window keeps every block: expected at "
+                                         r"least 9 rows for positions through 17, got 8"):
+        _C.window_decode(q, k, sums, w, out, 16, (2, 0))
     with pytest.raises(ValueError, match=r"radius\[1\]: 1 does not make the windows grow"):
         _C.window_decode(q, k, sums, w, out, 3, (2, 1))
     with pytest.raises(ValueError, match=r"vs\[1\]"):
@@ -184,3 +189,38 @@ def test_the_kernel_names_its_arguments():
         _C.window_decode([x.bfloat16() for x in q], k, sums, w, out, 3, (2, 0))
     with pytest.raises(ValueError, match="out"):
         _C.window_decode(q, k, sums, w, out[:, :, :1], 3, (2, 0))
+
+
+def test_a_call_that_fails_after_overwriting_rings_leaves_the_cache_refused(monkeypatch):
+    """A call in several rounds writes each round's tokens into the rings over
+    rows the first round read: if a later round fails, a retry would read them,
+    so the cache refuses further calls (a call in one round may be retried)."""
+    m = hkt.MultiheadHKT(16, 2, levels=3, batch_first=True, windows=[4, 8, None]).double().eval()
+    x = torch.randn(1, 60, 16, dtype=torch.float64)
+    real = _C.window_decode
+    with torch.no_grad():
+        want = m(x, x, x, is_causal=True, need_weights=False)[0]
+        cache = m.init_cache(1, 400)  # rings: calls of more than 4 tokens take several rounds
+        m.decode(x[:, :30], cache)
+        calls = [0]
+
+        def fail_later(*args, **kw):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+            return real(*args, **kw)
+        monkeypatch.setattr(_C, "window_decode", fail_later)
+        with pytest.raises(KeyboardInterrupt):
+            m.decode(x[:, 30:50], cache)
+        monkeypatch.setattr(_C, "window_decode", real)
+        with pytest.raises(RuntimeError, match="cache: a decode call failed after writing some of its tokens"):
+            m.decode(x[:, 30:50], cache)
+        cache = m.init_cache(1, 400)
+        m.decode(x[:, :30], cache)
+        calls[0] = 2  # one round of one token fails, before any later round: a retry is exact
+        monkeypatch.setattr(_C, "window_decode", fail_later)
+        with pytest.raises(KeyboardInterrupt):
+            m.decode(x[:, 30:31], cache)
+        monkeypatch.setattr(_C, "window_decode", real)
+        got = torch.cat([m.decode(x[:, 30:31], cache), m.decode(x[:, 31:], cache)], dim=1)
+    torch.testing.assert_close(got, want[:, 30:], rtol=1e-10, atol=1e-10)

@@ -261,6 +261,13 @@ static int win_cache_levels(hkt_window_decode_params *p, held *hd, PyObject *kt,
             PyErr_Format(PyExc_ValueError, "%s: expected (B, H_kv, rows, D) with at least one row", kname);
             return -1;
         }
+        const int64_t need = level_len(p->t0 + p->n, l);
+        if (p->radius[l] == 0 && p->cap[l] < need && p->B * p->H * p->n > 0) {
+            PyErr_Format(PyExc_ValueError, "%s: a level without a window keeps every block: expected at least "
+                         "%lld rows for positions through %lld, got %lld", kname, (long long)need,
+                         (long long)(p->t0 + p->n - 1), (long long)p->cap[l]);
+            return -1;
+        }
         const int64_t wk[4] = {p->B, p->H_kv, p->cap[l], p->D}, wv[4] = {p->B, p->H_kv, p->cap[l], p->Dv};
         if (win_array(hd, PyTuple_GetItem(kt, l), kname, q0, wk, 4, 0, &p->k[l]) ||
             win_array(hd, PyTuple_GetItem(vt, l), vname, q0, wv, 4, 0, &p->vs[l]))
@@ -296,8 +303,8 @@ static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) 
         PyErr_SetString(PyExc_ValueError, "scale: must be finite");
         return NULL;
     }
-    if (t0 < 0) {
-        PyErr_Format(PyExc_ValueError, "t0: must be >= 0, got %lld", t0);
+    if (t0 < 0 || t0 > ((long long)1 << 48)) { /* positions' sums and counts stay far inside int64 */
+        PyErr_Format(PyExc_ValueError, "t0: must be in [0, 2^48], got %lld", t0);
         return NULL;
     }
     if (parse_threads(nthreads, &p.num_threads)) return NULL;
