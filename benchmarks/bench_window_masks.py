@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt  # noqa: E402
-from hkt._window import window_forward  # noqa: E402
+from hkt._window import _radius, window_forward  # noqa: E402
 from hkt._kernels import dropout_keep_mask  # noqa: E402
 from hkt.reference import hkt_attention_reference  # noqa: E402
 from research.timing import machine_info, make_inputs, results_dir, time_rounds  # noqa: E402
@@ -62,8 +62,7 @@ def check():
         got = hkt.hkt_attention(q, k, v, w, is_causal=True, windows=win, attn_mask=mask)
         want = hkt_attention_reference(q, k, v, w, is_causal=True, windows=win, attn_mask=mask)
         worst = max(worst, (got - want).abs().max().item())
-    radius = [W >> l if W else 0 for l, W in enumerate(win)]
-    got = window_forward(q, k, v, w, None, radius, True, 0.25, 0.1, torch.tensor(3))[0]
+    got = window_forward(q, k, v, w, None, list(_radius(win)), True, 0.25, 0.1, torch.tensor(3))[0]
     want = hkt_attention_reference(q, k, v, w, is_causal=True, windows=win, scale=0.25, dropout_p=0.1,
                                    dropout_mask=dropout_keep_mask(3, 0.1, 1, H, T, T))
     worst = max(worst, (got - want).abs().max().item())

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ._kernels import _threads, window_decode_kernel
+from ._window import _radius
 from .reference import level_factor
 
 __all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows"]
@@ -56,6 +57,14 @@ def _index(x: Tensor, lo: int, hi: int) -> Tensor:
     if lo // rows == (hi - 1) // rows:
         return x[:, :, lo % rows:(hi - 1) % rows + 1]
     return x.index_select(2, torch.arange(lo, hi, device=x.device) % rows)
+
+
+def _rows(x: Tensor, rows: List[int]) -> Tensor:
+    """x[:, :, rows] (dim 2), a slice when the rows are one run (one new token:
+    always), without an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return x[:, :, rows[0]:rows[0] + len(rows)]
+    return x[:, :, torch.tensor(rows, device=x.device)]
 
 
 def _starts(windows: Sequence[Optional[int]], t: int) -> List[int]:
@@ -137,15 +146,15 @@ def attend_windowed(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List
 
 def append_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], k: Sequence[Tensor], v: Tensor,
                     t0: int) -> None:
-    """Writes new positions t0 .. t0 + n - 1 into the cache: their keys
-    (k[l][:, :, i], position t0 + i's block's), their values (v, (B, H_kv, n,
-    Dv)), and the sum of every level-l block they complete, level by level,
-    each the sum of its two halves."""
+    """Writes new positions t0 .. t0 + n - 1 into the cache: the keys of the
+    blocks they begin (k[l][:, :, i], position t0 + i's block's), their values
+    (v, (B, H_kv, n, Dv)), and the sum of every level-l block they complete,
+    level by level, each the sum of its two halves."""
     n = v.shape[2]
     for l in range(len(k_cache)):
-        lo, hi = t0 >> l, ((t0 + n - 1) >> l) + 1
-        first = torch.tensor([max(c << l, t0) - t0 for c in range(lo, hi)], device=v.device)  # a row of each block
-        _put(k_cache[l], lo, hi, k[l].index_select(2, first))
+        lo, hi = -(-t0 >> l), ((t0 + n - 1) >> l) + 1  # the blocks begun now: an earlier call wrote the one before
+        if lo < hi:
+            _put(k_cache[l], lo, hi, _rows(k[l], [(c << l) - t0 for c in range(lo, hi)]))
     _put(v_sums[0], t0, t0 + n, v)
     for l in range(1, len(v_sums)):
         lo, hi = t0 >> l, (t0 + n) >> l  # the level-l blocks complete now, and not before
@@ -176,7 +185,6 @@ def attend_windowed_rows(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums:
                           for i in range(n)], dim=2)
     out = q[0].new_empty(B, H, n, v_sums[0].shape[-1])
     w2 = w.to(q[0].dtype).expand(H, L).contiguous() if w.dim() == 1 else w.to(q[0].dtype).contiguous()
-    radius = tuple(0 if W is None else W >> l for l, W in enumerate(windows))
-    window_decode_kernel([x.contiguous() for x in q], list(k_cache), list(v_sums), w2, out, t0, radius,
+    window_decode_kernel([x.contiguous() for x in q], list(k_cache), list(v_sums), w2, out, t0, _radius(windows),
                          D ** -0.5, _threads())
     return out

@@ -16,7 +16,7 @@ from . import _kernels
 from ._autograd import _heads
 from ._checks import _CALL_FAILED, _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from ._window_decode import append_windowed, attend_windowed_rows, cache_rows
+from ._window_decode import _rows, append_windowed, attend_windowed_rows, cache_rows
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -262,14 +262,6 @@ def _downsample_new(history: Tensor, taps: Tensor, first: int, lo: int, hi: int)
     for r in range(1, taps.shape[0]):
         out = out + history[:, j - r:j - r + m:2] * taps[r]
     return out
-
-
-def _rows(x: Tensor, rows: List[int]) -> Tensor:
-    """x[:, :, rows] (dim 2), a slice when the rows are one run (one new token:
-    always), without an index tensor."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return x[:, :, rows[0]:rows[0] + len(rows)]
-    return x[:, :, torch.tensor(rows, device=x.device)]
 
 
 def _check_step(mha, x, cache) -> Tensor:
