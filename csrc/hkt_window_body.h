@@ -287,8 +287,6 @@ static inline const real *WFN(vrow)(const hkt_window_params *p, const void *cons
     return (const real *)arr[lev] + ((b * p->H_kv + hk) * Sl + idx) * p->Dv;
 }
 
-/* the partial softmax of the current units: max M, sum Z (each unit counted
- * for its keys), O = sum of exp(s - M) * its summed values */
 /* the counts of visible keys of level lev's blocks from idx on (a key-only
  * mask), or NULL: every block has all its keys */
 static inline const real *WFN(count_row)(const hkt_window_params *p, int lev, int64_t b, int64_t hk, int64_t idx) {
@@ -296,6 +294,8 @@ static inline const real *WFN(count_row)(const hkt_window_params *p, int lev, in
     return (const real *)p->counts[lev] + (b * p->H_kv + hk) * WFN(blocks)(p->S, lev) + idx;
 }
 
+/* the partial softmax of the current units: max M, sum Z (each unit counted
+ * for its keys, or for its visible ones), O = sum of exp(s - M) * its summed values */
 static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *O, real *M,
                          real *Z) {
     const int64_t Dv = p->Dv;

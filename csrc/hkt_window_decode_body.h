@@ -60,6 +60,16 @@ typedef struct {
     int64_t nu, nedge;
 } WFN(decode_row_work);
 
+/* keys [lo, hi) as one unit (none where empty): their count and their values' sum */
+static void WFN(decode_piece)(const hkt_window_decode_params *p, WFN(decode_row_work) *rw, int64_t b0, int64_t hk,
+                              int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    real *y = rw->edge + rw->nedge++ * ((p->Dv + 15) / 16 * 16);
+    WFN(range_sum)(p, b0, hk, lo, hi, y);
+    rw->cnt[rw->nu] = (real)(hi - lo);
+    rw->rows[rw->nu++] = y;
+}
+
 /* run [a, b)'s units at level m (blocks, counts, rows of values), then their
  * scores: the dots of each seeing level l >= m, in level order */
 static void WFN(decode_run)(const hkt_window_decode_params *p, WFN(decode_row_work) *rw, int64_t b0, int64_t hk,
@@ -68,25 +78,19 @@ static void WFN(decode_run)(const hkt_window_decode_params *p, WFN(decode_row_wo
     while (start[m] > a) m++;
     const int64_t size = (int64_t)1 << m, first = (a + size - 1) >> m, last = b >> m, u0 = rw->nu;
     const real *vm = (const real *)p->vs[m] + (b0 * p->H_kv + hk) * p->cap[m] * p->Dv;
-    int64_t blk0 = a >> m;
+    const int64_t blk0 = a >> m; /* the first unit's block: a's (its piece's, or `first` where a is aligned) */
     /* the units: a piece where the run begins or ends inside a block, whole blocks between */
-    int64_t pieces[2][2] = {{a, first > last ? b : first * size}, {last * size, b}};
-    const int npieces = first > last ? 1 : 2;
-    for (int x = 0; x < npieces; x++) {
-        const int64_t lo = pieces[x][0], hi = pieces[x][1];
-        if (x == 1 && first <= last) /* the whole blocks, before the right piece */
-            for (int64_t c = first, row = first % p->cap[m]; c < last; c++, row = row + 1 < p->cap[m] ? row + 1 : 0) {
-                rw->cnt[rw->nu] = (real)size;
-                rw->rows[rw->nu++] = vm + row * p->Dv;
-            }
-        if (lo >= hi) continue;
-        real *y = rw->edge + rw->nedge++ * ((p->Dv + 15) / 16 * 16);
-        WFN(range_sum)(p, b0, hk, lo, hi, y);
-        rw->cnt[rw->nu] = (real)(hi - lo);
-        rw->rows[rw->nu++] = y;
+    if (first > last) {
+        WFN(decode_piece)(p, rw, b0, hk, a, b);
+    } else {
+        WFN(decode_piece)(p, rw, b0, hk, a, first * size);
+        for (int64_t c = first, row = first % p->cap[m]; c < last; c++, row = row + 1 < p->cap[m] ? row + 1 : 0) {
+            rw->cnt[rw->nu] = (real)size;
+            rw->rows[rw->nu++] = vm + row * p->Dv;
+        }
+        WFN(decode_piece)(p, rw, b0, hk, last * size, b);
     }
     if (rw->nu == u0) return;
-    if (a >= first * size) blk0 = first; /* no left piece: the first unit is block `first` */
     for (int64_t u = u0; u < rw->nu; u++) rw->s[u] = 0;
     for (int l = m; l < p->L; l++) {
         if (start[l] > a) continue; /* level l does not see this run */

@@ -56,6 +56,20 @@ static char *win_workspace(size_t bytes) {
     return mem;
 }
 
+/* What both windowed calls end with: the workspace freed, the tuples they
+ * made (NULL where not made) and the arrays they imported released; None, or
+ * NULL for an error (rc != 0, already set). */
+static PyObject *win_finish(int rc, char *mem, held *hd, PyObject *qt, PyObject *kt, PyObject *rt, PyObject *vt) {
+    free(mem);
+    Py_XDECREF(qt);
+    Py_XDECREF(kt);
+    Py_XDECREF(rt);
+    Py_XDECREF(vt);
+    release_all(hd);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* radius: L ints, W_l / 2^l (0: no window), into p->radius; growing windows
  * (W_l > W_{l-1}, i.e. radius_l > radius_{l-1} / 2; none above a level
  * without one), as the kernels need. */
@@ -232,13 +246,7 @@ static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
     Py_END_ALLOW_THREADS
     rc = 0;
 done:
-    free(mem);
-    Py_XDECREF(qt);
-    Py_XDECREF(kt);
-    Py_XDECREF(rt);
-    release_all(&hd);
-    if (rc) return NULL;
-    Py_RETURN_NONE;
+    return win_finish(rc, mem, &hd, qt, kt, rt, NULL);
 }
 
 
@@ -341,14 +349,7 @@ static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) 
     Py_END_ALLOW_THREADS
     rc = 0;
 done:
-    free(mem);
-    Py_XDECREF(qt);
-    Py_XDECREF(kt);
-    Py_XDECREF(rt);
-    Py_XDECREF(vt);
-    release_all(&hd);
-    if (rc) return NULL;
-    Py_RETURN_NONE;
+    return win_finish(rc, mem, &hd, qt, kt, rt, vt);
 }
 
 PyMethodDef binding_window_methods[] = {
