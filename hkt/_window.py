@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from ._autograd import _SEED_HIGH
-from ._checks import _kernel_args, check_call
+from ._checks import _kernel_args, check_call, check_windows
 from ._guards import _functorch_active
 from ._kernels import _threads, window_kernels
-from .reference import check_windows, repeat_kv
+from ._maths import repeat_kv
 
 __all__ = ["windowed_attention", "window_forward", "window_backward", "block_sums", "spread_block_grads", "pair_sums",
            "fixed_sum"]

@@ -12,7 +12,7 @@ matrix) and the dropout seed, so the backward sees the forward's dropout mask.
 
 hkt::attention_backward has an autograd formula too (double backward, e.g.
 gradient penalties, Hessian-vector products, gradgradcheck): it recomputes the
-attention in plain PyTorch (hkt.reference) from the saved inputs and
+attention in plain PyTorch (hkt._maths) from the saved inputs and
 differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
 :func:`_double_backward`.
 """
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import _kernels
 from ._checks import compute_dtype
-from .reference import hkt_attention_reference
+from ._maths import dense_attention
 
 __all__ = ["attention_forward", "attention_backward"]
 
@@ -141,7 +141,7 @@ def _double_backward(ctx, grads):
     """Autograd formula of hkt::attention_backward, in plain PyTorch.
 
     The first-order gradients are rebuilt from the saved dout, q, k, v, w and
-    attn_mask with :func:`hkt.reference.hkt_attention_reference` (the forward
+    attn_mask with :func:`hkt._maths.dense_attention` (the forward
     recomputed: full (B, H, T, S) scores and probabilities, O(B*H*T*S) memory
     and time, several such buffers) and differentiated once more by autograd.
     ``out`` and ``lse`` are taken to be the forward's outputs for these inputs
@@ -150,7 +150,7 @@ def _double_backward(ctx, grads):
     the mask's.  Masks (bool or float, the float mask's own gradient with
     ``mask_grad``), causal, per-head or shared w and dropout (the kernels'
     pattern, rebuilt from the saved seed) are all handled; bfloat16 is computed
-    in float32, or natively where hkt.hkt_attention says.  Rows with no visible key and NaN follow hkt.reference's rules,
+    in float32, or natively where hkt.hkt_attention says.  Rows with no visible key and NaN follow the contract's rules,
     which are the kernels'.
     """
     L = ctx.L
@@ -180,8 +180,7 @@ def _double_backward(ctx, grads):
         m_ = None
         if attn_mask is not None:
             m_ = _slot(attn_mask, cd, ctx.mask_grad or mask_needs) if float_mask else attn_mask
-        out = hkt_attention_reference(q_, k_, v_, w_, attn_mask=m_, is_causal=ctx.is_causal, dropout_p=p,
-                                      scale=ctx.scale, dropout_mask=keep)
+        out = dense_attention(q_, k_, v_, w_, m_, ctx.is_causal, ctx.scale, p, keep)
         # first-order gradients only where a gradient of them came in
         first_all = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
         pairs = [(x, g) for x, g in zip(first_all, ggrads) if g is not None]

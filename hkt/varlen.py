@@ -8,7 +8,7 @@ from torch import Tensor
 from . import _kernels
 from ._checks import _CALL_FAILED, _check_inputs, _check_scalars, compute_dtype
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from .reference import hkt_attention_reference
+from ._maths import dense_attention
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -102,7 +102,7 @@ def hkt_attention_varlen(
         Gradients flow to every ``q[l]``, ``k[l]``, ``v`` and ``w`` (the
         gradient of ``w`` summed over sequences in a fixed order: bitwise the
         same for any thread count), to any order: a backward with
-        ``create_graph=True`` differentiates the plain-PyTorch reference,
+        ``create_graph=True`` differentiates the plain-PyTorch formula,
         sequence by sequence (O(T_s S_s) memory).
 
     CPU only; float32, float64 (own precision) and bfloat16 (natively, or
@@ -148,7 +148,7 @@ def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
 class _VarlenAttention(torch.autograd.Function):
     """Autograd for :func:`hkt_attention_varlen`: the packed kernels forward and
     backward; a backward run with ``create_graph=True`` (double backward,
-    gradient penalties) differentiates the plain-PyTorch reference instead
+    gradient penalties) differentiates the plain-PyTorch formula instead
     (:func:`_differentiable_grads`)."""
 
     @staticmethod
@@ -175,7 +175,7 @@ class _VarlenAttention(torch.autograd.Function):
 
 def _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale):
     """The packed gradients as differentiable tensors (create_graph): each
-    sequence's attention recomputed by hkt.reference in the compute dtype (its
+    sequence's attention recomputed by hkt._maths in the compute dtype (its
     (T_s, S_s) scores and probabilities: O(T_s S_s) memory, as the padded call's
     double backward), then differentiated by autograd with create_graph=True."""
     L, cd = len(q), compute_dtype(q[0].dtype)
@@ -191,7 +191,7 @@ def _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale):
             qs = [x[oq[l][s]:oq[l][s + 1]].transpose(0, 1).unsqueeze(0) for l, x in enumerate(qc)]
             ks = [x[ok[l][s]:ok[l][s + 1]].transpose(0, 1).unsqueeze(0) for l, x in enumerate(kc)]
             vs = vc[ok[0][s]:ok[0][s + 1]].transpose(0, 1).unsqueeze(0)
-            outs.append(hkt_attention_reference(qs, ks, vs, wc, is_causal=is_causal, scale=scale)[0].transpose(0, 1))
+            outs.append(dense_attention(qs, ks, vs, wc, None, is_causal, scale)[0].transpose(0, 1))
         out = torch.cat(outs, 0) if outs else vc.new_zeros((0, qc[0].shape[1], vc.shape[2]))
         inputs = [*q, *k, v, w]
         wrt = [x for x in inputs if x.requires_grad]  # the rest need no gradient
