@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
-from ._guards import _c_apply, _symbolic
+from ._guards import _symbolic
 from .ops.downsample import DownsampleFunction, downsample_expr
 
 __all__ = ["causal_downsample"]
@@ -64,5 +64,5 @@ def _downsample_c(x: Tensor, taps: Tensor) -> Tensor:
     return _kernels._downsample_forward(x, taps)
 
 
-# never under torch.func transforms (_downsample_in_c)
-_DOWNSAMPLE_APPLY = _c_apply(DownsampleFunction)
+# apply's C entry: never under torch.func transforms (_downsample_in_c)
+_DOWNSAMPLE_APPLY = DownsampleFunction.fast_apply

@@ -65,12 +65,15 @@ def _setup_context(ctx, inputs, output):
 
 def _gradients(ctx, grad):
     x, taps = ctx.saved_tensors
-    need = ctx.needs_input_grad[-2:]  # (x, taps); the eager Function has one leading argument more
+    need = ctx.needs_input_grad[:2]  # (x, taps)
     if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
         wrt = [t for t, n in zip((x, taps), need) if n]
         got = iter(torch.autograd.grad(downsample_expr(x, taps), wrt, grad, create_graph=True))
         return tuple(next(got) if n else None for n in need)
-    gx, gt = downsample_backward(grad, x, taps, bool(need[0]))
+    if getattr(ctx, "eager", False):  # the kernels themselves: no dispatch
+        gx, gt = _kernels._downsample_backward(grad, x, taps, bool(need[0]))
+    else:
+        gx, gt = downsample_backward(grad, x, taps, bool(need[0]))
     return (gx if need[0] else None), (gt if need[1] else None)
 
 
@@ -81,4 +84,5 @@ no_derivative("hkt::downsample_backward", "hkt::downsample_backward: no derivati
               "create_graph=True through hkt.causal_downsample differentiates its torch expression")
 
 # eager calls that need gradients: the same functions, without the dispatcher
-DownsampleFunction = eager_autograd("DownsampleFunction", _forward, _setup_context, _gradients, lists=False)
+DownsampleFunction = eager_autograd("DownsampleFunction", _kernels._downsample_forward, _setup_context, _gradients,
+                                    lists=False)

@@ -55,14 +55,16 @@ def _(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_cau
     return out, lse
 
 
-@torch.library.custom_op("hkt::varlen_backward", mutates_args=(), **OP_OPTIONS)
-def varlen_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor, lse: Tensor,
+def _backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor, lse: Tensor,
                     cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: Optional[int],
                     max_seqlen_k: Optional[int], is_causal: bool, scale: Optional[float]) -> List[Tensor]:
     q, k, v, w = [x.detach() for x in q], [x.detach() for x in k], v.detach(), w.detach()
     dq, dk, dv, dw = _kernels._varlen_backward(dout.detach(), q, k, v, w, out.detach(), lse.detach(), cu_seqlens_q,
                                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
     return dq + dk + [dv, dw]
+
+
+varlen_backward = torch.library.custom_op("hkt::varlen_backward", _backward, mutates_args=(), **OP_OPTIONS)
 
 
 @varlen_backward.register_fake
@@ -83,6 +85,8 @@ def _gradients(ctx, dout, _dlse):
     if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
         _, _, is_causal, scale = ctx.args
         dq, dk, dv, dw = _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale)
+    elif getattr(ctx, "eager", False):  # the kernels themselves: no dispatch
+        dq, dk, dv, dw = _kernels._varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
     else:
         grads = varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
         dq, dk, dv, dw = grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1]
@@ -91,7 +95,7 @@ def _gradients(ctx, dout, _dlse):
 
 torch.library.register_autograd("hkt::varlen_forward", _gradients, setup_context=_setup_context)
 # eager calls that need gradients: the same functions, without the dispatcher
-VarlenFunction = eager_autograd("VarlenFunction", _forward, _setup_context, _gradients)
+VarlenFunction = eager_autograd("VarlenFunction", _kernels._varlen_forward, _setup_context, _gradients)
 
 
 no_derivative("hkt::varlen_backward", "hkt::varlen_backward: no derivative of its own; a backward with "
