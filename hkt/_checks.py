@@ -6,9 +6,8 @@ The kernels' path (_kernels), the "sdpa" backend (_sdpa), the public calls
 (functional, kvcache, varlen) and the module (modules) all take them from here,
 so no two of them can disagree.
 
-Of hkt it imports only hkt.reference, for the mask rule: converting a mask is
-part of the maths the reference defines (docs/contract.md), so its one
-definition stays there, and the reference itself imports nothing of hkt.
+Of hkt it imports only hkt._maths, for the conversion of a float mask (the
+library's maths; hkt.reference keeps its own copy of it and of these rules).
 """
 import math
 import numbers
@@ -17,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .reference import _MAX_LEVELS, float_mask_in
+from ._maths import float_mask_in
 
 
 class ShapeError(ValueError, AssertionError):
@@ -26,6 +25,16 @@ class ShapeError(ValueError, AssertionError):
     nn.MultiheadAttention raises for the same mistakes (its asserts): code
     written against either catches it.  Raised explicitly, so ``python -O``
     keeps the check."""
+
+
+# the most levels a call may have (docs/contract.md section 1; the kernels'
+# per-level arrays are sized for it)
+_MAX_LEVELS = 24
+
+# the largest window the kernels take: a level's radius W_l / 2^l is an int64
+# there, and a block's first key (t >> l) - radius + 1 is scaled back by 2^l
+# without overflow up to this (any longer sequence is far beyond memory)
+_MAX_WINDOW = 1 << 62
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -224,6 +233,49 @@ def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_al
         attn_mask = _as_4d(attn_mask)
     check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=dropout_allowed)
     return attn_mask, dropout_p, scale
+
+
+def check_windows(windows, L: int, *, growing: bool = False):
+    """``windows`` checked (docs/contract.md section 1.11): None, or a list or
+    tuple of L entries, each None (the level sees every key) or W_l, a positive
+    multiple of 2^l (an int, not a bool) of at most 2^62 tokens.  Returns None
+    when no level has a window, else a tuple of L entries, W_l or None.
+    ``growing``: also require what the kernels' block sharing needs: each
+    window larger than the one below it, and no window above a level without
+    one."""
+    if windows is None:
+        return None
+    if not isinstance(windows, (list, tuple)):
+        raise TypeError(f"windows: expected None or a list of {L} entries (None or an int, one per level), "
+                        f"got {type(windows).__name__}")
+    if len(windows) != L:
+        raise ValueError(f"windows: expected one entry per level, {L}, got {len(windows)}")
+    out = []
+    for l, W in enumerate(windows):
+        if W is None:
+            out.append(None)
+            continue
+        ok = isinstance(W, int) and not isinstance(W, bool)
+        if not ok and hasattr(W, "__index__") and not isinstance(W, (bool, float)):
+            try:
+                W, ok = int(W.__index__()), True
+            except TypeError:
+                ok = False
+        if not ok or W <= 0 or W % (1 << l):
+            raise ValueError(f"windows[{l}]: expected None or a positive multiple of {1 << l} (2^{l}) tokens, "
+                             f"got {W!r}")
+        if W > _MAX_WINDOW:
+            raise ValueError(f"windows[{l}]: at most 2^62 tokens, got {W!r}; None is a level that sees every key")
+        out.append(W)
+    if growing:
+        for l in range(1, L):
+            if out[l] is not None and out[l - 1] is None:
+                raise ValueError(f"windows[{l}]: the kernels need no window above a level without one "
+                                 f"(windows[{l - 1}] is None); got {out[l]}")
+            if out[l] is not None and out[l] <= out[l - 1]:
+                raise ValueError(f"windows[{l}]: the kernels need each window larger than the one below it, "
+                                 f"windows[{l - 1}] = {out[l - 1]}; got {out[l]}")
+    return None if all(W is None for W in out) else tuple(out)
 
 
 def _name_the_argument(q, k, v, w, attn_mask):

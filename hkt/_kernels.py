@@ -12,7 +12,8 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from . import _C
-from ._checks import compute_dtype, float_mask_in
+from ._checks import compute_dtype
+from ._maths import float_mask_in
 
 __all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
            "_downsample_backward", "window_kernels", "window_decode_kernel", "dropout_keep_mask", "has_cuda", "cpu_tile"]

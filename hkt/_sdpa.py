@@ -67,8 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import float_mask_in
-from .reference import repeat_kv
+from ._maths import float_mask_in, repeat_kv
 
 __all__ = ["sdpa_attention", "concat_levels"]
 

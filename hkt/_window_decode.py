@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ._kernels import _threads, window_decode_kernel
 from ._window import _radius
-from .reference import level_factor
+from ._maths import level_factor
 
 __all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows"]
 

@@ -1,15 +1,16 @@
-"""The causal downsampling that makes MultiheadHKT's coarse levels, and its
-autograd: the extension's one-pass kernels on the CPU in float32/float64, the
-torch expression everywhere else (and for double backward).
+"""The causal downsampling that makes MultiheadHKT's coarse levels: the
+extension's one-pass kernels on the CPU in float32/float64 (the
+hkt::downsample_forward op's functions, hkt/ops/downsample.py), the torch
+expression everywhere else (and for double backward).
 
 Shapes: x (B, n, C), taps (K, C) -> (B, ceil(n / 2), C).
 """
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import _kernels
-from ._guards import _c_apply, _symbolic
+from ._guards import _symbolic
+from .ops.downsample import DownsampleFunction, downsample_expr
 
 __all__ = ["causal_downsample"]
 
@@ -38,18 +39,7 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
     return _downsample_expr(x, taps)
 
 
-def _downsample_expr(x: Tensor, taps: Tensor) -> Tensor:
-    """causal_downsample in torch ops: a sum over r in order, each product rounded."""
-    K = taps.shape[0]
-    m = (x.shape[1] + 1) // 2
-    # K - 1 zero rows in front turn index 2p - r into 2p + (K - 1 - r) >= 0; the
-    # last index read, 2(m - 1), is < n, so no padding is needed at the end.
-    xp = F.pad(x, [0, 0, K - 1, 0])
-    out = xp[:, K - 1:K - 1 + 2 * m - 1:2] * taps[0]
-    for r in range(1, K):
-        start = K - 1 - r
-        out = out + xp[:, start:start + 2 * m - 1:2] * taps[r]
-    return out
+_downsample_expr = downsample_expr  # (tests name hkt.modules._downsample_expr)
 
 
 _DS_DTYPES = (torch.float32, torch.float64)
@@ -74,25 +64,5 @@ def _downsample_c(x: Tensor, taps: Tensor) -> Tensor:
     return _kernels._downsample_forward(x, taps)
 
 
-class _Downsample(torch.autograd.Function):
-    """causal_downsample's autograd on the extension's two passes.  A backward
-    run with create_graph=True differentiates the torch expression instead, so
-    double backward works too."""
-
-    @staticmethod
-    def forward(ctx, x, taps):
-        ctx.save_for_backward(x, taps)
-        return _kernels._downsample_forward(x, taps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, taps = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: gradients that are themselves differentiable
-            need = [t for t, n in zip((x, taps), ctx.needs_input_grad[:2]) if n]
-            got = iter(torch.autograd.grad(_downsample_expr(x, taps), need, grad, create_graph=True))
-            return tuple(next(got) if n else None for n in ctx.needs_input_grad[:2])
-        gx, gt = _kernels._downsample_backward(grad, x, taps, bool(ctx.needs_input_grad[0]))
-        return gx, (gt if ctx.needs_input_grad[1] else None)
-
-
-_DOWNSAMPLE_APPLY = _c_apply(_Downsample)  # never under torch.func transforms (_downsample_in_c)
+# apply's C entry: never under torch.func transforms (_downsample_in_c)
+_DOWNSAMPLE_APPLY = DownsampleFunction.fast_apply

@@ -17,6 +17,8 @@ from ._autograd import _heads
 from ._checks import _CALL_FAILED, _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from ._window_decode import _rows, append_windowed, attend_windowed_rows, cache_rows
+from .ops import decode as decode_op
+from .ops._schema import schema_scale
 
 __all__ = ["hkt_attention_with_kvcache", "DecodeCache"]
 
@@ -94,6 +96,10 @@ def hkt_attention_with_kvcache(
     weight a row sees makes that row NaN; NaN in ``v`` reaches the rows that see
     its key; a row whose every score is -inf gives zeros.
 
+    Runs under ``torch.compile`` (fullgraph too) and ``torch.export`` as the
+    ``hkt::decode`` / ``hkt::decode_append`` ops (the caches' writes included);
+    not under ``torch.jit.trace``.
+
     CPU only: CUDA tensors raise ``ValueError`` (no silent fallback).  Not
     differentiable: with grad mode on, an input that requires grad raises
     ``RuntimeError`` (call it under ``torch.no_grad()`` or
@@ -119,6 +125,8 @@ def hkt_attention_with_kvcache(
             # in the caches' dtype, which the kernel computes in (the caches, written
             # in place, cannot be cast), as autocast promotes a mixed call to its widest
             q, k, v, w = _autocast_inputs(q, k, v, w, to=v_cache.dtype)
+        if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
+            return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
         return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
     except _CALL_FAILED:
         # nothing is checked in Python on the way in; when something failed, say
@@ -126,6 +134,16 @@ def hkt_attention_with_kvcache(
         _check_decode_inputs(q, k_cache, v_cache, w, k, v)
         _refuse_meta(q[0], "decoding")
         raise
+
+
+def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale) -> Tensor:
+    """The call as hkt::decode (read only) or hkt::decode_append (k and v written
+    into the caches first) take it: cache_seqlens as a tensor, or None beside
+    an int."""
+    lens = (cache_seqlens, 0) if isinstance(cache_seqlens, Tensor) else (None, cache_seqlens)
+    if k is None and v is None:
+        return decode_op.decode(list(q), list(k_cache), v_cache, w, *lens, schema_scale(scale))
+    return decode_op.decode_append(list(q), list(k_cache), v_cache, w, *lens, list(k), v, schema_scale(scale))
 
 
 def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:

@@ -14,13 +14,13 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import kvcache as _kvcache
 from ._autograd import _heads
-from ._checks import ShapeError, float_mask_in
+from ._checks import ShapeError, check_windows
 from ._guards import _symbolic
+from ._maths import float_mask_in, masked_probs, probs_of_scores, windowed_scores
 from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coarse_off
 # (tests name hkt.modules._downsample_expr and _DOWNSAMPLE_APPLY)
 from .downsample import _DOWNSAMPLE_APPLY, _downsample_expr, causal_downsample  # noqa: F401
 from .functional import hkt_attention, qkv_attention
-from .reference import check_windows, masked_probs, probs_of_scores, windowed_scores
 from .varlen import hkt_attention_varlen, pack_levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]

@@ -6,9 +6,11 @@ import torch
 from torch import Tensor
 
 from . import _kernels
-from ._checks import _CALL_FAILED, _check_inputs, _check_scalars, compute_dtype
+from ._checks import _CALL_FAILED, _check_inputs, _check_scalars
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from .reference import hkt_attention_reference
+from .ops import varlen as varlen_op
+from .ops._eager import flat_apply
+from .ops._schema import schema_scale
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -30,10 +32,7 @@ def varlen_level_offsets(cu_seqlens: Tensor, levels: int) -> List[Tensor]:
         row offsets, entry 0 is ``cu_seqlens`` itself, and ``offsets[l][-1]`` is
         the number of rows ``q[l]`` (or ``k[l]``) must have.
     """
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    zero = torch.zeros(1, dtype=torch.int64, device=cu_seqlens.device)
-    return [torch.cat([zero, torch.cumsum((lens + (2 ** l - 1)) // 2 ** l, 0)]).to(cu_seqlens.dtype)
-            for l in range(levels)]
+    return varlen_op.level_offsets(cu_seqlens, levels)
 
 
 def pack_levels(xs: Sequence[Tensor], lengths: Tensor) -> List[Tensor]:
@@ -102,12 +101,13 @@ def hkt_attention_varlen(
         Gradients flow to every ``q[l]``, ``k[l]``, ``v`` and ``w`` (the
         gradient of ``w`` summed over sequences in a fixed order: bitwise the
         same for any thread count), to any order: a backward with
-        ``create_graph=True`` differentiates the plain-PyTorch reference,
+        ``create_graph=True`` differentiates the plain-PyTorch formula,
         sequence by sequence (O(T_s S_s) memory).
 
     CPU only; float32, float64 (own precision) and bfloat16 (natively, or
-    computed in float32, where :func:`hkt.hkt_attention` runs it so); eager
-    mode (no TorchScript, no custom op for torch.compile yet).  No attention
+    computed in float32, where :func:`hkt.hkt_attention` runs it so).  Runs
+    under ``torch.compile`` (fullgraph too) and ``torch.export`` as the
+    ``hkt::varlen_forward`` op; not under TorchScript.  No attention
     mask and no dropout.  Under ``torch.autocast`` the inputs
     are cast as :func:`hkt.hkt_attention` casts them.
 
@@ -139,63 +139,12 @@ def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
     # them (w always, q, k, v off the native path), so a mix would pass unnoticed
     _check_inputs(q, k, v, w)
     _, scale = _check_scalars(is_causal, 0.0, scale)
+    if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
+        return varlen_op.varlen_forward(list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
+                                        schema_scale(scale))[0]
     if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
                                     v.requires_grad or w.requires_grad):
-        return _VarlenAttention.apply(len(q), len(k), cu_q, cu_k, max_q, max_k, is_causal, scale, *q, *k, v, w)
+        return flat_apply(varlen_op.VarlenFunction, list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
+                          scale)[0]
     return _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)[0]
 
-
-class _VarlenAttention(torch.autograd.Function):
-    """Autograd for :func:`hkt_attention_varlen`: the packed kernels forward and
-    backward; a backward run with ``create_graph=True`` (double backward,
-    gradient penalties) differentiates the plain-PyTorch reference instead
-    (:func:`_differentiable_grads`)."""
-
-    @staticmethod
-    def forward(ctx, L, Lk, cu_q, cu_k, max_q, max_k, is_causal, scale, *qkvw):
-        # Lk: k's own count, which the extension checks against q's and names
-        q, k, v, w = list(qkvw[:L]), list(qkvw[L:L + Lk]), qkvw[L + Lk], qkvw[L + Lk + 1]
-        out, lse = _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)
-        ctx.save_for_backward(*qkvw, out, lse, cu_q, cu_k)
-        ctx.L, ctx.args = L, (max_q, max_k, is_causal, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        L, saved = ctx.L, ctx.saved_tensors
-        q, k = list(saved[:L]), list(saved[L:2 * L])
-        v, w, out, lse, cu_q, cu_k = saved[2 * L:]
-        if torch.is_grad_enabled():  # create_graph: a backward that is itself differentiable
-            _, _, is_causal, scale = ctx.args
-            dq, dk, dv, dw = _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale)
-        else:
-            dq, dk, dv, dw = _kernels._varlen_backward(dout, q, k, v, w, out, lse, cu_q, cu_k, *ctx.args)
-        return (None,) * 8 + (*dq, *dk, dv, dw)
-
-
-def _differentiable_grads(dout, q, k, v, w, cu_q, cu_k, is_causal, scale):
-    """The packed gradients as differentiable tensors (create_graph): each
-    sequence's attention recomputed by hkt.reference in the compute dtype (its
-    (T_s, S_s) scores and probabilities: O(T_s S_s) memory, as the padded call's
-    double backward), then differentiated by autograd with create_graph=True."""
-    L, cd = len(q), compute_dtype(q[0].dtype)
-    oq = [x.tolist() for x in varlen_level_offsets(cu_q, L)]
-    ok = [x.tolist() for x in varlen_level_offsets(cu_k, L)]
-    with torch.enable_grad():
-        qc, kc, vc, wc = [x.to(cd) for x in q], [x.to(cd) for x in k], v.to(cd), w.to(cd)
-        outs = []
-        for s in range(len(oq[0]) - 1):
-            if ok[0][s + 1] == ok[0][s]:  # no keys: zeros, which depend on nothing
-                outs.append(vc.new_zeros((oq[0][s + 1] - oq[0][s], qc[0].shape[1], vc.shape[2])))
-                continue
-            qs = [x[oq[l][s]:oq[l][s + 1]].transpose(0, 1).unsqueeze(0) for l, x in enumerate(qc)]
-            ks = [x[ok[l][s]:ok[l][s + 1]].transpose(0, 1).unsqueeze(0) for l, x in enumerate(kc)]
-            vs = vc[ok[0][s]:ok[0][s + 1]].transpose(0, 1).unsqueeze(0)
-            outs.append(hkt_attention_reference(qs, ks, vs, wc, is_causal=is_causal, scale=scale)[0].transpose(0, 1))
-        out = torch.cat(outs, 0) if outs else vc.new_zeros((0, qc[0].shape[1], vc.shape[2]))
-        inputs = [*q, *k, v, w]
-        wrt = [x for x in inputs if x.requires_grad]  # the rest need no gradient
-        got = iter(torch.autograd.grad(out, wrt, dout.to(cd), create_graph=True, allow_unused=True) if wrt else ())
-        grads = [next(got) if x.requires_grad else None for x in inputs]
-    grads = [torch.zeros_like(x) if g is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
-    return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hkt
-import hkt._window as window_mod
+import hkt.ops.window as window_mod  # the windowed kernels are called there
 from hkt._kernels import dropout_keep_mask
 from hkt._window import window_forward
 from hkt.reference import hkt_attention_reference as reference

@@ -1,5 +1,5 @@
-"""torch.library custom ops around the kernels: fake (meta) kernels for
-torch.compile, and autograd.
+"""The dense attention kernels as torch.library custom ops: fake (meta) kernels
+for torch.compile, and autograd.
 
 hkt::attention_forward  -> (out, lse)           lse is the per-row log-sum-exp
 hkt::attention_backward -> dq[0..L) + dk[0..L) + [dv, dw] (+ [dmask] with mask_grad)
@@ -12,45 +12,29 @@ matrix) and the dropout seed, so the backward sees the forward's dropout mask.
 
 hkt::attention_backward has an autograd formula too (double backward, e.g.
 gradient penalties, Hessian-vector products, gradgradcheck): it recomputes the
-attention in plain PyTorch (hkt.reference) from the saved inputs and
+attention in plain PyTorch (hkt._maths) from the saved inputs and
 differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
 :func:`_double_backward`.
 """
-import os
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from . import _kernels
-from ._checks import compute_dtype
-from .reference import hkt_attention_reference
+from .. import _kernels
+from .._checks import compute_dtype
+from .._maths import dense_attention
+from ._schema import OP_OPTIONS
 
 __all__ = ["attention_forward", "attention_backward"]
 
 _SEED_MASK = (1 << 64) - 1
 
-# CUDA graphs.  The CUDA kernels are queued on torch's current stream, never
-# synchronize and never allocate (the backward's scratch comes from torch), so
-# the ops should be capturable; they are tagged cudagraph_unsafe until that has
-# been seen on a GPU, and because a replayed graph repeats the dropout seed it
-# was captured with (the seed is read on the host).  The tag makes
-# torch.compile(mode="reduce-overhead") run the ops outside its CUDA graphs
-# (graph partitions on either side of them are still captured).
-# HKT_CUDAGRAPH_SAFE=1 at import registers them without it, for
-# tests/test_cuda.py::test_compiled_reduce_overhead_captures_untagged_ops,
-# which shows whether the tag can go (README, "CUDA graphs").
-_CUDAGRAPH_SAFE = os.environ.get("HKT_CUDAGRAPH_SAFE", "0") == "1"
-_TAGS = () if _CUDAGRAPH_SAFE or not hasattr(torch.Tag, "cudagraph_unsafe") else (torch.Tag.cudagraph_unsafe,)
-# custom_op takes tags from torch 2.5 on; 2.4's has neither the argument nor that tag
-_OP_OPTIONS = {"tags": _TAGS} if _TAGS else {}
-
-
 def _seed_value(seed: Tensor) -> int:
     return int(seed.item()) & _SEED_MASK
 
 
-@torch.library.custom_op("hkt::attention_forward", mutates_args=(), **_OP_OPTIONS)
+@torch.library.custom_op("hkt::attention_forward", mutates_args=(), **OP_OPTIONS)
 def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                       is_causal: bool, dropout_p: float, scale: float, seed: Tensor) -> tuple[Tensor, Tensor]:
     # the seed is read (on the host) only when there is dropout: without, it may
@@ -67,7 +51,7 @@ def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
     return out, lse
 
 
-@torch.library.custom_op("hkt::attention_backward", mutates_args=(), **_OP_OPTIONS)
+@torch.library.custom_op("hkt::attention_backward", mutates_args=(), **OP_OPTIONS)
 def attention_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor,
                        lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
                        seed: Tensor, mask_grad: bool = False) -> List[Tensor]:
@@ -141,7 +125,7 @@ def _double_backward(ctx, grads):
     """Autograd formula of hkt::attention_backward, in plain PyTorch.
 
     The first-order gradients are rebuilt from the saved dout, q, k, v, w and
-    attn_mask with :func:`hkt.reference.hkt_attention_reference` (the forward
+    attn_mask with :func:`hkt._maths.dense_attention` (the forward
     recomputed: full (B, H, T, S) scores and probabilities, O(B*H*T*S) memory
     and time, several such buffers) and differentiated once more by autograd.
     ``out`` and ``lse`` are taken to be the forward's outputs for these inputs
@@ -150,7 +134,7 @@ def _double_backward(ctx, grads):
     the mask's.  Masks (bool or float, the float mask's own gradient with
     ``mask_grad``), causal, per-head or shared w and dropout (the kernels'
     pattern, rebuilt from the saved seed) are all handled; bfloat16 is computed
-    in float32, or natively where hkt.hkt_attention says.  Rows with no visible key and NaN follow hkt.reference's rules,
+    in float32, or natively where hkt.hkt_attention says.  Rows with no visible key and NaN follow the contract's rules,
     which are the kernels'.
     """
     L = ctx.L
@@ -180,8 +164,7 @@ def _double_backward(ctx, grads):
         m_ = None
         if attn_mask is not None:
             m_ = _slot(attn_mask, cd, ctx.mask_grad or mask_needs) if float_mask else attn_mask
-        out = hkt_attention_reference(q_, k_, v_, w_, attn_mask=m_, is_causal=ctx.is_causal, dropout_p=p,
-                                      scale=ctx.scale, dropout_mask=keep)
+        out = dense_attention(q_, k_, v_, w_, m_, ctx.is_causal, ctx.scale, p, keep)
         # first-order gradients only where a gradient of them came in
         first_all = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
         pairs = [(x, g) for x, g in zip(first_all, ggrads) if g is not None]

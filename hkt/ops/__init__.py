@@ -1,0 +1,18 @@
+"""hkt's kernels as torch.library custom ops, one module per kernel family:
+
+    attention.py   hkt::attention_forward, hkt::attention_backward   (dense hkt_attention)
+    window.py      hkt::window_forward, hkt::window_backward         (hkt_attention with windows)
+    varlen.py      hkt::varlen_forward, hkt::varlen_backward         (hkt_attention_varlen)
+    downsample.py  hkt::downsample_forward, hkt::downsample_backward (causal_downsample)
+    decode.py      hkt::decode, hkt::decode_append                   (hkt_attention_with_kvcache)
+
+Each module registers its ops, their fake (meta) kernels and their autograd
+once; torch.compile and torch.export record the ops, and an eager call that
+needs gradients runs the same registered functions without the dispatcher
+(_eager.py).  Importing this package registers every op.
+"""
+from . import attention, decode, downsample, varlen, window  # noqa: F401
+from ._schema import _TAGS  # noqa: F401 (tests/test_cuda.py reads the tags)
+from .attention import attention_backward, attention_forward  # noqa: F401
+
+__all__ = ["attention_forward", "attention_backward"]
