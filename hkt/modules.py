@@ -12,16 +12,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from . import kvcache as _kvcache
 from ._autograd import _heads
-from ._checks import ShapeError, float_mask_in
+from ._checks import ShapeError
 from ._guards import _symbolic
+from ._mha_inputs import batch_first_view, build_mask, packed_attention, padding_rows
 from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coarse_off
-# (tests name hkt.modules._downsample_expr and _DOWNSAMPLE_APPLY)
+# (tests name hkt.modules.causal_downsample, _downsample_expr and _DOWNSAMPLE_APPLY)
 from .downsample import _DOWNSAMPLE_APPLY, _downsample_expr, causal_downsample  # noqa: F401
 from .functional import hkt_attention, qkv_attention
+from .level_cache import LevelCache
+from .levels import Levels
 from .reference import check_windows, masked_probs, probs_of_scores, windowed_scores
-from .varlen import hkt_attention_varlen, pack_levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
 
@@ -58,20 +59,12 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
     return a.is_set_to(b)
 
 
-def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """bool (True = may attend) -> additive float (0 / -inf)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-
-
-def _fmt(shape: List[int]) -> str:
-    """A shape as Python prints a tuple, "(2, 3)" (TorchScript has no tuple(shape))."""
-    return "(" + ", ".join([str(n) for n in shape]) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _pad_keys(m: Tensor, n: int) -> Tensor:
-    """n more key columns that hide nothing: True for a bool mask, 0 for a float one."""
-    shape = list(m.shape[:-1]) + [n]
-    return torch.cat([m, m.new_ones(shape) if m.dtype == torch.bool else m.new_zeros(shape)], dim=-1)
+def _positive_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name}: must be at least 1, got {x}")
+    return x
 
 
 def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
@@ -105,7 +98,7 @@ def _attention_weights(qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Opti
     return weights
 
 
-class MultiheadHKT(nn.Module):
+class MultiheadHKT(Levels):
     r"""Multi-head Hierarchical Kernel Transformer attention, a drop-in
     replacement for :class:`torch.nn.MultiheadAttention`.
 
@@ -252,31 +245,20 @@ class MultiheadHKT(nn.Module):
                 or num_heads % num_kv_heads != 0):
             raise ValueError(f"num_kv_heads: expected an int >= 1 that divides num_heads ({num_heads}), got "
                              f"{num_kv_heads!r}")
-        if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-            raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
-        if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
-            raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+        Levels._check_options(levels, downsample_kernel)
         windows = check_windows(windows, levels, growing=True)  # docs/contract.md section 1.11
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
+        super().__init__(num_heads, embed_dim // num_heads, num_kv_heads, levels, downsample_kernel, windows)
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
         self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
         self.dropout = dropout
         self.batch_first = batch_first
-        self.head_dim = embed_dim // num_heads
         # features of one key or value projection: num_kv_heads heads of head_dim
         Ekv = self.kv_dim = num_kv_heads * self.head_dim
         self.add_zero_attn = add_zero_attn
-        self.levels = levels
-        self.downsample_kernel = downsample_kernel
         self.pack_padding = bool(pack_padding)
-        # a window per level (None: none); TorchScript reads only whether there are any
-        self.windows = windows
-        self._windowed = windows is not None
 
         # Level 0: nn.MultiheadAttention's parameters, names and shapes.
         if self._packed_in_proj:
@@ -300,33 +282,14 @@ class MultiheadHKT(nn.Module):
         else:
             self.bias_k = self.bias_v = None
 
-        # Levels 1 .. L-1.
-        Lc, K = levels - 1, downsample_kernel
-        if Lc > 0:
-            self.q_downsample = nn.Parameter(torch.empty((Lc, K, embed_dim), **factory_kwargs))
-            self.k_downsample = nn.Parameter(torch.empty((Lc, K, self.kdim), **factory_kwargs))
-            self.coarse_q_proj_weight = nn.Parameter(torch.empty((Lc, embed_dim, embed_dim), **factory_kwargs))
-            self.coarse_k_proj_weight = nn.Parameter(torch.empty((Lc, Ekv, self.kdim), **factory_kwargs))
-            if bias:
-                self.coarse_q_proj_bias = nn.Parameter(torch.empty((Lc, embed_dim), **factory_kwargs))
-                self.coarse_k_proj_bias = nn.Parameter(torch.empty((Lc, Ekv), **factory_kwargs))
-            else:
-                self.register_parameter("coarse_q_proj_bias", None)
-                self.register_parameter("coarse_k_proj_bias", None)
-            self.level_logits = nn.Parameter(torch.empty((num_heads, levels), **factory_kwargs))
-        else:
-            for name in ("q_downsample", "k_downsample", "coarse_q_proj_weight", "coarse_k_proj_weight",
-                         "coarse_q_proj_bias", "coarse_k_proj_bias", "level_logits"):
-                self.register_parameter(name, None)
-
+        # Levels 1 .. L-1, after level 0: the order of parameters() (and of optimiser state)
+        self._add_levels(embed_dim, self.kdim, bias, **factory_kwargs)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
         """Init for training from scratch.  Level 0 as nn.MultiheadAttention
-        (xavier_uniform projections, zero biases, xavier_normal bias_k/v);
-        downsampling taps 1/K (with K = 2, level l starts as the mean of the
-        2^l inputs ending at position 2^l p: a causal average pool); each coarse projection
-        xavier_uniform with zero bias; level_logits zero (equal level weights)."""
+        (xavier_uniform projections, zero biases, xavier_normal bias_k/v),
+        then the levels as :meth:`Levels._reset_levels`."""
         if self._packed_in_proj:
             nn.init.xavier_uniform_(self.in_proj_weight)
         else:
@@ -340,16 +303,7 @@ class MultiheadHKT(nn.Module):
             nn.init.xavier_normal_(self.bias_k)
         if self.bias_v is not None:
             nn.init.xavier_normal_(self.bias_v)
-        if self.levels > 1:
-            nn.init.constant_(self.q_downsample, 1.0 / self.downsample_kernel)
-            nn.init.constant_(self.k_downsample, 1.0 / self.downsample_kernel)
-            for l in range(self.levels - 1):
-                nn.init.xavier_uniform_(self.coarse_q_proj_weight[l])
-                nn.init.xavier_uniform_(self.coarse_k_proj_weight[l])
-            if self.coarse_q_proj_bias is not None:
-                nn.init.constant_(self.coarse_q_proj_bias, 0.0)
-                nn.init.constant_(self.coarse_k_proj_bias, 0.0)
-            nn.init.constant_(self.level_logits, 0.0)
+        self._reset_levels()
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, levels={self.levels}, " \
@@ -370,31 +324,17 @@ class MultiheadHKT(nn.Module):
             s += ", batch_first=True"
         return s
 
-    def level_weights(self) -> Tensor:
-        """The convex level weights w = softmax(level_logits), (num_heads, levels)."""
-        logits = self.level_logits
-        if logits is None:
-            if torch.jit.is_scripting():
-                w = self.out_proj.weight
-            else:
-                w = self._stored_weight()
-            return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
-        return torch.softmax(logits, dim=-1)
-
-    @torch.jit.unused
-    def _windowed_attention(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
-                            causal: bool, dropout_p: float, packs: bool) -> Tensor:
-        """hkt_attention with the module's windows; what they cannot take refused by name."""
-        if packs:
-            raise ValueError("pack_padding: not supported with windows (its packed call takes no windows)")
-        return hkt_attention(qs, ks, v, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
-                             windows=self.windows)
-
     @torch.jit.unused
     def _windowed_probs(self, qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor],
                         causal: bool) -> Tensor:
         """need_weights with windows: the dense definition's probabilities (O(T*S), as MHA's weights)."""
         return probs_of_scores(*windowed_scores(qs, ks, w, self.windows), mask, causal)
+
+    def _reference_weight(self) -> Tensor:
+        """level_weights()'s dtype and device with levels=1 (Levels._reference_weight)."""
+        if torch.jit.is_scripting():
+            return self.out_proj.weight
+        return self._stored_weight()
 
     @torch.jit.unused
     def _stored_weight(self) -> Tensor:
@@ -440,33 +380,7 @@ class MultiheadHKT(nn.Module):
         ``bias``.  The one place that says which parameter serves which level:
         ``forward``, incremental decoding and :mod:`hkt.analysis` read it."""
         wq, wk, _, bq, bk, _ = self.in_projections()
-        return self._with_coarse(wq, bq, wk, bk)
-
-    def _with_coarse(self, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor]
-                     ) -> List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]]:
-        """level_projections() with level 0's as given (read once by forward)."""
-        out: List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = [(wq, bq, wk, bk)]
-        cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
-        cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
-        if cqw is not None and ckw is not None:
-            for l in range(1, self.levels):
-                out.append((cqw[l - 1], None if cqb is None else cqb[l - 1], ckw[l - 1],
-                            None if ckb is None else ckb[l - 1]))
-        return out
-
-    def level_inputs(self, query: Tensor, key: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
-        """The sequences each level's projections read: level 0 is ``query``
-        (B, T, embed_dim) and ``key`` (B, S, kdim) (batch first), level l the
-        previous level's causally downsampled by 2 with that stream's taps
-        (:func:`causal_downsample`, ``q_downsample[l - 1]`` / ``k_downsample[l - 1]``),
-        so level l holds ceil(T / 2^l) and ceil(S / 2^l) rows."""
-        xq, xk = [query], [key]
-        qd, kd = self.q_downsample, self.k_downsample
-        if qd is not None and kd is not None:
-            for l in range(1, self.levels):
-                xq.append(causal_downsample(xq[l - 1], qd[l - 1]))
-                xk.append(causal_downsample(xk[l - 1], kd[l - 1]))
-        return xq, xk
+        return [(wq, bq, wk, bk)] + self.coarse_projections()
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention, levels: int = 3, downsample_kernel: int = 2, *,
@@ -579,131 +493,6 @@ class MultiheadHKT(nn.Module):
             merged = merged + key_padding_mask.view(B, 1, 1, T).expand(-1, self.num_heads, -1, -1)
         return merged, 2
 
-    def _pack_padding_rows(self, key_padding_mask: Optional[Tensor], self_attention: bool, B: int,
-                           S: int) -> Optional[Tensor]:
-        """With ``pack_padding``, for a self-attention call with a (checked)
-        ``key_padding_mask``: which tokens are real, (B, S) bool; else None.
-        Refuses padding that is not at the end of its sequence (the packed
-        computation keeps each sequence's first tokens) and a float mask with
-        entries other than 0 and -inf (packing cannot add them)."""
-        if not self.pack_padding or key_padding_mask is None or not self_attention:
-            return None
-        kpm = key_padding_mask.reshape(B, S)
-        if kpm.dtype == torch.bool:
-            real = ~kpm
-        else:
-            real = kpm != float("-inf")
-        if not torch.jit.is_scripting():
-            if _symbolic() or kpm.is_meta:
-                # recorded, shapes only, or under torch.func: no data-dependent checks (the padded path runs)
-                return real
-        if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
-            raise ValueError("key_padding_mask: with pack_padding a float mask may hold only 0 (keep) and -inf "
-                             "(padding)")
-        trailing = torch.arange(S, device=real.device).unsqueeze(0) < real.sum(dim=1, keepdim=True)
-        if not bool(torch.equal(real, trailing)):
-            raise ValueError("key_padding_mask: with pack_padding the padding must be at the end of every "
-                             "sequence (True / -inf after the last real token only)")
-        return real
-
-    def _packed_attention(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, real: Tensor,
-                          is_causal: bool) -> Tensor:
-        """pack_padding's attention (B, H, T, hd): each sequence's real tokens
-        only, packed level by level (the causal downsampling makes a right-padded
-        sequence's first ceil(len / 2^l) level-l rows those of the sequence
-        alone), through :func:`hkt.hkt_attention_varlen`, then scattered back
-        with zeros at the padded rows."""
-        lengths = real.sum(dim=1)
-        cu = F.pad(torch.cumsum(lengths, 0), [1, 0]).cpu()
-        out = hkt_attention_varlen(pack_levels(qs, lengths), pack_levels(ks, lengths), pack_levels([v], lengths)[0],
-                                   w, cu, cu, is_causal=is_causal)
-        B, T = real.shape
-        full = out.new_zeros((B, T, out.shape[1], out.shape[2])).index_put((real,), out)
-        return full.transpose(1, 2)
-
-    def _build_mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool,
-                    B: int, T: int, S: int, n_extra: int, unbatched: bool, dtype: torch.dtype,
-                    device: torch.device) -> Tuple[Optional[Tensor], bool]:
-        """MHA's masks -> (mask for hkt_attention, is_causal for hkt_attention).
-
-        The returned mask is None, bool (True = may attend) when no float mask
-        was given, or float (additive); it is 4-D and broadcasts to
-        (B, H, T, S + n_extra).
-        """
-        H = self.num_heads
-        masks: List[Tensor] = []
-        if attn_mask is not None:
-            if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-                raise TypeError(f"attn_mask: only bool and floating point masks are supported, got {attn_mask.dtype}")
-            if attn_mask.dim() == 2:
-                if list(attn_mask.shape) != [T, S]:
-                    raise ShapeError(f"attn_mask: 2-D shape must be (T, S) = {_fmt([T, S])}, got "
-                                     f"{_fmt(attn_mask.shape)}")
-                m = attn_mask.reshape(1, 1, T, S)
-            elif attn_mask.dim() == 3:
-                want = [H, T, S] if unbatched else [B * H, T, S]
-                if list(attn_mask.shape) != want:
-                    raise ShapeError(f"attn_mask: 3-D shape must be {_fmt(want)}, got {_fmt(attn_mask.shape)}")
-                m = attn_mask.reshape(1 if unbatched else B, H, T, S)
-            else:
-                raise ShapeError(f"attn_mask: expected 2 or 3 dimensions, got shape {_fmt(attn_mask.shape)}")
-            masks.append(m)
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
-                raise TypeError("key_padding_mask: only bool and floating point masks are supported, got "
-                                f"{key_padding_mask.dtype}")
-            want = [S] if unbatched else [B, S]
-            if list(key_padding_mask.shape) != want:
-                raise ShapeError(f"key_padding_mask: shape must be {_fmt(want)}, got "
-                                 f"{_fmt(key_padding_mask.shape)}")
-            masks.append(key_padding_mask.reshape(-1, 1, 1, S))
-        use_float = False
-        for m in masks:
-            if m.is_floating_point():
-                use_float = True
-        # MHA conventions -> hkt_attention's: bool True = may attend; float added.
-        conv: List[Tensor] = []
-        for m in masks:
-            if m.dtype == torch.bool:
-                m = ~m
-                if use_float:
-                    m = _to_float_mask(m, dtype)
-            else:
-                m = float_mask_in(m, dtype)  # finite stays finite: a conversion must not hide an entry
-            if n_extra > 0:  # appended key slots are never masked (MHA pads with 0 / False)
-                m = _pad_keys(m, n_extra)
-            conv.append(m)
-        if is_causal and n_extra > 0:
-            # The kernel's causal rule would hide the appended slots from queries i < S + slot.
-            vis = torch.ones((T, S + n_extra), dtype=torch.bool, device=device)
-            vis[:, :S].tril_()
-            vis = vis.reshape(1, 1, T, S + n_extra)
-            conv.append(_to_float_mask(vis, dtype) if use_float else vis)
-            is_causal = False
-        mask: Optional[Tensor] = None
-        for m in conv:
-            if mask is None:
-                mask = m
-            else:
-                mask = mask + m if use_float else mask & m
-        return mask, is_causal
-
-    def _batch_first(self, query: Tensor, key: Tensor, value: Tensor, unbatched: bool
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """forward's inputs as (B, T, E), (B, S, kdim), (B, S, vdim) views."""
-        # Keep `query is key is value` through the reshape: self-attention then takes
-        # one packed projection.
-        same_kv, same_qk = key is value, query is key
-        if unbatched:
-            query = query.unsqueeze(0)
-            key = query if same_qk else key.unsqueeze(0)
-            value = key if same_kv else value.unsqueeze(0)
-        elif not self.batch_first:
-            query = query.transpose(0, 1)
-            key = query if same_qk else key.transpose(0, 1)
-            value = key if same_kv else value.transpose(0, 1)
-        return query, key, value
-
     def _project(self, query: Tensor, key: Tensor, value: Tensor
                  ) -> Tuple[List[Tensor], List[Tensor], Tensor, Optional[Tensor], int]:
         """forward's projections of its batch-first (B, T, E), (B, S, kdim),
@@ -737,14 +526,8 @@ class MultiheadHKT(nn.Module):
             n_extra += 1
 
         qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
-        if self.levels > 1:
-            # appended slots: zero inputs of the key stream
-            xqs, xks = self.level_inputs(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
-            projs = self._with_coarse(wq, bq, wk, bk)
-            for l in range(1, self.levels):
-                cwq, cbq, cwk, cbk = projs[l]
-                qs.append(_heads(F.linear(xqs[l], cwq, cbq), H, hd))
-                ks.append(_heads(F.linear(xks[l], cwk, cbk), Hk, hd))
+        # appended slots: zero inputs of the key stream
+        self._add_coarse_heads(qs, ks, query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
         return qs, ks, _heads(v, Hk, hd), qkv, n_extra
 
     def _attend(self, qs: List[Tensor], ks: List[Tensor], vh: Tensor, w: Tensor, qkv: Optional[Tensor],
@@ -760,7 +543,7 @@ class MultiheadHKT(nn.Module):
               and qs[0].device.type == "cpu" and not _symbolic()
               # the packed call never reads the mask: a float mask's gradient needs the padded one
               and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
-            out = self._packed_attention(qs, ks, vh, w, real, causal)
+            out = packed_attention(qs, ks, vh, w, real, causal)
         elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
             out = qkv_attention(qkv, qs, ks, vh, w, mask, causal, dropout_p)
         else:
@@ -802,39 +585,22 @@ class MultiheadHKT(nn.Module):
         """
         if not torch.jit.is_scripting():
             _refuse_fx_proxy(query)
-        if query.is_nested or key.is_nested or value.is_nested:
-            raise ShapeError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
-                             "around nn.MultiheadAttention creates them in eval mode with a key padding mask; set "
-                             "its use_nested_tensor = False (hkt.swap_attention does this)")
-        if query.dim() not in (2, 3):
-            raise ShapeError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {_fmt(query.shape)}")
-        unbatched = query.dim() == 2
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ShapeError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
-                             f"{value.dim()}-D")
-        query, key, value = self._batch_first(query, key, value, unbatched)
+        query, key, value, unbatched = batch_first_view(query, key, value, self.batch_first, self.embed_dim,
+                                                        self.kdim, self.vdim)
         # Now (B, T, E), (B, S, kdim), (B, S, vdim).
         B, T, E = query.shape[0], query.shape[1], query.shape[2]
         S = key.shape[1]
-        if E != self.embed_dim:
-            raise ShapeError(f"query: expected {self.embed_dim} features (embed_dim), got {E}")
-        if key.shape[2] != self.kdim:
-            raise ShapeError(f"key: expected {self.kdim} features (kdim), got {key.shape[2]}")
-        if value.shape[2] != self.vdim:
-            raise ShapeError(f"value: expected {self.vdim} features (vdim), got {value.shape[2]}")
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
-            raise ShapeError(f"key, value: batch and length must match each other and query's batch {B}; got "
-                             f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
         qs, ks, v, qkv, n_extra = self._project(query, key, value)
         w = self.level_weights()
         dtype = qs[0].dtype
-        mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,
-                                        dtype, qs[0].device)
+        mask, causal = build_mask(self.num_heads, attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra,
+                                  unbatched, dtype, qs[0].device)
         dropout_p = float(self.dropout) if self.training else 0.0
         # whether the call is self-attention matters only to pack_padding
         packs = self.pack_padding and key_padding_mask is not None
-        real = self._pack_padding_rows(key_padding_mask, packs and _one_input(query, key) and _one_input(key, value),
-                                       B, S)
+        real: Optional[Tensor] = None
+        if packs and key_padding_mask is not None and _one_input(query, key) and _one_input(key, value):
+            real = padding_rows(key_padding_mask, B, S)
         if self._windowed:
             if torch.jit.is_scripting():
                 raise RuntimeError("windows: the windowed kernels do not run under TorchScript; call the module "
@@ -859,14 +625,26 @@ class MultiheadHKT(nn.Module):
             out = out.transpose(0, 1)
         return out, weights
 
-    def init_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> "_kvcache.DecodeCache":
+    @torch.jit.unused
+    def _check_decodable(self) -> None:
+        """Options decode does not implement (they are not causal self-attention
+        over one token stream, or not deterministic)."""
+        if self.bias_k is not None:
+            raise ValueError("add_bias_kv: MultiheadHKT.decode does not support add_bias_kv=True")
+        if self.add_zero_attn:
+            raise ValueError("add_zero_attn: MultiheadHKT.decode does not support add_zero_attn=True")
+        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
+            raise ValueError(f"kdim/vdim: MultiheadHKT.decode is self-attention and needs kdim = vdim = embed_dim "
+                             f"({self.embed_dim}), got kdim={self.kdim}, vdim={self.vdim}")
+
+    def init_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> LevelCache:
         """A cache for :meth:`decode`: ``batch_size`` sequences of at most
-        ``max_len`` tokens, empty (``hkt.kvcache.DecodeCache``).  It holds, per
+        ``max_len`` tokens, empty (:class:`hkt.LevelCache`).  It holds, per
         level, the downsampling state (the last ``downsample_kernel`` inputs of
         the query and key streams), the coarse keys so far, and the values;
         with ``windows`` also each level's block sums of the values, which let
         a step read only level 0's window of single keys (see
-        ``hkt.kvcache.DecodeCache``).
+        :class:`hkt.LevelCache`).
 
         device, dtype: default the module's (float32 or float64 only).
 
@@ -875,9 +653,16 @@ class MultiheadHKT(nn.Module):
             ``add_zero_attn``, ``kdim`` / ``vdim`` other than ``embed_dim``) and
             ``batch_size`` / ``max_len`` below 1; TypeError for other dtypes.
         """
-        return _kvcache.init_cache(self, batch_size, max_len, device=device, dtype=dtype)
+        self._check_decodable()
+        batch_size, max_len = _positive_int(batch_size, "batch_size"), _positive_int(max_len, "max_len")
+        ref = self._stored_weight()
+        device = ref.device if device is None else torch.device(device)
+        dtype = ref.dtype if dtype is None else dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype: decoding runs in float32 or float64, got {dtype}")
+        return LevelCache.empty(self, batch_size, max_len, device, dtype)
 
-    def decode(self, x: Tensor, cache: "_kvcache.DecodeCache") -> Tensor:
+    def decode(self, x: Tensor, cache: LevelCache) -> Tensor:
         """Incremental causal self-attention: the output for the next ``n`` tokens
         of each sequence, given the ``cache`` of those before (from
         :meth:`init_cache`), which it advances by ``n``.
@@ -927,7 +712,10 @@ class MultiheadHKT(nn.Module):
         for hook in list(self._forward_pre_hooks.values()):
             if isinstance(hook, _RECOMPUTING_HOOKS):
                 hook(self, ())
-        return _kvcache.decode(self, x, cache)
+        self._check_decodable()
+        if not isinstance(cache, LevelCache):
+            raise TypeError(f"cache: expected the DecodeCache of mha.init_cache(...), got {type(cache).__name__}")
+        return cache.step(self, x, self._stored_weight().dtype)
 
 
 def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:
