@@ -176,3 +176,28 @@ def packed_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, r
     B, T = real.shape
     full = out.new_zeros((B, T, out.shape[1], out.shape[2])).index_put((real,), out)
     return full.transpose(1, 2)
+
+
+def merge_masks(num_heads: int, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                query: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
+    """MultiheadHKT.merge_masks, as ``nn.MultiheadAttention.merge_masks``: the
+    masks of a batch-first self-attention call in one, with its type (0
+    attn_mask (T, T), 1 key_padding_mask (B, T), 2 both, as (B, H, T, T);
+    None without masks).
+
+    The module's own forward does not use it; ``nn.TransformerEncoderLayer``'s
+    fused fast path calls it, which ``_qkv_same_embed_dim = False`` keeps from
+    running, but TorchScript compiles that call, so it must exist.
+    """
+    if attn_mask is None:
+        if key_padding_mask is None:
+            return None, None
+        return key_padding_mask, 1
+    B, T = query.shape[0], query.shape[1]
+    if attn_mask.dim() == 3:
+        merged = attn_mask.view(B, -1, T, T)
+    else:
+        merged = attn_mask.view(1, 1, T, T).expand(B, num_heads, -1, -1)
+    if key_padding_mask is not None:
+        merged = merged + key_padding_mask.view(B, 1, 1, T).expand(-1, num_heads, -1, -1)
+    return merged, 2

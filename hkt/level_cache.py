@@ -20,6 +20,14 @@ from .kvcache import hkt_attention_with_kvcache
 
 __all__ = ["LevelCache", "DecodeCache"]
 
+def _positive_int(x, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name}: must be at least 1, got {x}")
+    return x
+
+
 class _Constants:
     """What a decoding step reads from the module besides its input, kept in
     the cache between steps (:meth:`LevelCache._step_constants`).
@@ -54,7 +62,52 @@ class _Constants:
 class LevelCache:
     """What :meth:`hkt.MultiheadHKT.decode` keeps between calls, for a batch of
     ``batch_size`` sequences of at most ``max_len`` tokens (made by
-    :meth:`hkt.MultiheadHKT.init_cache`).
+    :meth:`hkt.MultiheadHKT.init_cache`; 0.2.0 called it
+    ``hkt.kvcache.DecodeCache``).  It holds, per level, the downsampling
+    state (the last ``downsample_kernel`` inputs of the query and key
+    streams), the coarse keys so far, and the values; with ``windows`` also
+    each level's block sums of the values, which let a step read only level
+    0's window of single keys.
+
+    ``init_cache`` raises ValueError for options decode does not support
+    (``add_bias_kv``, ``add_zero_attn``, ``kdim`` / ``vdim`` other than
+    ``embed_dim``) and ``batch_size`` / ``max_len`` below 1; TypeError for
+    dtypes other than float32 and float64.
+
+    ``decode`` works however the sequence is split into calls (one token at a
+    time, or chunks; coarse blocks may be partly filled).  Level l's query
+    and key of block p are made when its first token, 2^l p, arrives.  It
+    runs the CPU decoding kernel (:func:`hkt.hkt_attention_with_kvcache`),
+    with ``getattr(module, "num_kv_heads", num_heads)`` kv heads.  With
+    ``windows``, the new positions are computed from the cache's block sums
+    (a C kernel on the CPU in float32 and float64, torch elsewhere;
+    ``hkt._window_decode``): a step costs level 0's window plus a few blocks
+    per level, not the whole sequence.
+
+    Inference only: call it under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` (``RuntimeError`` otherwise: the kernel has no
+    backward).  ``ValueError`` for ``add_bias_kv``, ``add_zero_attn``,
+    ``kdim`` / ``vdim`` other than ``embed_dim``, training mode with
+    ``dropout > 0``, a wrong shape of ``x`` or more tokens than the cache has
+    room for, or a cache made by a module of another configuration;
+    ``TypeError`` for an ``x`` of another dtype or device than the cache, or a
+    cache of another dtype than the module's parameters (outside
+    ``torch.autocast``).
+
+    The cache holds the keys and values of past tokens as the parameters made
+    them: after changing parameters (training), start a new cache.  (Between
+    steps, an in-place change that autograd's version counter sees is picked
+    up for the next tokens; a fused optimiser's step or an edit through
+    ``.data`` is not.)
+
+    Hooks: ``decode`` is not the module's ``__call__``, so the module's own
+    forward hooks and pre-hooks do not run (they take ``forward``'s arguments
+    and output, which a decoding step does not have), except torch.nn.utils'
+    pre-hooks that recompute a weight before every call (``prune``, the old
+    ``weight_norm`` and ``spectral_norm``): it runs those first, so it reads
+    the weights ``forward`` would.  ``out_proj`` is called as a module, as in
+    ``forward``, so its hooks run (an adapter, a pruning mask); a
+    parametrization is computed where the weight is read, as in ``forward``.
 
     Attributes (H_kv = the module's kv heads, hd = head_dim, K = downsample_kernel):
         length: tokens decoded so far (the same for every sequence).
@@ -110,10 +163,29 @@ class LevelCache:
         return (f"DecodeCache(batch_size={self.batch_size}, length={self.length}, max_len={self.max_len}, "
                 f"levels={len(self.k)}, dtype={self.v.dtype}, device={self.v.device})")
 
+    @staticmethod
+    def check_module(module) -> None:
+        """Options of the module decode does not implement (they are not
+        causal self-attention over one token stream, or not deterministic)."""
+        if module.bias_k is not None:
+            raise ValueError("add_bias_kv: MultiheadHKT.decode does not support add_bias_kv=True")
+        if module.add_zero_attn:
+            raise ValueError("add_zero_attn: MultiheadHKT.decode does not support add_zero_attn=True")
+        if module.kdim != module.embed_dim or module.vdim != module.embed_dim:
+            raise ValueError(f"kdim/vdim: MultiheadHKT.decode is self-attention and needs kdim = vdim = embed_dim "
+                             f"({module.embed_dim}), got kdim={module.kdim}, vdim={module.vdim}")
+
     @classmethod
-    def empty(cls, module, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> "LevelCache":
-        """An empty cache for ``module`` (its levels, heads, sizes and windows),
-        arguments already checked (MultiheadHKT.init_cache)."""
+    def empty(cls, module, batch_size: int, max_len: int, ref: Tensor, device=None, dtype=None) -> "LevelCache":
+        """An empty cache for ``module`` (its levels, heads, sizes and windows;
+        its options checked by :meth:`check_module`): ``batch_size`` sequences
+        of at most ``max_len`` tokens, on ``device`` in ``dtype`` (default
+        ``ref``'s, a parameter of the module)."""
+        batch_size, max_len = _positive_int(batch_size, "batch_size"), _positive_int(max_len, "max_len")
+        device = ref.device if device is None else torch.device(device)
+        dtype = ref.dtype if dtype is None else dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"dtype: decoding runs in float32 or float64, got {dtype}")
         B, L, K, E, hd = batch_size, module.levels, module.downsample_kernel, module.embed_dim, module.head_dim
         Hk, windows = module.num_kv_heads, module.windows
         kw = {"device": device, "dtype": dtype}

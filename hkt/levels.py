@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._autograd import _heads
+from ._checks import ShapeError
 from .downsample import causal_downsample
 from .functional import hkt_attention
 
@@ -32,7 +33,33 @@ class Levels(nn.Module):
     (docs/contract.md section 2.2).  ``levels=1`` registers none of them.
 
     ``windows`` (one entry per level, None or W_l tokens, growing with the
-    level; docs/contract.md section 1.11) gives each level a window.
+    level; docs/contract.md section 1.11) gives each level a window: near-linear
+    cost in the sequence length.  Masks and dropout apply as without windows:
+    ``is_causal=True`` and a ``key_padding_mask`` alone keep the cost near
+    linear; an ``attn_mask`` (alone or with key padding) or dropout in training
+    makes the kernels visit each key the windows let through, O(T * S) work
+    like dense attention.
+
+    A trained attention's start (:meth:`hkt.MultiheadHKT.from_mha`): the
+    coarse levels start switched off but trainable.
+
+    * ``coarse_q_proj_weight`` and ``coarse_q_proj_bias`` are zero, so every
+      coarse score is 0.  They still get gradients at once (the gradient of
+      a level-l query is ``scale * w_l * dS_l @ k_l`` with nonzero keys);
+      the key projections and taps get theirs from the second step on,
+      once the coarse queries are nonzero.
+    * ``coarse_k_proj_weight`` / ``_bias`` copy level 0's key projection and
+      the taps are 1/K, so a coarse key starts as the causal block average of
+      the pretrained keys, a meaningful target for the coarse queries rather
+      than a random one.
+    * ``level_logits`` give level 0 the weight ``w0`` in every head and split
+      the rest evenly; level 0's query projection (weight rows and bias) is
+      scaled by ``1 / w0`` (w0 as computed in the module's dtype) so ``w0 *
+      <q0 / w0, k0>`` is the trained score.  The price: level 0's effective
+      step size is w0 times the trained one's under Adam-like optimisers, and
+      weight decay acts on a query projection 1/w0 as large.  A larger w0
+      keeps level 0 closer to the trained attention but gives the coarse
+      levels less weight (the weights themselves stay trainable).
 
     A module that has a level 0 (:class:`hkt.MultiheadHKT`) subclasses it, so
     that these parameters keep the names they have always had in its
@@ -55,12 +82,27 @@ class Levels(nn.Module):
         self._windowed = windows is not None
 
     @staticmethod
-    def _check_options(levels, downsample_kernel) -> None:
-        """levels and downsample_kernel, checked before the windows (which need L)."""
+    def _check_options(embed_dim: int, num_heads: int, num_kv_heads: Optional[int], levels,
+                       downsample_kernel) -> int:
+        """The heads (of embed_dim query features), levels and
+        downsample_kernel, checked before the windows (which need L); returns
+        num_kv_heads (None: num_heads)."""
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
+                             f"and num_heads={num_heads}")
+        if embed_dim % num_heads != 0:
+            raise ShapeError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
+                or num_heads % num_kv_heads != 0):
+            raise ValueError(f"num_kv_heads: expected an int >= 1 that divides num_heads ({num_heads}), got "
+                             f"{num_kv_heads!r}")
         if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
             raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
         if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
             raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+        return num_kv_heads
 
     def _add_levels(self, q_dim: int, k_dim: int, bias: bool, device=None, dtype=None) -> None:
         """Registers the coarse parameters for query and key streams of q_dim

@@ -13,10 +13,9 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ._autograd import _heads
-from ._checks import ShapeError
 from ._guards import _symbolic
-from ._mha_inputs import batch_first_view, build_mask, packed_attention, padding_rows
-from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coarse_off
+from ._mha_inputs import batch_first_view, build_mask, merge_masks, packed_attention, padding_rows
+from ._mha_weights import _RECOMPUTING_HOOKS, _from_mha, _stored
 # (tests name hkt.modules.causal_downsample, _downsample_expr and _DOWNSAMPLE_APPLY)
 from .downsample import _DOWNSAMPLE_APPLY, _downsample_expr, causal_downsample  # noqa: F401
 from .functional import hkt_attention, qkv_attention
@@ -57,14 +56,6 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
         if _symbolic():
             return False
     return a.is_set_to(b)
-
-
-def _positive_int(x, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name}: must be at least 1, got {x}")
-    return x
 
 
 def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
@@ -113,18 +104,12 @@ class MultiheadHKT(Levels):
       ``bias_k``, ``bias_v`` and ``out_proj`` carry MHA's names and shapes, so
       an MHA ``state_dict`` loads into ``levels=1`` with ``strict=True`` and
       ``levels=1`` computes MHA's function (equal within rounding);
-    * level l >= 1 downsamples the previous level's input with
-      :func:`causal_downsample` (separate taps for the query stream,
-      ``q_downsample`` (L-1, K, E), and the key stream, ``k_downsample``
-      (L-1, K, kdim)) and projects it with its own query and key projections
-      ``coarse_q_proj_weight`` (L-1, E, E), ``coarse_k_proj_weight``
-      (L-1, E, kdim) and biases ``coarse_q_proj_bias``, ``coarse_k_proj_bias``
-      (L-1, E) (absent when ``bias=False``).  Values stay at full resolution
-      (level 0's value projection only);
-    * level weights are ``w = softmax(level_logits, -1)`` with
-      ``level_logits`` of shape (num_heads, levels) (docs/contract.md section 2.2).
-
-    ``levels=1`` registers no coarse parameters and no ``level_logits``.
+    * levels l >= 1, the level weights and the ``windows`` are those of
+      :class:`hkt.Levels` (which this class extends; their parameters keep
+      their names here: ``q_downsample``, ``k_downsample``,
+      ``coarse_q_proj_weight`` / ``_bias``, ``coarse_k_proj_weight`` /
+      ``_bias``, ``level_logits``).  Values stay at full resolution (level
+      0's value projection only).
 
     ``num_kv_heads`` (default ``num_heads``) gives grouped-query attention:
     keys and values get ``num_kv_heads`` heads of ``head_dim`` features
@@ -147,32 +132,17 @@ class MultiheadHKT(Levels):
 
     ``pack_padding=True`` (also a settable attribute) skips the padding of
     right-padded batches: a self-attention call (``query is key is value``,
-    or, outside torch.compile and torch.func, the three are the same memory
-    read alike, as a reentrant checkpoint or a backward hook passes them;
-    under those two a hooked call is taken as cross-attention)
-    with a ``key_padding_mask`` whose padding is at the end of every sequence
-    (bool True, or float -inf, after the last real token; otherwise
+    or, outside torch.compile and torch.func, the same memory read alike, as
+    a reentrant checkpoint or a backward hook passes them) with a
+    ``key_padding_mask`` whose padding is at the end of every sequence (else
     ``ValueError`` naming ``key_padding_mask``) computes only the real tokens,
-    packed, with :func:`hkt.hkt_attention_varlen` (the levels are built on the
-    padded batch and packed: causal downsampling gives the real tokens the
-    levels of the sequence alone).  Padded query positions then output zeros
-    (and get zero weights), where MHA lets them attend to the real keys.  The
-    padded computation runs instead, with the same zeros, under TorchScript,
-    ``torch.jit.trace``, ``torch.export`` / ``torch.compile``, ``torch.func``
-    transforms (where the mask's layout goes unchecked: the checks read its
-    values), on CUDA, with ``attn_mask``,
-    ``add_bias_kv`` / ``add_zero_attn``, dropout in training, or a float
-    ``key_padding_mask`` that requires grad (which then gets its gradient: the
-    packed call never reads the mask).
+    packed, with :func:`hkt.hkt_attention_varlen`.  Padded query positions
+    then output zeros (and get zero weights), where MHA lets them attend to
+    the real keys.  Where the packed call cannot run, the padded computation
+    runs with the same zeros (hkt/_mha_inputs.py and docs/guide.md say where).
 
-    ``windows`` (one entry per level, None or W_l tokens, growing with the
-    level; docs/contract.md section 1.11) gives each level a window: near-linear
-    cost in the sequence length.  Masks and dropout apply as without windows:
-    ``is_causal=True`` and a ``key_padding_mask`` alone keep the cost near
-    linear; an ``attn_mask`` (alone or with key padding) or dropout in training
-    makes the kernels visit each key the windows let through, O(T * S) work
-    like dense attention.  ``pack_padding`` is refused with windows
-    (``ValueError``); :meth:`decode` takes them.
+    ``windows``: see :class:`hkt.Levels`.  ``pack_padding`` is refused with
+    windows (``ValueError``); :meth:`decode` takes them.
 
     Differences from ``nn.MultiheadAttention``:
 
@@ -222,9 +192,7 @@ class MultiheadHKT(Levels):
       the documented way (a module with kdim != embed_dim) to turn it off.
     """
 
-    # Read by the fused fast paths of nn.TransformerEncoderLayer/Encoder (and by
-    # nothing in this module): False makes them run this module's forward.  A
-    # TorchScript constant, so that a scripted encoder layer can read it too.
+    # (the docstring's last point) a TorchScript constant, so that a scripted encoder layer reads it too
     _qkv_same_embed_dim = False
     __constants__ = ["_qkv_same_embed_dim"]
     __jit_ignored_attributes__ = ["windows"]
@@ -234,18 +202,7 @@ class MultiheadHKT(Levels):
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None, *,
                  levels: int = 3, downsample_kernel: int = 2, num_kv_heads: Optional[int] = None,
                  pack_padding: bool = False, windows: Optional[Sequence[Optional[int]]] = None) -> None:
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
-                             f"and num_heads={num_heads}")
-        if embed_dim % num_heads != 0:
-            raise ShapeError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if num_kv_heads is None:
-            num_kv_heads = num_heads
-        if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
-                or num_heads % num_kv_heads != 0):
-            raise ValueError(f"num_kv_heads: expected an int >= 1 that divides num_heads ({num_heads}), got "
-                             f"{num_kv_heads!r}")
-        Levels._check_options(levels, downsample_kernel)
+        num_kv_heads = Levels._check_options(embed_dim, num_heads, num_kv_heads, levels, downsample_kernel)
         windows = check_windows(windows, levels, growing=True)  # docs/contract.md section 1.11
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__(num_heads, embed_dim // num_heads, num_kv_heads, levels, downsample_kernel, windows)
@@ -306,23 +263,15 @@ class MultiheadHKT(Levels):
         self._reset_levels()
 
     def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, levels={self.levels}, " \
-            f"downsample_kernel={self.downsample_kernel}"
-        if self.num_kv_heads != self.num_heads:
-            s += f", num_kv_heads={self.num_kv_heads}"
-        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
-            s += f", kdim={self.kdim}, vdim={self.vdim}"
-        if self.dropout:
-            s += f", dropout={self.dropout}"
-        if self.windows is not None:
-            s += f", windows={list(self.windows)}"
-        if self.bias_k is not None:
-            s += ", add_bias_kv=True"
-        if self.add_zero_attn:
-            s += ", add_zero_attn=True"
-        if self.batch_first:
-            s += ", batch_first=True"
-        return s
+        parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}", f"levels={self.levels}",
+                 f"downsample_kernel={self.downsample_kernel}"]
+        optional = [(self.num_kv_heads != self.num_heads, f"num_kv_heads={self.num_kv_heads}"),
+                    (self.kdim != self.embed_dim or self.vdim != self.embed_dim, f"kdim={self.kdim}, vdim={self.vdim}"),
+                    (bool(self.dropout), f"dropout={self.dropout}"),
+                    (self.windows is not None, f"windows={list(self.windows or ())}"),
+                    (self.bias_k is not None, "add_bias_kv=True"), (self.add_zero_attn, "add_zero_attn=True"),
+                    (self.batch_first, "batch_first=True")]
+        return ", ".join(parts + [text for shown, text in optional if shown])
 
     @torch.jit.unused
     def _windowed_probs(self, qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor],
@@ -399,25 +348,8 @@ class MultiheadHKT(Levels):
         hook does not carry over (nor do any other hooks of ``mha``), so its
         constraint (a weight norm, orthogonality, a pruning mask) no longer
         holds in training: a ``UserWarning`` names each such weight.  The
-        coarse levels start switched off but trainable:
-
-        * ``coarse_q_proj_weight`` and ``coarse_q_proj_bias`` are zero, so every
-          coarse score is 0.  They still get gradients at once (the gradient of
-          a level-l query is ``scale * w_l * dS_l @ k_l`` with nonzero keys);
-          the key projections and taps get theirs from the second step on,
-          once the coarse queries are nonzero.
-        * ``coarse_k_proj_weight`` / ``_bias`` copy level 0's key projection and
-          the taps are 1/K, so a coarse key starts as the causal block average of
-          the pretrained keys, a meaningful target for the coarse queries rather
-          than a random one.
-        * ``level_logits`` give level 0 the weight ``w0 = level0_weight`` in every
-          head and split the rest evenly; level 0's query projection (weight rows
-          and bias) is scaled by ``1 / w0`` (w0 as computed in the module's dtype)
-          so ``w0 * <q0 / w0, k0>`` is MHA's score.  The price: level 0's
-          effective step size is w0 times MHA's under Adam-like optimisers, and
-          weight decay acts on a query projection 1/w0 as large.  A larger
-          ``level0_weight`` keeps level 0 closer to MHA but gives the coarse
-          levels less weight (the weights themselves stay trainable).
+        coarse levels start switched off but trainable, as :class:`hkt.Levels`
+        says under "A trained attention's start" (``level0_weight``: w0 there).
 
         With ``levels=1`` the result is an exact copy of ``mha``.
 
@@ -440,58 +372,12 @@ class MultiheadHKT(Levels):
             computes with ``linear_Q/K/V``); ValueError for ``level0_weight``
             outside (0, 1).
         """
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"mha: expected an nn.MultiheadAttention, got {type(mha).__name__}")
-        if type(mha).forward is not nn.MultiheadAttention.forward:
-            # it may compute with other weights: torch.ao's quantizable MultiheadAttention (which
-            # torch.ao.quantization.prepare makes) uses linear_Q/K/V, and its in_proj_weight is unused
-            kind = type(mha)
-            raise TypeError(f"mha: {kind.__module__}.{kind.__qualname__} has its own forward, which from_mha cannot "
-                            "copy (it may compute with other weights than nn.MultiheadAttention's, as torch.ao's "
-                            "quantizable MultiheadAttention does); swap a plain nn.MultiheadAttention, e.g. before "
-                            "torch.ao.quantization.prepare")
-        if not 0.0 < level0_weight < 1.0:
-            raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight}")
-        ref = _stored(mha.out_proj, "weight")
-        new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
-                  add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
-                  vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
-                  levels=levels, downsample_kernel=downsample_kernel, windows=windows)
-        copied = _copy_level0(new, mha)
-        if levels > 1:
-            _switch_coarse_off(new, levels, level0_weight, downsample_kernel)
-        # what trained before trains after: the copies as their sources (above), and
-        # the parameters hkt adds (coarse projections, taps, level weights) if any of
-        # mha's did, so a frozen attention stays frozen
-        trainable = any(p.requires_grad for p in mha.parameters())
-        for p in new.parameters():
-            if id(p) not in copied:
-                p.requires_grad_(trainable)
-        new.train(mha.training)
-        return new
+        return _from_mha(cls, mha, levels, downsample_kernel, level0_weight, windows)
 
     def merge_masks(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
                     query: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
-        """As ``nn.MultiheadAttention.merge_masks``: the masks of a batch-first
-        self-attention call in one, with its type (0 attn_mask (T, T), 1
-        key_padding_mask (B, T), 2 both, as (B, H, T, T); None without masks).
-
-        The module's own forward does not use it; ``nn.TransformerEncoderLayer``'s
-        fused fast path calls it, which ``_qkv_same_embed_dim = False`` keeps from
-        running, but TorchScript compiles that call, so it must exist.
-        """
-        if attn_mask is None:
-            if key_padding_mask is None:
-                return None, None
-            return key_padding_mask, 1
-        B, T = query.shape[0], query.shape[1]
-        if attn_mask.dim() == 3:
-            merged = attn_mask.view(B, -1, T, T)
-        else:
-            merged = attn_mask.view(1, 1, T, T).expand(B, self.num_heads, -1, -1)
-        if key_padding_mask is not None:
-            merged = merged + key_padding_mask.view(B, 1, 1, T).expand(-1, self.num_heads, -1, -1)
-        return merged, 2
+        """As ``nn.MultiheadAttention.merge_masks`` (hkt._mha_inputs.merge_masks)."""
+        return merge_masks(self.num_heads, attn_mask, key_padding_mask, query)
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor
                  ) -> Tuple[List[Tensor], List[Tensor], Tensor, Optional[Tensor], int]:
@@ -578,10 +464,8 @@ class MultiheadHKT(Levels):
         Raises:
             ShapeError (a ValueError and an AssertionError) for malformed
             shapes (ranks, feature sizes, batch or length mismatches, mask
-            shapes, nested tensors); TypeError for mask
-            dtypes other than bool and floating point.  (In a TorchScript-compiled
-            module these arrive as ``torch.jit.Error`` carrying the same message, a dtype
-            printed as its number.)
+            shapes, nested tensors); TypeError for mask dtypes other than bool
+            and floating point (``torch.jit.Error`` when scripted).
         """
         if not torch.jit.is_scripting():
             _refuse_fx_proxy(query)
@@ -625,94 +509,32 @@ class MultiheadHKT(Levels):
             out = out.transpose(0, 1)
         return out, weights
 
-    @torch.jit.unused
-    def _check_decodable(self) -> None:
-        """Options decode does not implement (they are not causal self-attention
-        over one token stream, or not deterministic)."""
-        if self.bias_k is not None:
-            raise ValueError("add_bias_kv: MultiheadHKT.decode does not support add_bias_kv=True")
-        if self.add_zero_attn:
-            raise ValueError("add_zero_attn: MultiheadHKT.decode does not support add_zero_attn=True")
-        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
-            raise ValueError(f"kdim/vdim: MultiheadHKT.decode is self-attention and needs kdim = vdim = embed_dim "
-                             f"({self.embed_dim}), got kdim={self.kdim}, vdim={self.vdim}")
-
     def init_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> LevelCache:
         """A cache for :meth:`decode`: ``batch_size`` sequences of at most
-        ``max_len`` tokens, empty (:class:`hkt.LevelCache`).  It holds, per
-        level, the downsampling state (the last ``downsample_kernel`` inputs of
-        the query and key streams), the coarse keys so far, and the values;
-        with ``windows`` also each level's block sums of the values, which let
-        a step read only level 0's window of single keys (see
-        :class:`hkt.LevelCache`).
-
-        device, dtype: default the module's (float32 or float64 only).
-
-        Raises:
-            ValueError for options decode does not support (``add_bias_kv``,
-            ``add_zero_attn``, ``kdim`` / ``vdim`` other than ``embed_dim``) and
-            ``batch_size`` / ``max_len`` below 1; TypeError for other dtypes.
+        ``max_len`` tokens, empty; device, dtype default the module's (float32
+        or float64 only).  See :class:`hkt.LevelCache` for what it holds and
+        what raises.
         """
-        self._check_decodable()
-        batch_size, max_len = _positive_int(batch_size, "batch_size"), _positive_int(max_len, "max_len")
-        ref = self._stored_weight()
-        device = ref.device if device is None else torch.device(device)
-        dtype = ref.dtype if dtype is None else dtype
-        if dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"dtype: decoding runs in float32 or float64, got {dtype}")
-        return LevelCache.empty(self, batch_size, max_len, device, dtype)
+        LevelCache.check_module(self)
+        return LevelCache.empty(self, batch_size, max_len, self._stored_weight(), device, dtype)
 
     def decode(self, x: Tensor, cache: LevelCache) -> Tensor:
         """Incremental causal self-attention: the output for the next ``n`` tokens
         of each sequence, given the ``cache`` of those before (from
-        :meth:`init_cache`), which it advances by ``n``.
-
-        ``x``: the new tokens' embeddings, (B, n, E) with ``batch_first``, else
-        (n, B, E); query = key = value = x.  Returns the output in the same
-        layout, equal (to rounding) to the last ``n`` rows of
-        ``self(seq, seq, seq, is_causal=True, need_weights=False)[0]`` over the
-        whole sequence so far, however it is split into calls (one token at a
-        time, or chunks; coarse blocks may be partly filled).  Level l's query
-        and key of block p are made when its first token, 2^l p, arrives.
-        Runs the CPU decoding kernel (:func:`hkt.hkt_attention_with_kvcache`),
-        with ``getattr(self, "num_kv_heads", num_heads)`` kv heads.  With
-        ``windows``, the new positions are computed from the cache's block
-        sums (a C kernel on the CPU in float32 and float64, torch elsewhere;
-        ``hkt._window_decode``): a step costs level 0's window plus a few
-        blocks per level, not the whole sequence.
-
-        Inference only: call it under ``torch.no_grad()`` or
-        ``torch.inference_mode()`` (``RuntimeError`` otherwise: the kernel has
-        no backward).  ``ValueError`` for ``add_bias_kv``, ``add_zero_attn``,
-        ``kdim`` / ``vdim`` other than ``embed_dim``, training mode with
-        ``dropout > 0``, a wrong shape of ``x`` or more tokens than the cache
-        has room for, or a cache made by a module of another configuration;
-        ``TypeError`` for an ``x`` of another dtype or device than the cache,
-        or a cache of another dtype than the module's parameters (outside
-        ``torch.autocast``).
-
-        The cache holds the keys and values of past tokens as the parameters
-        made them: after changing parameters (training), start a new cache.
-        (Between steps, an in-place change that autograd's version counter
-        sees is picked up for the next tokens; a fused optimiser's step or an
-        edit through ``.data`` is not.)
-
-        Hooks: ``decode`` is not the module's ``__call__``, so the module's own
-        forward hooks and pre-hooks do not run (they take ``forward``'s
-        arguments and output, which a decoding step does not have), except
-        torch.nn.utils' pre-hooks that recompute a weight before every call
-        (``prune``, the old ``weight_norm`` and ``spectral_norm``): it runs
-        those first, so it reads the weights ``forward`` would.  ``out_proj``
-        is called as a module, as in ``forward``, so its hooks run (an adapter,
-        a pruning mask); a parametrization is computed where the weight is
-        read, as in ``forward``.
+        :meth:`init_cache`), which it advances by ``n``.  ``x``: the new
+        tokens' embeddings, (B, n, E) with ``batch_first``, else (n, B, E);
+        query = key = value = x.  Returns the output in the same layout, equal
+        (to rounding) to the last ``n`` rows of ``self(seq, seq, seq,
+        is_causal=True, need_weights=False)[0]`` over the whole sequence so
+        far.  Inference only.  See :class:`hkt.LevelCache` for how it runs,
+        what raises, hooks, and parameters changed between steps.
         """
         # the weights forward would read: a recomputing pre-hook may not have run
         # since they changed (prune's <name>_orig after an optimiser step)
         for hook in list(self._forward_pre_hooks.values()):
             if isinstance(hook, _RECOMPUTING_HOOKS):
                 hook(self, ())
-        self._check_decodable()
+        LevelCache.check_module(self)
         if not isinstance(cache, LevelCache):
             raise TypeError(f"cache: expected the DecodeCache of mha.init_cache(...), got {type(cache).__name__}")
         return cache.step(self, x, self._stored_weight().dtype)
