@@ -61,6 +61,11 @@ class Levels(nn.Module):
       keeps level 0 closer to the trained attention but gives the coarse
       levels less weight (the weights themselves stay trainable).
 
+    Levels made from projected heads instead (per head a map of its
+    downsampled vector, no bias; :meth:`_add_head_levels`,
+    :meth:`coarse_heads`) serve the Hugging Face conversion
+    (``hkt.integrations.transformers.HKTLevels``, a subclass).
+
     A module that has a level 0 (:class:`hkt.MultiheadHKT`) subclasses it, so
     that these parameters keep the names they have always had in its
     ``state_dict``; it calls :meth:`_add_levels` after registering level 0's
@@ -126,6 +131,40 @@ class Levels(nn.Module):
             for name in ("q_downsample", "k_downsample", "coarse_q_proj_weight", "coarse_k_proj_weight",
                          "coarse_q_proj_bias", "coarse_k_proj_bias", "level_logits"):
                 self.register_parameter(name, None)
+
+    def _add_head_levels(self, device=None, dtype=None) -> None:
+        """Registers the coarse parameters of levels made from projected heads
+        (the Hugging Face conversion's, hkt.integrations.transformers): taps
+        over the heads' features side by side, ``q_downsample`` (L-1, K, H hd)
+        and ``k_downsample`` (L-1, K, H_kv hd); each head's own map of its
+        downsampled vector, ``coarse_q_proj`` (L-1, H, hd, hd) and
+        ``coarse_k_proj`` (L-1, H_kv, hd, hd) (torch layout, out x in); and
+        ``level_logits`` (H, L).  None of them for levels=1."""
+        if self.levels == 1:
+            return
+        H, Hk, D, Lc, K = self.num_heads, self.num_kv_heads, self.head_dim, self.levels - 1, self.downsample_kernel
+        kw = {"device": device, "dtype": dtype}
+        self.q_downsample = nn.Parameter(torch.empty(Lc, K, H * D, **kw))
+        self.k_downsample = nn.Parameter(torch.empty(Lc, K, Hk * D, **kw))
+        self.coarse_q_proj = nn.Parameter(torch.empty(Lc, H, D, D, **kw))
+        self.coarse_k_proj = nn.Parameter(torch.empty(Lc, Hk, D, D, **kw))
+        self.level_logits = nn.Parameter(torch.empty(H, self.levels, **kw))
+
+    def coarse_heads(self, x: Tensor, stream: str) -> List[Tensor]:
+        """Levels 1 .. L-1 of a sequence of projected heads (levels of
+        :meth:`_add_head_levels`): of the query (``stream="q"``) or key
+        (``"k"``) heads x (B, heads, N, hd), level l (B, heads, ceil(N / 2^l),
+        hd), the block p of which depends only on x's rows <= 2^l p."""
+        taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
+                                                                                  self.coarse_k_proj)
+        B, Hx, N, D = x.shape
+        flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
+        out = []
+        for l in range(1, self.levels):
+            flat = causal_downsample(flat, taps[l - 1])
+            n = flat.shape[1]
+            out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))
+        return out
 
     def _reset_levels(self) -> None:
         """Init for training from scratch: downsampling taps 1/K (with K = 2,

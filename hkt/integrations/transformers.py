@@ -15,7 +15,8 @@ The attention function receives the projected, rotary-embedded query and key of
 each head.  Level 0 is them; level l >= 1 causally downsamples the previous
 level's query (key) sequence, per channel, with trainable taps
 (:func:`hkt.downsample.causal_downsample`) and maps each head's downsampled vector
-with its own trainable (head_dim x head_dim) matrix.  The attention itself is
+with its own trainable (head_dim x head_dim) matrix (:meth:`hkt.Levels.coarse_heads`,
+each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
 :func:`hkt.hkt_attention` one new token at a time.
@@ -36,7 +37,7 @@ except ImportError as e:  # the extra is optional: say how to get it
     raise ImportError('hkt.integrations.transformers needs transformers 5: pip install "hkt[transformers]"') from e
 
 import hkt
-from hkt.downsample import causal_downsample
+from hkt.levels import Levels
 
 __all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
 
@@ -48,9 +49,10 @@ CONFIG_KEY = "hkt"
 _DECODE_KERNEL = True
 
 
-class HKTLevels(nn.Module):
+class HKTLevels(Levels):
     """The parameters HKT adds to one attention module (its ``hkt`` child), for
     H query heads, H_kv key/value heads of D features and L levels (K taps):
+    an :class:`hkt.Levels` made from projected heads (``Levels._add_head_levels``):
 
     * ``q_downsample`` (L-1, K, H D), ``k_downsample`` (L-1, K, H_kv D): the taps
       of level l's causal downsampling of level l-1's query and key sequences
@@ -67,20 +69,13 @@ class HKTLevels(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, levels: int, downsample_kernel: int,
                  level0_weight: float, *, device=None, dtype=None) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.levels, self.downsample_kernel, self.level0_weight = levels, downsample_kernel, level0_weight
+        super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel, None)
+        self.level0_weight = level0_weight
         self.decode_state: Optional[_DecodeState] = None
         if levels == 1:
             return
-        H, Hk, D, Lc, K = num_heads, num_kv_heads, head_dim, levels - 1, downsample_kernel
-        kw = {"device": device, "dtype": dtype}
-        self.q_downsample = nn.Parameter(torch.empty(Lc, K, H * D, **kw))
-        self.k_downsample = nn.Parameter(torch.empty(Lc, K, Hk * D, **kw))
-        self.coarse_q_proj = nn.Parameter(torch.empty(Lc, H, D, D, **kw))
-        self.coarse_k_proj = nn.Parameter(torch.empty(Lc, Hk, D, D, **kw))
-        self.level_logits = nn.Parameter(torch.empty(H, levels, **kw))
-        self.register_buffer("level_scale", torch.empty(H, 1, **kw), persistent=False)
+        self._add_head_levels(device=device, dtype=dtype)
+        self.register_buffer("level_scale", torch.empty(num_heads, 1, device=device, dtype=dtype), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -112,21 +107,6 @@ class HKTLevels(nn.Module):
         if self.levels == 1:
             return like.new_ones(self.num_heads, 1)
         return (torch.softmax(self.level_logits, dim=-1) * self.level_scale).to(like.dtype)
-
-    def coarse(self, x: Tensor, stream: str) -> List[Tensor]:
-        """Levels 1 .. L-1 of the query (``stream="q"``) or key (``"k"``)
-        sequence x (B, heads, N, D): level l (B, heads, ceil(N / 2^l), D), the
-        block p of which depends only on x's rows <= 2^l p."""
-        taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
-                                                                                  self.coarse_k_proj)
-        B, Hx, N, D = x.shape
-        flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
-        out = []
-        for l in range(1, self.levels):
-            flat = causal_downsample(flat, taps[l - 1])
-            n = flat.shape[1]
-            out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))
-        return out
 
 
 class _DecodeState:
@@ -283,8 +263,8 @@ def _prefill(levels: HKTLevels, query, key, value, w, real, scaling, dropout, us
     mask = None
     if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
         mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
-    qs = [q0] + levels.coarse(q0, "q")
-    ks = [k0] + levels.coarse(k0, "k")
+    qs = [q0] + levels.coarse_heads(q0, "q")
+    ks = [k0] + levels.coarse_heads(k0, "k")
     out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=True, dropout_p=dropout, scale=scaling)
     if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
         levels.decode_state = _DecodeState(T, pad, key[:, :, -1].detach(), query[:, :, -_tail_length(levels):],
@@ -340,8 +320,9 @@ def _decode(levels: HKTLevels, query, key, value, w, real, scaling, dropout):
     k_win = _take(key, window)
     new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
     qs = [query]  # level l: the new positions' blocks, found in the window's level l
-    qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l)) for l, qc in enumerate(levels.coarse(q_win, "q"), 1)]
-    coarse_k = _write_blocks(state.coarse_k, levels.coarse(k_win, "k"), start, new_rows, S)
+    qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
+           for l, qc in enumerate(levels.coarse_heads(q_win, "q"), 1)]
+    coarse_k = _write_blocks(state.coarse_k, levels.coarse_heads(k_win, "k"), start, new_rows, S)
     shifted = bool(pad.any())
     k0 = _take(key, _shift_index(pad, S)) if shifted else key
     v0 = _take(value, _shift_index(pad, S)) if shifted else value
