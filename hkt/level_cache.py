@@ -18,7 +18,7 @@ from ._autograd import _heads
 from ._window_decode import _rows, append_windowed, attend_windowed_rows, cache_rows
 from .kvcache import hkt_attention_with_kvcache
 
-__all__ = ["LevelCache", "DecodeCache"]
+__all__ = ["LevelCache", "DecodeCache", "HeadLevelCache"]
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -390,6 +390,20 @@ class LevelCache:
         self.length = t0 + n
         self._torn = False
         return module.out_proj(out.transpose(1, 2).reshape(B, n, module.embed_dim))
+
+
+class HeadLevelCache:
+    """The decoding state of levels made from projected heads
+    (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
+    converted attention module keeps between the forward calls of one
+    cached generation, beyond HF's key/value cache (which holds level 0): the
+    coarse keys of every block so far, per row in its own positions (padding
+    removed: slot p of level l is the row's block p), the latest full-resolution
+    queries the next blocks' queries are downsampled from, and what checks that
+    the next call continues this cache (its length, its padding, its last key)."""
+
+    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor]):
+        self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
 
 
 # the name 0.2.0 gave the class (hkt.kvcache.DecodeCache)
