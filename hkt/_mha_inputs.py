@@ -168,7 +168,17 @@ def packed_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, r
     only, packed level by level (the causal downsampling makes a right-padded
     sequence's first ceil(len / 2^l) level-l rows those of the sequence
     alone), through :func:`hkt.hkt_attention_varlen`, then scattered back
-    with zeros at the padded rows."""
+    with zeros at the padded rows.
+
+    MultiheadHKT runs the padded computation instead, with the same zeros,
+    under TorchScript, ``torch.jit.trace``, ``torch.export`` /
+    ``torch.compile``, ``torch.func`` transforms (where the mask's layout
+    goes unchecked: the checks read its values), on CUDA, with
+    ``attn_mask``, ``add_bias_kv`` / ``add_zero_attn``, dropout in training,
+    or a float ``key_padding_mask`` that requires grad (which then gets its
+    gradient: the packed call never reads the mask).  Under torch.compile and
+    torch.func a hooked self-attention call (its inputs stand-ins for one
+    tensor) is taken as cross-attention."""
     lengths = real.sum(dim=1)
     cu = F.pad(torch.cumsum(lengths, 0), [1, 0]).cpu()
     out = hkt_attention_varlen(pack_levels(qs, lengths), pack_levels(ks, lengths), pack_levels([v], lengths)[0],
