@@ -57,9 +57,11 @@ _load_extension()
 from . import reference  # noqa: E402
 from .functional import hkt_attention  # noqa: E402
 from .kvcache import hkt_attention_with_kvcache  # noqa: E402
+from .level_cache import LevelCache  # noqa: E402
+from .levels import Levels  # noqa: E402
 from .modules import MultiheadHKT, swap_attention  # noqa: E402
 from .varlen import hkt_attention_varlen, pack_levels, varlen_level_offsets  # noqa: E402
 
 __all__ = ["hkt_attention", "hkt_attention_with_kvcache", "hkt_attention_varlen", "varlen_level_offsets", "pack_levels",
-           "MultiheadHKT", "swap_attention", "reference"]
+           "MultiheadHKT", "swap_attention", "Levels", "LevelCache", "reference"]
 __version__ = "0.2.0"

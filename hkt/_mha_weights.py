@@ -85,7 +85,7 @@ def _copy_level0(new: nn.Module, mha: nn.MultiheadAttention) -> Set[int]:
         copied.add(id(dst))
     with torch.no_grad():
         if mha._qkv_same_embed_dim:
-            if new._packed_in_proj:
+            if new.in_proj_weight is not None:
                 take(new.in_proj_weight, mha, "in_proj_weight")
             else:  # cannot happen: same kdim/vdim; kept for safety
                 raise AssertionError("packed MHA but unpacked MultiheadHKT")
@@ -124,3 +124,37 @@ def _switch_coarse_off(new: nn.Module, levels: int, level0_weight: float, downsa
             new.coarse_k_proj_bias.copy_(bk.unsqueeze(0).expand_as(new.coarse_k_proj_bias))
         new.q_downsample.fill_(1.0 / downsample_kernel)
         new.k_downsample.fill_(1.0 / downsample_kernel)
+
+
+def _from_mha(cls, mha: nn.MultiheadAttention, levels: int, downsample_kernel: int, level0_weight: float,
+              windows) -> nn.Module:
+    """MultiheadHKT.from_mha (cls: the class to make)."""
+    if not isinstance(mha, nn.MultiheadAttention):
+        raise TypeError(f"mha: expected an nn.MultiheadAttention, got {type(mha).__name__}")
+    if type(mha).forward is not nn.MultiheadAttention.forward:
+        # it may compute with other weights: torch.ao's quantizable MultiheadAttention (which
+        # torch.ao.quantization.prepare makes) uses linear_Q/K/V, and its in_proj_weight is unused
+        kind = type(mha)
+        raise TypeError(f"mha: {kind.__module__}.{kind.__qualname__} has its own forward, which from_mha cannot "
+                        "copy (it may compute with other weights than nn.MultiheadAttention's, as torch.ao's "
+                        "quantizable MultiheadAttention does); swap a plain nn.MultiheadAttention, e.g. before "
+                        "torch.ao.quantization.prepare")
+    if not 0.0 < level0_weight < 1.0:
+        raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight}")
+    ref = _stored(mha.out_proj, "weight")
+    new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+              add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
+              vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
+              levels=levels, downsample_kernel=downsample_kernel, windows=windows)
+    copied = _copy_level0(new, mha)
+    if levels > 1:
+        _switch_coarse_off(new, levels, level0_weight, downsample_kernel)
+    # what trained before trains after: the copies as their sources (above), and
+    # the parameters hkt adds (coarse projections, taps, level weights) if any of
+    # mha's did, so a frozen attention stays frozen
+    trainable = any(p.requires_grad for p in mha.parameters())
+    for p in new.parameters():
+        if id(p) not in copied:
+            p.requires_grad_(trainable)
+    new.train(mha.training)
+    return new

@@ -12,16 +12,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from . import kvcache as _kvcache
 from ._autograd import _heads
-from ._checks import ShapeError, check_windows
+from ._checks import check_windows
 from ._guards import _symbolic
-from ._maths import float_mask_in, masked_probs, probs_of_scores, windowed_scores
-from ._mha_weights import _RECOMPUTING_HOOKS, _copy_level0, _stored, _switch_coarse_off
-# (tests name hkt.modules._downsample_expr and _DOWNSAMPLE_APPLY)
+from ._maths import masked_probs, probs_of_scores, windowed_scores
+from ._mha_inputs import batch_first_view, build_mask, merge_masks, packed_attention, padding_rows
+from ._mha_weights import _RECOMPUTING_HOOKS, _from_mha, _stored
+# (tests name hkt.modules.causal_downsample, _downsample_expr and _DOWNSAMPLE_APPLY)
 from .downsample import _DOWNSAMPLE_APPLY, _downsample_expr, causal_downsample  # noqa: F401
 from .functional import hkt_attention, qkv_attention
-from .varlen import hkt_attention_varlen, pack_levels
+from .level_cache import LevelCache
+from .levels import Levels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
 
@@ -58,22 +59,6 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
     return a.is_set_to(b)
 
 
-def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """bool (True = may attend) -> additive float (0 / -inf)."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-
-
-def _fmt(shape: List[int]) -> str:
-    """A shape as Python prints a tuple, "(2, 3)" (TorchScript has no tuple(shape))."""
-    return "(" + ", ".join([str(n) for n in shape]) + ("," if len(shape) == 1 else "") + ")"
-
-
-def _pad_keys(m: Tensor, n: int) -> Tensor:
-    """n more key columns that hide nothing: True for a bool mask, 0 for a float one."""
-    shape = list(m.shape[:-1]) + [n]
-    return torch.cat([m, m.new_ones(shape) if m.dtype == torch.bool else m.new_zeros(shape)], dim=-1)
-
-
 def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
                         is_causal: bool, dropout_p: float) -> Tensor:
     """What :func:`hkt.hkt_attention` does for MultiheadHKT's (already checked,
@@ -105,7 +90,7 @@ def _attention_weights(qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Opti
     return weights
 
 
-class MultiheadHKT(nn.Module):
+class MultiheadHKT(Levels):
     r"""Multi-head Hierarchical Kernel Transformer attention, a drop-in
     replacement for :class:`torch.nn.MultiheadAttention`.
 
@@ -120,18 +105,12 @@ class MultiheadHKT(nn.Module):
       ``bias_k``, ``bias_v`` and ``out_proj`` carry MHA's names and shapes, so
       an MHA ``state_dict`` loads into ``levels=1`` with ``strict=True`` and
       ``levels=1`` computes MHA's function (equal within rounding);
-    * level l >= 1 downsamples the previous level's input with
-      :func:`causal_downsample` (separate taps for the query stream,
-      ``q_downsample`` (L-1, K, E), and the key stream, ``k_downsample``
-      (L-1, K, kdim)) and projects it with its own query and key projections
-      ``coarse_q_proj_weight`` (L-1, E, E), ``coarse_k_proj_weight``
-      (L-1, E, kdim) and biases ``coarse_q_proj_bias``, ``coarse_k_proj_bias``
-      (L-1, E) (absent when ``bias=False``).  Values stay at full resolution
-      (level 0's value projection only);
-    * level weights are ``w = softmax(level_logits, -1)`` with
-      ``level_logits`` of shape (num_heads, levels) (docs/contract.md section 2.2).
-
-    ``levels=1`` registers no coarse parameters and no ``level_logits``.
+    * levels l >= 1, the level weights and the ``windows`` are those of
+      :class:`hkt.Levels` (which this class extends; their parameters keep
+      their names here: ``q_downsample``, ``k_downsample``,
+      ``coarse_q_proj_weight`` / ``_bias``, ``coarse_k_proj_weight`` /
+      ``_bias``, ``level_logits``).  Values stay at full resolution (level
+      0's value projection only).
 
     ``num_kv_heads`` (default ``num_heads``) gives grouped-query attention:
     keys and values get ``num_kv_heads`` heads of ``head_dim`` features
@@ -154,32 +133,17 @@ class MultiheadHKT(nn.Module):
 
     ``pack_padding=True`` (also a settable attribute) skips the padding of
     right-padded batches: a self-attention call (``query is key is value``,
-    or, outside torch.compile and torch.func, the three are the same memory
-    read alike, as a reentrant checkpoint or a backward hook passes them;
-    under those two a hooked call is taken as cross-attention)
-    with a ``key_padding_mask`` whose padding is at the end of every sequence
-    (bool True, or float -inf, after the last real token; otherwise
+    or, outside torch.compile and torch.func, the same memory read alike, as
+    a reentrant checkpoint or a backward hook passes them) with a
+    ``key_padding_mask`` whose padding is at the end of every sequence (else
     ``ValueError`` naming ``key_padding_mask``) computes only the real tokens,
-    packed, with :func:`hkt.hkt_attention_varlen` (the levels are built on the
-    padded batch and packed: causal downsampling gives the real tokens the
-    levels of the sequence alone).  Padded query positions then output zeros
-    (and get zero weights), where MHA lets them attend to the real keys.  The
-    padded computation runs instead, with the same zeros, under TorchScript,
-    ``torch.jit.trace``, ``torch.export`` / ``torch.compile``, ``torch.func``
-    transforms (where the mask's layout goes unchecked: the checks read its
-    values), on CUDA, with ``attn_mask``,
-    ``add_bias_kv`` / ``add_zero_attn``, dropout in training, or a float
-    ``key_padding_mask`` that requires grad (which then gets its gradient: the
-    packed call never reads the mask).
+    packed, with :func:`hkt.hkt_attention_varlen`.  Padded query positions
+    then output zeros (and get zero weights), where MHA lets them attend to
+    the real keys.  Where the packed call cannot run, the padded computation
+    runs with the same zeros (hkt/_mha_inputs.py and docs/guide.md say where).
 
-    ``windows`` (one entry per level, None or W_l tokens, growing with the
-    level; docs/contract.md section 1.11) gives each level a window: near-linear
-    cost in the sequence length.  Masks and dropout apply as without windows:
-    ``is_causal=True`` and a ``key_padding_mask`` alone keep the cost near
-    linear; an ``attn_mask`` (alone or with key padding) or dropout in training
-    makes the kernels visit each key the windows let through, O(T * S) work
-    like dense attention.  ``pack_padding`` is refused with windows
-    (``ValueError``); :meth:`decode` takes them.
+    ``windows``: see :class:`hkt.Levels`.  ``pack_padding`` is refused with
+    windows (``ValueError``); :meth:`decode` takes them.
 
     Differences from ``nn.MultiheadAttention``:
 
@@ -229,9 +193,7 @@ class MultiheadHKT(nn.Module):
       the documented way (a module with kdim != embed_dim) to turn it off.
     """
 
-    # Read by the fused fast paths of nn.TransformerEncoderLayer/Encoder (and by
-    # nothing in this module): False makes them run this module's forward.  A
-    # TorchScript constant, so that a scripted encoder layer can read it too.
+    # (the docstring's last point) a TorchScript constant, so that a scripted encoder layer reads it too
     _qkv_same_embed_dim = False
     __constants__ = ["_qkv_same_embed_dim"]
     __jit_ignored_attributes__ = ["windows"]
@@ -241,42 +203,20 @@ class MultiheadHKT(nn.Module):
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None, *,
                  levels: int = 3, downsample_kernel: int = 2, num_kv_heads: Optional[int] = None,
                  pack_padding: bool = False, windows: Optional[Sequence[Optional[int]]] = None) -> None:
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
-                             f"and num_heads={num_heads}")
-        if embed_dim % num_heads != 0:
-            raise ShapeError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if num_kv_heads is None:
-            num_kv_heads = num_heads
-        if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1
-                or num_heads % num_kv_heads != 0):
-            raise ValueError(f"num_kv_heads: expected an int >= 1 that divides num_heads ({num_heads}), got "
-                             f"{num_kv_heads!r}")
-        if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-            raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
-        if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
-            raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+        num_kv_heads = Levels._check_options(embed_dim, num_heads, num_kv_heads, levels, downsample_kernel)
         windows = check_windows(windows, levels, growing=True)  # docs/contract.md section 1.11
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
+        super().__init__(num_heads, embed_dim // num_heads, num_kv_heads, levels, downsample_kernel, windows)
         self.embed_dim = embed_dim
         self.kdim = kdim if kdim is not None else embed_dim
         self.vdim = vdim if vdim is not None else embed_dim
         self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
         self.dropout = dropout
         self.batch_first = batch_first
-        self.head_dim = embed_dim // num_heads
         # features of one key or value projection: num_kv_heads heads of head_dim
         Ekv = self.kv_dim = num_kv_heads * self.head_dim
         self.add_zero_attn = add_zero_attn
-        self.levels = levels
-        self.downsample_kernel = downsample_kernel
         self.pack_padding = bool(pack_padding)
-        # a window per level (None: none); TorchScript reads only whether there are any
-        self.windows = windows
-        self._windowed = windows is not None
 
         # Level 0: nn.MultiheadAttention's parameters, names and shapes.
         if self._packed_in_proj:
@@ -300,33 +240,14 @@ class MultiheadHKT(nn.Module):
         else:
             self.bias_k = self.bias_v = None
 
-        # Levels 1 .. L-1.
-        Lc, K = levels - 1, downsample_kernel
-        if Lc > 0:
-            self.q_downsample = nn.Parameter(torch.empty((Lc, K, embed_dim), **factory_kwargs))
-            self.k_downsample = nn.Parameter(torch.empty((Lc, K, self.kdim), **factory_kwargs))
-            self.coarse_q_proj_weight = nn.Parameter(torch.empty((Lc, embed_dim, embed_dim), **factory_kwargs))
-            self.coarse_k_proj_weight = nn.Parameter(torch.empty((Lc, Ekv, self.kdim), **factory_kwargs))
-            if bias:
-                self.coarse_q_proj_bias = nn.Parameter(torch.empty((Lc, embed_dim), **factory_kwargs))
-                self.coarse_k_proj_bias = nn.Parameter(torch.empty((Lc, Ekv), **factory_kwargs))
-            else:
-                self.register_parameter("coarse_q_proj_bias", None)
-                self.register_parameter("coarse_k_proj_bias", None)
-            self.level_logits = nn.Parameter(torch.empty((num_heads, levels), **factory_kwargs))
-        else:
-            for name in ("q_downsample", "k_downsample", "coarse_q_proj_weight", "coarse_k_proj_weight",
-                         "coarse_q_proj_bias", "coarse_k_proj_bias", "level_logits"):
-                self.register_parameter(name, None)
-
+        # Levels 1 .. L-1, after level 0: the order of parameters() (and of optimiser state)
+        self._add_levels(embed_dim, self.kdim, bias, **factory_kwargs)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
         """Init for training from scratch.  Level 0 as nn.MultiheadAttention
-        (xavier_uniform projections, zero biases, xavier_normal bias_k/v);
-        downsampling taps 1/K (with K = 2, level l starts as the mean of the
-        2^l inputs ending at position 2^l p: a causal average pool); each coarse projection
-        xavier_uniform with zero bias; level_logits zero (equal level weights)."""
+        (xavier_uniform projections, zero biases, xavier_normal bias_k/v),
+        then the levels as :meth:`Levels._reset_levels`."""
         if self._packed_in_proj:
             nn.init.xavier_uniform_(self.in_proj_weight)
         else:
@@ -340,61 +261,30 @@ class MultiheadHKT(nn.Module):
             nn.init.xavier_normal_(self.bias_k)
         if self.bias_v is not None:
             nn.init.xavier_normal_(self.bias_v)
-        if self.levels > 1:
-            nn.init.constant_(self.q_downsample, 1.0 / self.downsample_kernel)
-            nn.init.constant_(self.k_downsample, 1.0 / self.downsample_kernel)
-            for l in range(self.levels - 1):
-                nn.init.xavier_uniform_(self.coarse_q_proj_weight[l])
-                nn.init.xavier_uniform_(self.coarse_k_proj_weight[l])
-            if self.coarse_q_proj_bias is not None:
-                nn.init.constant_(self.coarse_q_proj_bias, 0.0)
-                nn.init.constant_(self.coarse_k_proj_bias, 0.0)
-            nn.init.constant_(self.level_logits, 0.0)
+        self._reset_levels()
 
     def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, levels={self.levels}, " \
-            f"downsample_kernel={self.downsample_kernel}"
-        if self.num_kv_heads != self.num_heads:
-            s += f", num_kv_heads={self.num_kv_heads}"
-        if self.kdim != self.embed_dim or self.vdim != self.embed_dim:
-            s += f", kdim={self.kdim}, vdim={self.vdim}"
-        if self.dropout:
-            s += f", dropout={self.dropout}"
-        if self.windows is not None:
-            s += f", windows={list(self.windows)}"
-        if self.bias_k is not None:
-            s += ", add_bias_kv=True"
-        if self.add_zero_attn:
-            s += ", add_zero_attn=True"
-        if self.batch_first:
-            s += ", batch_first=True"
-        return s
-
-    def level_weights(self) -> Tensor:
-        """The convex level weights w = softmax(level_logits), (num_heads, levels)."""
-        logits = self.level_logits
-        if logits is None:
-            if torch.jit.is_scripting():
-                w = self.out_proj.weight
-            else:
-                w = self._stored_weight()
-            return torch.ones((self.num_heads, 1), dtype=w.dtype, device=w.device)
-        return torch.softmax(logits, dim=-1)
-
-    @torch.jit.unused
-    def _windowed_attention(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
-                            causal: bool, dropout_p: float, packs: bool) -> Tensor:
-        """hkt_attention with the module's windows; what they cannot take refused by name."""
-        if packs:
-            raise ValueError("pack_padding: not supported with windows (its packed call takes no windows)")
-        return hkt_attention(qs, ks, v, w, attn_mask=mask, is_causal=causal, dropout_p=dropout_p,
-                             windows=self.windows)
+        parts = [f"embed_dim={self.embed_dim}", f"num_heads={self.num_heads}", f"levels={self.levels}",
+                 f"downsample_kernel={self.downsample_kernel}"]
+        optional = [(self.num_kv_heads != self.num_heads, f"num_kv_heads={self.num_kv_heads}"),
+                    (self.kdim != self.embed_dim or self.vdim != self.embed_dim, f"kdim={self.kdim}, vdim={self.vdim}"),
+                    (bool(self.dropout), f"dropout={self.dropout}"),
+                    (self.windows is not None, f"windows={list(self.windows or ())}"),
+                    (self.bias_k is not None, "add_bias_kv=True"), (self.add_zero_attn, "add_zero_attn=True"),
+                    (self.batch_first, "batch_first=True")]
+        return ", ".join(parts + [text for shown, text in optional if shown])
 
     @torch.jit.unused
     def _windowed_probs(self, qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor],
                         causal: bool) -> Tensor:
         """need_weights with windows: the dense definition's probabilities (O(T*S), as MHA's weights)."""
         return probs_of_scores(*windowed_scores(qs, ks, w, self.windows), mask, causal)
+
+    def _reference_weight(self) -> Tensor:
+        """level_weights()'s dtype and device with levels=1 (Levels._reference_weight)."""
+        if torch.jit.is_scripting():
+            return self.out_proj.weight
+        return self._stored_weight()
 
     @torch.jit.unused
     def _stored_weight(self) -> Tensor:
@@ -440,33 +330,7 @@ class MultiheadHKT(nn.Module):
         ``bias``.  The one place that says which parameter serves which level:
         ``forward``, incremental decoding and :mod:`hkt.analysis` read it."""
         wq, wk, _, bq, bk, _ = self.in_projections()
-        return self._with_coarse(wq, bq, wk, bk)
-
-    def _with_coarse(self, wq: Tensor, bq: Optional[Tensor], wk: Tensor, bk: Optional[Tensor]
-                     ) -> List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]]:
-        """level_projections() with level 0's as given (read once by forward)."""
-        out: List[Tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor]]] = [(wq, bq, wk, bk)]
-        cqw, ckw = self.coarse_q_proj_weight, self.coarse_k_proj_weight
-        cqb, ckb = self.coarse_q_proj_bias, self.coarse_k_proj_bias
-        if cqw is not None and ckw is not None:
-            for l in range(1, self.levels):
-                out.append((cqw[l - 1], None if cqb is None else cqb[l - 1], ckw[l - 1],
-                            None if ckb is None else ckb[l - 1]))
-        return out
-
-    def level_inputs(self, query: Tensor, key: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
-        """The sequences each level's projections read: level 0 is ``query``
-        (B, T, embed_dim) and ``key`` (B, S, kdim) (batch first), level l the
-        previous level's causally downsampled by 2 with that stream's taps
-        (:func:`causal_downsample`, ``q_downsample[l - 1]`` / ``k_downsample[l - 1]``),
-        so level l holds ceil(T / 2^l) and ceil(S / 2^l) rows."""
-        xq, xk = [query], [key]
-        qd, kd = self.q_downsample, self.k_downsample
-        if qd is not None and kd is not None:
-            for l in range(1, self.levels):
-                xq.append(causal_downsample(xq[l - 1], qd[l - 1]))
-                xk.append(causal_downsample(xk[l - 1], kd[l - 1]))
-        return xq, xk
+        return [(wq, bq, wk, bk)] + self.coarse_projections()
 
     @classmethod
     def from_mha(cls, mha: nn.MultiheadAttention, levels: int = 3, downsample_kernel: int = 2, *,
@@ -485,25 +349,8 @@ class MultiheadHKT(nn.Module):
         hook does not carry over (nor do any other hooks of ``mha``), so its
         constraint (a weight norm, orthogonality, a pruning mask) no longer
         holds in training: a ``UserWarning`` names each such weight.  The
-        coarse levels start switched off but trainable:
-
-        * ``coarse_q_proj_weight`` and ``coarse_q_proj_bias`` are zero, so every
-          coarse score is 0.  They still get gradients at once (the gradient of
-          a level-l query is ``scale * w_l * dS_l @ k_l`` with nonzero keys);
-          the key projections and taps get theirs from the second step on,
-          once the coarse queries are nonzero.
-        * ``coarse_k_proj_weight`` / ``_bias`` copy level 0's key projection and
-          the taps are 1/K, so a coarse key starts as the causal block average of
-          the pretrained keys, a meaningful target for the coarse queries rather
-          than a random one.
-        * ``level_logits`` give level 0 the weight ``w0 = level0_weight`` in every
-          head and split the rest evenly; level 0's query projection (weight rows
-          and bias) is scaled by ``1 / w0`` (w0 as computed in the module's dtype)
-          so ``w0 * <q0 / w0, k0>`` is MHA's score.  The price: level 0's
-          effective step size is w0 times MHA's under Adam-like optimisers, and
-          weight decay acts on a query projection 1/w0 as large.  A larger
-          ``level0_weight`` keeps level 0 closer to MHA but gives the coarse
-          levels less weight (the weights themselves stay trainable).
+        coarse levels start switched off but trainable, as :class:`hkt.Levels`
+        says under "A trained attention's start" (``level0_weight``: w0 there).
 
         With ``levels=1`` the result is an exact copy of ``mha``.
 
@@ -526,183 +373,12 @@ class MultiheadHKT(nn.Module):
             computes with ``linear_Q/K/V``); ValueError for ``level0_weight``
             outside (0, 1).
         """
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise TypeError(f"mha: expected an nn.MultiheadAttention, got {type(mha).__name__}")
-        if type(mha).forward is not nn.MultiheadAttention.forward:
-            # it may compute with other weights: torch.ao's quantizable MultiheadAttention (which
-            # torch.ao.quantization.prepare makes) uses linear_Q/K/V, and its in_proj_weight is unused
-            kind = type(mha)
-            raise TypeError(f"mha: {kind.__module__}.{kind.__qualname__} has its own forward, which from_mha cannot "
-                            "copy (it may compute with other weights than nn.MultiheadAttention's, as torch.ao's "
-                            "quantizable MultiheadAttention does); swap a plain nn.MultiheadAttention, e.g. before "
-                            "torch.ao.quantization.prepare")
-        if not 0.0 < level0_weight < 1.0:
-            raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight}")
-        ref = _stored(mha.out_proj, "weight")
-        new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
-                  add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn, kdim=mha.kdim,
-                  vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
-                  levels=levels, downsample_kernel=downsample_kernel, windows=windows)
-        copied = _copy_level0(new, mha)
-        if levels > 1:
-            _switch_coarse_off(new, levels, level0_weight, downsample_kernel)
-        # what trained before trains after: the copies as their sources (above), and
-        # the parameters hkt adds (coarse projections, taps, level weights) if any of
-        # mha's did, so a frozen attention stays frozen
-        trainable = any(p.requires_grad for p in mha.parameters())
-        for p in new.parameters():
-            if id(p) not in copied:
-                p.requires_grad_(trainable)
-        new.train(mha.training)
-        return new
+        return _from_mha(cls, mha, levels, downsample_kernel, level0_weight, windows)
 
     def merge_masks(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor],
                     query: Tensor) -> Tuple[Optional[Tensor], Optional[int]]:
-        """As ``nn.MultiheadAttention.merge_masks``: the masks of a batch-first
-        self-attention call in one, with its type (0 attn_mask (T, T), 1
-        key_padding_mask (B, T), 2 both, as (B, H, T, T); None without masks).
-
-        The module's own forward does not use it; ``nn.TransformerEncoderLayer``'s
-        fused fast path calls it, which ``_qkv_same_embed_dim = False`` keeps from
-        running, but TorchScript compiles that call, so it must exist.
-        """
-        if attn_mask is None:
-            if key_padding_mask is None:
-                return None, None
-            return key_padding_mask, 1
-        B, T = query.shape[0], query.shape[1]
-        if attn_mask.dim() == 3:
-            merged = attn_mask.view(B, -1, T, T)
-        else:
-            merged = attn_mask.view(1, 1, T, T).expand(B, self.num_heads, -1, -1)
-        if key_padding_mask is not None:
-            merged = merged + key_padding_mask.view(B, 1, 1, T).expand(-1, self.num_heads, -1, -1)
-        return merged, 2
-
-    def _pack_padding_rows(self, key_padding_mask: Optional[Tensor], self_attention: bool, B: int,
-                           S: int) -> Optional[Tensor]:
-        """With ``pack_padding``, for a self-attention call with a (checked)
-        ``key_padding_mask``: which tokens are real, (B, S) bool; else None.
-        Refuses padding that is not at the end of its sequence (the packed
-        computation keeps each sequence's first tokens) and a float mask with
-        entries other than 0 and -inf (packing cannot add them)."""
-        if not self.pack_padding or key_padding_mask is None or not self_attention:
-            return None
-        kpm = key_padding_mask.reshape(B, S)
-        if kpm.dtype == torch.bool:
-            real = ~kpm
-        else:
-            real = kpm != float("-inf")
-        if not torch.jit.is_scripting():
-            if _symbolic() or kpm.is_meta:
-                # recorded, shapes only, or under torch.func: no data-dependent checks (the padded path runs)
-                return real
-        if kpm.dtype != torch.bool and bool((real & (kpm != 0.0)).any()):
-            raise ValueError("key_padding_mask: with pack_padding a float mask may hold only 0 (keep) and -inf "
-                             "(padding)")
-        trailing = torch.arange(S, device=real.device).unsqueeze(0) < real.sum(dim=1, keepdim=True)
-        if not bool(torch.equal(real, trailing)):
-            raise ValueError("key_padding_mask: with pack_padding the padding must be at the end of every "
-                             "sequence (True / -inf after the last real token only)")
-        return real
-
-    def _packed_attention(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, real: Tensor,
-                          is_causal: bool) -> Tensor:
-        """pack_padding's attention (B, H, T, hd): each sequence's real tokens
-        only, packed level by level (the causal downsampling makes a right-padded
-        sequence's first ceil(len / 2^l) level-l rows those of the sequence
-        alone), through :func:`hkt.hkt_attention_varlen`, then scattered back
-        with zeros at the padded rows."""
-        lengths = real.sum(dim=1)
-        cu = F.pad(torch.cumsum(lengths, 0), [1, 0]).cpu()
-        out = hkt_attention_varlen(pack_levels(qs, lengths), pack_levels(ks, lengths), pack_levels([v], lengths)[0],
-                                   w, cu, cu, is_causal=is_causal)
-        B, T = real.shape
-        full = out.new_zeros((B, T, out.shape[1], out.shape[2])).index_put((real,), out)
-        return full.transpose(1, 2)
-
-    def _build_mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], is_causal: bool,
-                    B: int, T: int, S: int, n_extra: int, unbatched: bool, dtype: torch.dtype,
-                    device: torch.device) -> Tuple[Optional[Tensor], bool]:
-        """MHA's masks -> (mask for hkt_attention, is_causal for hkt_attention).
-
-        The returned mask is None, bool (True = may attend) when no float mask
-        was given, or float (additive); it is 4-D and broadcasts to
-        (B, H, T, S + n_extra).
-        """
-        H = self.num_heads
-        masks: List[Tensor] = []
-        if attn_mask is not None:
-            if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-                raise TypeError(f"attn_mask: only bool and floating point masks are supported, got {attn_mask.dtype}")
-            if attn_mask.dim() == 2:
-                if list(attn_mask.shape) != [T, S]:
-                    raise ShapeError(f"attn_mask: 2-D shape must be (T, S) = {_fmt([T, S])}, got "
-                                     f"{_fmt(attn_mask.shape)}")
-                m = attn_mask.reshape(1, 1, T, S)
-            elif attn_mask.dim() == 3:
-                want = [H, T, S] if unbatched else [B * H, T, S]
-                if list(attn_mask.shape) != want:
-                    raise ShapeError(f"attn_mask: 3-D shape must be {_fmt(want)}, got {_fmt(attn_mask.shape)}")
-                m = attn_mask.reshape(1 if unbatched else B, H, T, S)
-            else:
-                raise ShapeError(f"attn_mask: expected 2 or 3 dimensions, got shape {_fmt(attn_mask.shape)}")
-            masks.append(m)
-        if key_padding_mask is not None:
-            if key_padding_mask.dtype != torch.bool and not key_padding_mask.is_floating_point():
-                raise TypeError("key_padding_mask: only bool and floating point masks are supported, got "
-                                f"{key_padding_mask.dtype}")
-            want = [S] if unbatched else [B, S]
-            if list(key_padding_mask.shape) != want:
-                raise ShapeError(f"key_padding_mask: shape must be {_fmt(want)}, got "
-                                 f"{_fmt(key_padding_mask.shape)}")
-            masks.append(key_padding_mask.reshape(-1, 1, 1, S))
-        use_float = False
-        for m in masks:
-            if m.is_floating_point():
-                use_float = True
-        # MHA conventions -> hkt_attention's: bool True = may attend; float added.
-        conv: List[Tensor] = []
-        for m in masks:
-            if m.dtype == torch.bool:
-                m = ~m
-                if use_float:
-                    m = _to_float_mask(m, dtype)
-            else:
-                m = float_mask_in(m, dtype)  # finite stays finite: a conversion must not hide an entry
-            if n_extra > 0:  # appended key slots are never masked (MHA pads with 0 / False)
-                m = _pad_keys(m, n_extra)
-            conv.append(m)
-        if is_causal and n_extra > 0:
-            # The kernel's causal rule would hide the appended slots from queries i < S + slot.
-            vis = torch.ones((T, S + n_extra), dtype=torch.bool, device=device)
-            vis[:, :S].tril_()
-            vis = vis.reshape(1, 1, T, S + n_extra)
-            conv.append(_to_float_mask(vis, dtype) if use_float else vis)
-            is_causal = False
-        mask: Optional[Tensor] = None
-        for m in conv:
-            if mask is None:
-                mask = m
-            else:
-                mask = mask + m if use_float else mask & m
-        return mask, is_causal
-
-    def _batch_first(self, query: Tensor, key: Tensor, value: Tensor, unbatched: bool
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
-        """forward's inputs as (B, T, E), (B, S, kdim), (B, S, vdim) views."""
-        # Keep `query is key is value` through the reshape: self-attention then takes
-        # one packed projection.
-        same_kv, same_qk = key is value, query is key
-        if unbatched:
-            query = query.unsqueeze(0)
-            key = query if same_qk else key.unsqueeze(0)
-            value = key if same_kv else value.unsqueeze(0)
-        elif not self.batch_first:
-            query = query.transpose(0, 1)
-            key = query if same_qk else key.transpose(0, 1)
-            value = key if same_kv else value.transpose(0, 1)
-        return query, key, value
+        """As ``nn.MultiheadAttention.merge_masks`` (hkt._mha_inputs.merge_masks)."""
+        return merge_masks(self.num_heads, attn_mask, key_padding_mask, query)
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor
                  ) -> Tuple[List[Tensor], List[Tensor], Tensor, Optional[Tensor], int]:
@@ -737,14 +413,8 @@ class MultiheadHKT(nn.Module):
             n_extra += 1
 
         qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
-        if self.levels > 1:
-            # appended slots: zero inputs of the key stream
-            xqs, xks = self.level_inputs(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
-            projs = self._with_coarse(wq, bq, wk, bk)
-            for l in range(1, self.levels):
-                cwq, cbq, cwk, cbk = projs[l]
-                qs.append(_heads(F.linear(xqs[l], cwq, cbq), H, hd))
-                ks.append(_heads(F.linear(xks[l], cwk, cbk), Hk, hd))
+        # appended slots: zero inputs of the key stream
+        self._add_coarse_heads(qs, ks, query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
         return qs, ks, _heads(v, Hk, hd), qkv, n_extra
 
     def _attend(self, qs: List[Tensor], ks: List[Tensor], vh: Tensor, w: Tensor, qkv: Optional[Tensor],
@@ -760,7 +430,7 @@ class MultiheadHKT(nn.Module):
               and qs[0].device.type == "cpu" and not _symbolic()
               # the packed call never reads the mask: a float mask's gradient needs the padded one
               and not (torch.is_grad_enabled() and key_padding_mask is not None and key_padding_mask.requires_grad)):
-            out = self._packed_attention(qs, ks, vh, w, real, causal)
+            out = packed_attention(qs, ks, vh, w, real, causal)
         elif qkv is not None and n_extra == 0:  # dq, dk, dv written as qkv's gradient, uncopied
             out = qkv_attention(qkv, qs, ks, vh, w, mask, causal, dropout_p)
         else:
@@ -795,46 +465,27 @@ class MultiheadHKT(nn.Module):
         Raises:
             ShapeError (a ValueError and an AssertionError) for malformed
             shapes (ranks, feature sizes, batch or length mismatches, mask
-            shapes, nested tensors); TypeError for mask
-            dtypes other than bool and floating point.  (In a TorchScript-compiled
-            module these arrive as ``torch.jit.Error`` carrying the same message, a dtype
-            printed as its number.)
+            shapes, nested tensors); TypeError for mask dtypes other than bool
+            and floating point (``torch.jit.Error`` when scripted).
         """
         if not torch.jit.is_scripting():
             _refuse_fx_proxy(query)
-        if query.is_nested or key.is_nested or value.is_nested:
-            raise ShapeError("query/key/value: nested tensors are not supported.  An nn.TransformerEncoder built "
-                             "around nn.MultiheadAttention creates them in eval mode with a key padding mask; set "
-                             "its use_nested_tensor = False (hkt.swap_attention does this)")
-        if query.dim() not in (2, 3):
-            raise ShapeError(f"query: expected 2 (unbatched) or 3 dimensions, got shape {_fmt(query.shape)}")
-        unbatched = query.dim() == 2
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ShapeError(f"key, value: expected {query.dim()}-D like query, got {key.dim()}-D and "
-                             f"{value.dim()}-D")
-        query, key, value = self._batch_first(query, key, value, unbatched)
+        query, key, value, unbatched = batch_first_view(query, key, value, self.batch_first, self.embed_dim,
+                                                        self.kdim, self.vdim)
         # Now (B, T, E), (B, S, kdim), (B, S, vdim).
         B, T, E = query.shape[0], query.shape[1], query.shape[2]
         S = key.shape[1]
-        if E != self.embed_dim:
-            raise ShapeError(f"query: expected {self.embed_dim} features (embed_dim), got {E}")
-        if key.shape[2] != self.kdim:
-            raise ShapeError(f"key: expected {self.kdim} features (kdim), got {key.shape[2]}")
-        if value.shape[2] != self.vdim:
-            raise ShapeError(f"value: expected {self.vdim} features (vdim), got {value.shape[2]}")
-        if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
-            raise ShapeError(f"key, value: batch and length must match each other and query's batch {B}; got "
-                             f"key {_fmt(key.shape)}, value {_fmt(value.shape)} (batch-first view)")
         qs, ks, v, qkv, n_extra = self._project(query, key, value)
         w = self.level_weights()
         dtype = qs[0].dtype
-        mask, causal = self._build_mask(attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra, unbatched,
-                                        dtype, qs[0].device)
+        mask, causal = build_mask(self.num_heads, attn_mask, key_padding_mask, bool(is_causal), B, T, S, n_extra,
+                                  unbatched, dtype, qs[0].device)
         dropout_p = float(self.dropout) if self.training else 0.0
         # whether the call is self-attention matters only to pack_padding
         packs = self.pack_padding and key_padding_mask is not None
-        real = self._pack_padding_rows(key_padding_mask, packs and _one_input(query, key) and _one_input(key, value),
-                                       B, S)
+        real: Optional[Tensor] = None
+        if packs and key_padding_mask is not None and _one_input(query, key) and _one_input(key, value):
+            real = padding_rows(key_padding_mask, B, S)
         if self._windowed:
             if torch.jit.is_scripting():
                 raise RuntimeError("windows: the windowed kernels do not run under TorchScript; call the module "
@@ -859,75 +510,35 @@ class MultiheadHKT(nn.Module):
             out = out.transpose(0, 1)
         return out, weights
 
-    def init_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> "_kvcache.DecodeCache":
+    def init_cache(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> LevelCache:
         """A cache for :meth:`decode`: ``batch_size`` sequences of at most
-        ``max_len`` tokens, empty (``hkt.kvcache.DecodeCache``).  It holds, per
-        level, the downsampling state (the last ``downsample_kernel`` inputs of
-        the query and key streams), the coarse keys so far, and the values;
-        with ``windows`` also each level's block sums of the values, which let
-        a step read only level 0's window of single keys (see
-        ``hkt.kvcache.DecodeCache``).
-
-        device, dtype: default the module's (float32 or float64 only).
-
-        Raises:
-            ValueError for options decode does not support (``add_bias_kv``,
-            ``add_zero_attn``, ``kdim`` / ``vdim`` other than ``embed_dim``) and
-            ``batch_size`` / ``max_len`` below 1; TypeError for other dtypes.
+        ``max_len`` tokens, empty; device, dtype default the module's (float32
+        or float64 only).  See :class:`hkt.LevelCache` for what it holds and
+        what raises.
         """
-        return _kvcache.init_cache(self, batch_size, max_len, device=device, dtype=dtype)
+        LevelCache.check_module(self)
+        return LevelCache.empty(self, batch_size, max_len, self._stored_weight(), device, dtype)
 
-    def decode(self, x: Tensor, cache: "_kvcache.DecodeCache") -> Tensor:
+    def decode(self, x: Tensor, cache: LevelCache) -> Tensor:
         """Incremental causal self-attention: the output for the next ``n`` tokens
         of each sequence, given the ``cache`` of those before (from
-        :meth:`init_cache`), which it advances by ``n``.
-
-        ``x``: the new tokens' embeddings, (B, n, E) with ``batch_first``, else
-        (n, B, E); query = key = value = x.  Returns the output in the same
-        layout, equal (to rounding) to the last ``n`` rows of
-        ``self(seq, seq, seq, is_causal=True, need_weights=False)[0]`` over the
-        whole sequence so far, however it is split into calls (one token at a
-        time, or chunks; coarse blocks may be partly filled).  Level l's query
-        and key of block p are made when its first token, 2^l p, arrives.
-        Runs the CPU decoding kernel (:func:`hkt.hkt_attention_with_kvcache`),
-        with ``getattr(self, "num_kv_heads", num_heads)`` kv heads.  With
-        ``windows``, the new positions are computed from the cache's block
-        sums (a C kernel on the CPU in float32 and float64, torch elsewhere;
-        ``hkt._window_decode``): a step costs level 0's window plus a few
-        blocks per level, not the whole sequence.
-
-        Inference only: call it under ``torch.no_grad()`` or
-        ``torch.inference_mode()`` (``RuntimeError`` otherwise: the kernel has
-        no backward).  ``ValueError`` for ``add_bias_kv``, ``add_zero_attn``,
-        ``kdim`` / ``vdim`` other than ``embed_dim``, training mode with
-        ``dropout > 0``, a wrong shape of ``x`` or more tokens than the cache
-        has room for, or a cache made by a module of another configuration;
-        ``TypeError`` for an ``x`` of another dtype or device than the cache,
-        or a cache of another dtype than the module's parameters (outside
-        ``torch.autocast``).
-
-        The cache holds the keys and values of past tokens as the parameters
-        made them: after changing parameters (training), start a new cache.
-        (Between steps, an in-place change that autograd's version counter
-        sees is picked up for the next tokens; a fused optimiser's step or an
-        edit through ``.data`` is not.)
-
-        Hooks: ``decode`` is not the module's ``__call__``, so the module's own
-        forward hooks and pre-hooks do not run (they take ``forward``'s
-        arguments and output, which a decoding step does not have), except
-        torch.nn.utils' pre-hooks that recompute a weight before every call
-        (``prune``, the old ``weight_norm`` and ``spectral_norm``): it runs
-        those first, so it reads the weights ``forward`` would.  ``out_proj``
-        is called as a module, as in ``forward``, so its hooks run (an adapter,
-        a pruning mask); a parametrization is computed where the weight is
-        read, as in ``forward``.
+        :meth:`init_cache`), which it advances by ``n``.  ``x``: the new
+        tokens' embeddings, (B, n, E) with ``batch_first``, else (n, B, E);
+        query = key = value = x.  Returns the output in the same layout, equal
+        (to rounding) to the last ``n`` rows of ``self(seq, seq, seq,
+        is_causal=True, need_weights=False)[0]`` over the whole sequence so
+        far.  Inference only.  See :class:`hkt.LevelCache` for how it runs,
+        what raises, hooks, and parameters changed between steps.
         """
         # the weights forward would read: a recomputing pre-hook may not have run
         # since they changed (prune's <name>_orig after an optimiser step)
         for hook in list(self._forward_pre_hooks.values()):
             if isinstance(hook, _RECOMPUTING_HOOKS):
                 hook(self, ())
-        return _kvcache.decode(self, x, cache)
+        LevelCache.check_module(self)
+        if not isinstance(cache, LevelCache):
+            raise TypeError(f"cache: expected the DecodeCache of mha.init_cache(...), got {type(cache).__name__}")
+        return cache.step(self, x, self._stored_weight().dtype)
 
 
 def swap_attention(model: nn.Module, levels: int = 3, **kw) -> nn.Module:

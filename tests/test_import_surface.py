@@ -42,7 +42,8 @@ def test_analysis_is_there_when_asked_for():
 def test_public_names_are_the_library():
     import hkt
     assert set(hkt.__all__) == {"hkt_attention", "hkt_attention_with_kvcache", "hkt_attention_varlen",
-                                "varlen_level_offsets", "pack_levels", "MultiheadHKT", "swap_attention", "reference"}
+                                "varlen_level_offsets", "pack_levels", "MultiheadHKT", "swap_attention", "Levels",
+                                "LevelCache", "reference"}
     for name in hkt.__all__:
         assert getattr(hkt, name) is not None, name
 

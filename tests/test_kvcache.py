@@ -486,7 +486,8 @@ def test_step_constants_follow_parameter_changes():
     """decode keeps level weights, projections and taps between steps; a
     parameter changed in place (an optimiser step) or replaced must be seen at
     once."""
-    from hkt.kvcache import _step_constants
+    def _step_constants(m, cache):  # kept by the hkt.LevelCache
+        return cache._step_constants(m)
     m = hkt.MultiheadHKT(16, 2, batch_first=True, levels=3).eval()
     cache = m.init_cache(1, 8)
     c = _step_constants(m, cache)

@@ -404,7 +404,7 @@ def test_module_second_order_gradients_as_padded():
 
 def test_module_takes_the_packed_path(monkeypatch):
     """The packed call really runs (not the padded one with zeroed rows)."""
-    import hkt.modules as modules
+    import hkt._mha_inputs as modules  # MultiheadHKT's packed call
     calls = []
     real_varlen = modules.hkt_attention_varlen
     monkeypatch.setattr(modules, "hkt_attention_varlen", lambda *a, **kw: calls.append(1) or real_varlen(*a, **kw))

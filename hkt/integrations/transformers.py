@@ -15,7 +15,8 @@ The attention function receives the projected, rotary-embedded query and key of
 each head.  Level 0 is them; level l >= 1 causally downsamples the previous
 level's query (key) sequence, per channel, with trainable taps
 (:func:`hkt.downsample.causal_downsample`) and maps each head's downsampled vector
-with its own trainable (head_dim x head_dim) matrix.  The attention itself is
+with its own trainable (head_dim x head_dim) matrix (:meth:`hkt.Levels.coarse_heads`,
+each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
 :func:`hkt.hkt_attention` one new token at a time.
@@ -36,7 +37,8 @@ except ImportError as e:  # the extra is optional: say how to get it
     raise ImportError('hkt.integrations.transformers needs transformers 5: pip install "hkt[transformers]"') from e
 
 import hkt
-from hkt.downsample import causal_downsample
+from hkt.level_cache import HeadLevelCache
+from hkt.levels import Levels
 
 __all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
 
@@ -48,9 +50,10 @@ CONFIG_KEY = "hkt"
 _DECODE_KERNEL = True
 
 
-class HKTLevels(nn.Module):
+class HKTLevels(Levels):
     """The parameters HKT adds to one attention module (its ``hkt`` child), for
     H query heads, H_kv key/value heads of D features and L levels (K taps):
+    an :class:`hkt.Levels` made from projected heads (``Levels._add_head_levels``):
 
     * ``q_downsample`` (L-1, K, H D), ``k_downsample`` (L-1, K, H_kv D): the taps
       of level l's causal downsampling of level l-1's query and key sequences
@@ -67,20 +70,13 @@ class HKTLevels(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, levels: int, downsample_kernel: int,
                  level0_weight: float, *, device=None, dtype=None) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.levels, self.downsample_kernel, self.level0_weight = levels, downsample_kernel, level0_weight
-        self.decode_state: Optional[_DecodeState] = None
+        super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel, None)
+        self.level0_weight = level0_weight
+        self.decode_state: Optional[HeadLevelCache] = None
         if levels == 1:
             return
-        H, Hk, D, Lc, K = num_heads, num_kv_heads, head_dim, levels - 1, downsample_kernel
-        kw = {"device": device, "dtype": dtype}
-        self.q_downsample = nn.Parameter(torch.empty(Lc, K, H * D, **kw))
-        self.k_downsample = nn.Parameter(torch.empty(Lc, K, Hk * D, **kw))
-        self.coarse_q_proj = nn.Parameter(torch.empty(Lc, H, D, D, **kw))
-        self.coarse_k_proj = nn.Parameter(torch.empty(Lc, Hk, D, D, **kw))
-        self.level_logits = nn.Parameter(torch.empty(H, levels, **kw))
-        self.register_buffer("level_scale", torch.empty(H, 1, **kw), persistent=False)
+        self._add_head_levels(device=device, dtype=dtype)
+        self.register_buffer("level_scale", torch.empty(num_heads, 1, device=device, dtype=dtype), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -113,32 +109,97 @@ class HKTLevels(nn.Module):
             return like.new_ones(self.num_heads, 1)
         return (torch.softmax(self.level_logits, dim=-1) * self.level_scale).to(like.dtype)
 
-    def coarse(self, x: Tensor, stream: str) -> List[Tensor]:
-        """Levels 1 .. L-1 of the query (``stream="q"``) or key (``"k"``)
-        sequence x (B, heads, N, D): level l (B, heads, ceil(N / 2^l), D), the
-        block p of which depends only on x's rows <= 2^l p."""
-        taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
-                                                                                  self.coarse_k_proj)
-        B, Hx, N, D = x.shape
-        flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
-        out = []
-        for l in range(1, self.levels):
-            flat = causal_downsample(flat, taps[l - 1])
-            n = flat.shape[1]
-            out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))
+    def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool):
+        """No cached positions: the whole causal op over the sequence.  Each row is
+        first shifted so that its first token is at position 0, so its coarse
+        blocks are those of the row alone (left padding would otherwise move their
+        boundaries and average padding into them); right padding is masked."""
+        B, H, T, D = query.shape
+        pad, count = _row_layout(real, B, T, query.device)
+        shifted = real is not None and bool(pad.any())
+        q0, k0, v0 = query, key, value
+        if shifted:
+            index = _shift_index(pad, T)
+            q0, k0, v0 = _take(query, index), _take(key, index), _take(value, index)
+        mask = None
+        if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
+            mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
+        qs = [q0] + self.coarse_heads(q0, "q")
+        ks = [k0] + self.coarse_heads(k0, "k")
+        out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=True, dropout_p=dropout, scale=scaling)
+        if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
+            self.decode_state = HeadLevelCache(T, pad, key[:, :, -1].detach(), query[:, :, -self.tail_length():],
+                                               ks[1:])
+        if shifted:  # back to the model's layout
+            out = _take(out, _shift_index(-pad, T))
+        if real is not None:  # padding rows give zeros
+            out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
 
+    def tail_length(self) -> int:
+        """How many of the latest full-resolution queries a decoding step can need
+        beyond its own: level l's block of a position t is downsampled from
+        positions >= t - K (2^l - 1) (K taps, 2^l - 1 back to the block's first
+        position), read from a start aligned to 2^(L-1)."""
+        top = 2 ** (self.levels - 1)
+        return self.downsample_kernel * (top - 1) + top
 
-class _DecodeState:
-    """What a converted attention module keeps between the forward calls of one
-    cached generation, beyond HF's key/value cache (which holds level 0): the
-    coarse keys of every block so far, per row in its own positions (padding
-    removed: slot p of level l is the row's block p), the latest full-resolution
-    queries the next blocks' queries are downsampled from, and what checks that
-    the next call continues this cache (its length, its padding, its last key)."""
-
-    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor]):
-        self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
+    def decode_cached(self, query, key, value, w, real, scaling, dropout):
+        """T new positions after S - T cached ones (HF's cache holds level 0's keys
+        and values, the module's decode state the coarse levels)."""
+        B, H, T, D = query.shape
+        S = key.shape[2]
+        state = self.decode_state
+        past = S - T
+        if state is None:
+            raise RuntimeError("attn_implementation='hkt': a call with cached positions, but this layer kept no HKT "
+                               "decoding state: the cache must be filled by this model's forward with use_cache=True, "
+                               "starting from an empty cache")
+        if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
+            raise _unsupported(
+                "a cache that changed between steps other than by appending (beam search reordering, assisted or "
+                "speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
+                "per step", "use greedy search or sampling with num_beams=1")
+        pad, count = _row_layout(real, B, S, query.device)
+        if not torch.equal(pad, state.pad):
+            raise _unsupported("padding that changes during decoding")
+        if not bool((pad + count == S).all()):
+            raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
+                               "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        L, K = self.levels, self.downsample_kernel
+        top = 2 ** (L - 1)
+        t0 = count - T  # each row's position (tokens only) of the first new query
+        # the window each row's new blocks are computed from, from an aligned start, so
+        # its blocks are the row's own; its rows before the start are all the blocks need
+        start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
+        n = T + self.tail_length()
+        window = _shift_index(pad + start, n)  # positions in the model's layout
+        q_all = torch.cat([state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
+        q_win = _take(q_all, window - (S - q_all.shape[2]))
+        k_win = _take(key, window)
+        new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
+        qs = [query]  # level l: the new positions' blocks, found in the window's level l
+        qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
+               for l, qc in enumerate(self.coarse_heads(q_win, "q"), 1)]
+        coarse_k = _write_blocks(state.coarse_k, self.coarse_heads(k_win, "k"), start, new_rows, S)
+        shifted = bool(pad.any())
+        k0 = _take(key, _shift_index(pad, S)) if shifted else key
+        v0 = _take(value, _shift_index(pad, S)) if shifted else value
+        if (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+                and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
+            with torch.no_grad():
+                out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling)
+        else:  # any device, dtype and grad mode: one new token at a time, its keys those up to it
+            ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
+            keys = torch.arange(S, device=query.device)
+            rows = [hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
+                                      attn_mask=(keys <= (t0 + i)[:, None])[:, None, None, :], dropout_p=dropout,
+                                      scale=scaling) for i in range(T)]
+            out = torch.cat(rows, dim=2)
+        state.length, state.coarse_k = S, coarse_k
+        state.last_key = key[:, :, -1].detach()
+        state.q_tail = q_all[:, :, -self.tail_length():]
+        return out
 
 
 def _unsupported(what: str, instead: str = "") -> NotImplementedError:
@@ -243,9 +304,9 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         return _level0(query, key, value, w, attention_mask, scaling, dropout).transpose(1, 2), None
     real = _real_tokens(attention_mask, B, T, S)
     if S == T:
-        out = _prefill(levels, query, key, value, w, real, scaling, dropout, bool(kwargs.get("use_cache")))
+        out = levels.prefill(query, key, value, w, real, scaling, dropout, bool(kwargs.get("use_cache")))
     else:
-        out = _decode(levels, query, key, value, w, real, scaling, dropout)
+        out = levels.decode_cached(query, key, value, w, real, scaling, dropout)
     return out.transpose(1, 2), None
 
 
@@ -266,100 +327,6 @@ def _row_layout(real: Optional[Tensor], B: int, S: int, device):
     count = real.sum(dim=1)
     pad = torch.where(count > 0, real.int().argmax(dim=1), 0)
     return pad, count
-
-
-def _prefill(levels: HKTLevels, query, key, value, w, real, scaling, dropout, use_cache: bool):
-    """No cached positions: the whole causal op over the sequence.  Each row is
-    first shifted so that its first token is at position 0, so its coarse
-    blocks are those of the row alone (left padding would otherwise move their
-    boundaries and average padding into them); right padding is masked."""
-    B, H, T, D = query.shape
-    pad, count = _row_layout(real, B, T, query.device)
-    shifted = real is not None and bool(pad.any())
-    q0, k0, v0 = query, key, value
-    if shifted:
-        index = _shift_index(pad, T)
-        q0, k0, v0 = _take(query, index), _take(key, index), _take(value, index)
-    mask = None
-    if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
-        mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
-    qs = [q0] + levels.coarse(q0, "q")
-    ks = [k0] + levels.coarse(k0, "k")
-    out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=True, dropout_p=dropout, scale=scaling)
-    if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-        levels.decode_state = _DecodeState(T, pad, key[:, :, -1].detach(), query[:, :, -_tail_length(levels):],
-                                           ks[1:])
-    if shifted:  # back to the model's layout
-        out = _take(out, _shift_index(-pad, T))
-    if real is not None:  # padding rows give zeros
-        out = out.masked_fill(~real[:, None, :, None], 0.0)
-    return out
-
-
-def _tail_length(levels: HKTLevels) -> int:
-    """How many of the latest full-resolution queries a decoding step can need
-    beyond its own: level l's block of a position t is downsampled from
-    positions >= t - K (2^l - 1) (K taps, 2^l - 1 back to the block's first
-    position), read from a start aligned to 2^(L-1)."""
-    top = 2 ** (levels.levels - 1)
-    return levels.downsample_kernel * (top - 1) + top
-
-
-def _decode(levels: HKTLevels, query, key, value, w, real, scaling, dropout):
-    """T new positions after S - T cached ones (HF's cache holds level 0's keys
-    and values, the module's decode state the coarse levels)."""
-    B, H, T, D = query.shape
-    S = key.shape[2]
-    state = levels.decode_state
-    past = S - T
-    if state is None:
-        raise RuntimeError("attn_implementation='hkt': a call with cached positions, but this layer kept no HKT "
-                           "decoding state: the cache must be filled by this model's forward with use_cache=True, "
-                           "starting from an empty cache")
-    if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
-        raise _unsupported(
-            "a cache that changed between steps other than by appending (beam search reordering, assisted or "
-            "speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
-            "per step", "use greedy search or sampling with num_beams=1")
-    pad, count = _row_layout(real, B, S, query.device)
-    if not torch.equal(pad, state.pad):
-        raise _unsupported("padding that changes during decoding")
-    if not bool((pad + count == S).all()):
-        raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
-                           "unfilled slots)", "pad on the left, and use the default dynamic cache")
-    L, K = levels.levels, levels.downsample_kernel
-    top = 2 ** (L - 1)
-    t0 = count - T  # each row's position (tokens only) of the first new query
-    # the window each row's new blocks are computed from, from an aligned start, so
-    # its blocks are the row's own; its rows before the start are all the blocks need
-    start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
-    n = T + _tail_length(levels)
-    window = _shift_index(pad + start, n)  # positions in the model's layout
-    q_all = torch.cat([state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
-    q_win = _take(q_all, window - (S - q_all.shape[2]))
-    k_win = _take(key, window)
-    new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
-    qs = [query]  # level l: the new positions' blocks, found in the window's level l
-    qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l)) for l, qc in enumerate(levels.coarse(q_win, "q"), 1)]
-    coarse_k = _write_blocks(state.coarse_k, levels.coarse(k_win, "k"), start, new_rows, S)
-    shifted = bool(pad.any())
-    k0 = _take(key, _shift_index(pad, S)) if shifted else key
-    v0 = _take(value, _shift_index(pad, S)) if shifted else value
-    if (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
-            and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
-        with torch.no_grad():
-            out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling)
-    else:  # any device, dtype and grad mode: one new token at a time, its keys those up to it
-        ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
-        keys = torch.arange(S, device=query.device)
-        rows = [hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
-                                  attn_mask=(keys <= (t0 + i)[:, None])[:, None, None, :], dropout_p=dropout,
-                                  scale=scaling) for i in range(T)]
-        out = torch.cat(rows, dim=2)
-    state.length, state.coarse_k = S, coarse_k
-    state.last_key = key[:, :, -1].detach()
-    state.q_tail = q_all[:, :, -_tail_length(levels):]
-    return out
 
 
 def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, rows: Tensor, S: int) -> List[Tensor]:
