@@ -14,7 +14,7 @@ import pytest
 import hkt
 from research.timing import machine_info
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import json, sys, torch
@@ -56,7 +56,7 @@ print(json.dumps(res))
 
 def run_with(kernels):
     env = {**os.environ, "HKT_CPU_KERNELS": kernels}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, HERE], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, TESTS], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -12,7 +12,7 @@ import pytest
 
 import hkt
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PKG = pathlib.Path(hkt.__file__).resolve().parent
 in_source_tree = pytest.mark.skipif(not (ROOT / "setup.py").is_file() or PKG != ROOT / "hkt",
                                     reason="needs the source tree hkt was built in")

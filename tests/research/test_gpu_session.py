@@ -16,7 +16,7 @@ import torch
 
 from hkt import _kernels, _sdpa
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the GPU machine receives at most 64 MiB of working tree; this keeps a margin
 TREE_LIMIT = 60 * 2**20
 # what comes back from the GPU machine's $OUT: at most 8 files, $OUT/a/b/file deep

@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools")
 pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(TOOLS, "wheel_check.py")),
                                 reason="needs tools/wheel_check.py (the source tree)")
 

@@ -246,7 +246,7 @@ print("same" if same else "different")
 
 
 def test_forked_child_computes_what_the_parent_did():
-    script = FORK_SCRIPT.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__)))).replace(
+    script = FORK_SCRIPT.replace("TESTS", repr(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).replace(
         "CHILD_TIMEOUT", "60")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env=child_env())
@@ -273,7 +273,7 @@ def test_forked_child_via_multiprocessing():
             with mp.get_context("fork").Pool(2) as pool:
                 children = pool.map_async(compute, range(2)).get(60)
             print(all(np.array_equal(a, b) for child in children for a, b in zip(parent, child)))
-    """ % os.path.dirname(os.path.abspath(__file__)))
+    """ % os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env=child_env())
     assert res.returncode == 0 and res.stdout.strip() == "True", res.stdout + res.stderr[-4000:]

@@ -587,7 +587,7 @@ def test_compiled_reduce_overhead_captures_untagged_ops(tmp_path):
     # runs only while inductor warms up and records (6 steps x (compiled + eager)
     # calls; eager alone is 12 forward + 12 backward calls, replays add none).
     env = dict(os.environ, HKT_CUDAGRAPH_SAFE="1")
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # tests/, for helpers
     res = subprocess.run([sys.executable, "-c", _UNTAGGED_SCRIPT, str(here)], env=env, cwd=here,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -961,7 +961,7 @@ def skip_without_emulation():
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     skip_without_emulation()
-    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
     d = tmp_path_factory.mktemp("cuda_emulation")
     (d / "inc").mkdir()
     (d / "inc" / "cuda_runtime.h").write_text(_SHIM)
@@ -1353,7 +1353,7 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
     of the .cu, the tensor-core forward's four configurations and the three
     backward kernels included, keeps its values in registers (a spill to local
     memory costs a memory round trip inside the inner loops)."""
-    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
 
     def compile_for(arch):  # one nvcc per architecture, side by side: its report is then its own
         cmd = ["nvcc", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-std=c++17", f"-I{csrc}",

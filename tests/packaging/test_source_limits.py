@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 C_SUFFIXES = (".c", ".h", ".cu")
 
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TOOLS = os.path.join(os.path.dirname(HERE), "tools")
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools")
 
 pytestmark = [pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)"),
               pytest.mark.skipif(not os.path.isfile(os.path.join(TOOLS, "wheel_check.py")),

@@ -12,7 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def readme_tables():
-    path = os.path.join(HERE, "..", "benchmarks", "readme_tables.py")
+    path = os.path.join(HERE, "..", "..", "benchmarks", "readme_tables.py")
     spec = importlib.util.spec_from_file_location("readme_tables", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

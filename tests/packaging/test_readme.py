@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
 # blocks that need more than one process: run by their own tests (tests/test_distributed.py)

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "results"
+RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "results"
 MIN_SEEDS = 3
 
 # file -> the final metric each finished run records

@@ -110,7 +110,7 @@ def test_interpreter_survives_bad_input():
             except (TypeError, ValueError):
                 n += 1
         print("survived", n)
-    """ % (str(__import__("pathlib").Path(__file__).parent),))
+    """ % (str(__import__("pathlib").Path(__file__).resolve().parents[1]),))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == f"survived {len(CASES)}"

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hkt"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "hkt"
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -15,7 +15,7 @@ import pytest
 from research.timing import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CSRC = os.path.join(HERE, "..", "csrc")
+CSRC = os.path.join(HERE, "..", "..", "csrc")
 # the extension's own flags (setup.py) that can change a computed value: none of
 # -ffast-math's; FMA contraction is GCC's default in both
 FLAGS = ["-std=gnu11", "-O3", "-fno-trapping-math"]
@@ -36,7 +36,7 @@ def test_vector_exp_has_the_scalar_bits(isa, flag, tmp_path):
     if flag not in machine_info()["flags"]:
         pytest.skip(f"this CPU has no {flag}")
     exe = tmp_path / f"exp_lanes_{isa}"
-    subprocess.run([cc, *FLAGS, f"-I{CSRC}", f"-DHKT_ISA_{isa}", os.path.join(HERE, "c", "exp_lanes.c"), "-o",
+    subprocess.run([cc, *FLAGS, f"-I{CSRC}", f"-DHKT_ISA_{isa}", os.path.join(HERE, "..", "c", "exp_lanes.c"), "-o",
                     str(exe), "-lm"], check=True, capture_output=True, text=True)
     out = subprocess.run([str(exe), "61"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

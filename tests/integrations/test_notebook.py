@@ -8,7 +8,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "quickstart.ipynb")
+NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples", "quickstart.ipynb")
 
 
 def test_quickstart_notebook_executes():

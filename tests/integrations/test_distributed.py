@@ -173,7 +173,7 @@ def test_one_step_equals_single_process(distributed_results, kind):
 
 
 def _docs_torchrun_block():
-    page = pathlib.Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
     found = [b for b in blocks if "torchrun --nproc-per-node" in b]
     assert len(found) == 1, "docs/distributed.md: expected one python block for torchrun"

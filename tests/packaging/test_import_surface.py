@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESEARCH = ("research", "hkt.experiments", "hkt.data", "hkt.analysis", "hkt.timing", "hkt.demo")
 # heavy or research-only packages hkt itself must not pull in (torch may load some
 # of them on its own: what counts is what `import hkt` adds to `import torch`)
