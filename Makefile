@@ -91,13 +91,13 @@ wheel-check: wheel
 	$(BIN)/abi3audit --strict --assume-minimum-abi3 3.10 dist/hkt-*-abi3-manylinux*.whl
 	$(BIN)/python tools/wheel_check.py dist/hkt-*-abi3-manylinux*.whl $(if $(WHEEL_CHECK_PYTHON),--python $(WHEEL_CHECK_PYTHON))
 
-# The differential fuzz (tests/test_fuzz.py) at full size: FUZZ_EXAMPLES examples
+# The differential fuzz (tests/reliability/test_fuzz.py) at full size: FUZZ_EXAMPLES examples
 # against the reference in each of float64, float32 and bfloat16 (make test runs 150);
 # FUZZ_SEED=n draws another fixed set; HKT_CPU_KERNELS=avx2|default fuzzes those builds.
 FUZZ_EXAMPLES ?= 20000
 fuzz: install
 	HKT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(if $(FUZZ_SEED),HKT_FUZZ_SEED=$(FUZZ_SEED)) \
-	    $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py -k "test_fuzz_"
+	    $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/reliability/test_fuzz.py -k "test_fuzz_"
 
 # The test suite and the fuzz against an ASan+UBSan build of hkt._C.  The build and
 # a copy of the working tree (what git tracks or would: the tests read the README,
@@ -111,10 +111,10 @@ fuzz: install
 # which does not see the copy).
 SAN_DIR      = build/sanitize
 SAN_EXAMPLES ?= 1000
-SAN_SKIP     = --ignore=tests/test_notebook.py --ignore=tests/test_experiments.py \
-               --ignore=tests/test_distributed.py --ignore=tests/test_cuda.py --ignore=tests/test_results.py \
-               --ignore=tests/test_exp_lanes.py --ignore=tests/test_bench_report.py \
-               --deselect tests/test_readme.py::test_performance_pages_are_generated_from_the_results
+SAN_SKIP     = --ignore=tests/integrations/test_notebook.py --ignore=tests/research/test_experiments.py \
+               --ignore=tests/integrations/test_distributed.py --ignore=tests/kernels/test_cuda.py --ignore=tests/research/test_results.py \
+               --ignore=tests/kernels/test_exp_lanes.py --ignore=tests/research/test_bench_report.py \
+               --deselect tests/packaging/test_readme.py::test_performance_pages_are_generated_from_the_results
 SAN_ENV      = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
                ASAN_OPTIONS=detect_leaks=0,allocator_may_return_null=1,detect_odr_violation=0 \
                UBSAN_OPTIONS=halt_on_error=1,print_stacktrace=1

@@ -12,7 +12,7 @@ out and every gradient (q[l], k[l], v, w and a float mask's), no mask / bool mas
 / float mask, causal or not; bitwise repeatability of the kernels' forward+backward
 (float64, and bfloat16 with the tensor-core kernels); bfloat16 at the timed size
 (kernels, tensor-core kernels, each sdpa variant) against a float32 result; and
-the summary of tests/test_cuda.py's run (benchmarks/gpu_tests.py).  Any failure
+the summary of tests/kernels/test_cuda.py's run (benchmarks/gpu_tests.py).  Any failure
 makes the exit status 1.
 
 Timing (bfloat16, B=4 H=16 T=S=4096 D=Dv=64 L=3 unless --quick), causal and not,
@@ -384,19 +384,19 @@ def fastest_variants(results, device):
 
 
 def failures_in_tests(s):
-    """What fails the check in benchmarks/gpu_tests.py's summary s of tests/test_cuda.py."""
+    """What fails the check in benchmarks/gpu_tests.py's summary s of tests/kernels/test_cuda.py."""
     if "unreadable" in s:
         return [f"no test results ({s['unreadable']})"]
     out = []
     if not s.get("passed"):
-        out.append("tests/test_cuda.py: no test passed")
+        out.append("tests/kernels/test_cuda.py: no test passed")
     if s.get("gpu_skipped"):
-        out.append(f"tests/test_cuda.py: {s['gpu_skipped']} GPU tests skipped")
+        out.append(f"tests/kernels/test_cuda.py: {s['gpu_skipped']} GPU tests skipped")
     if s.get("failed_tests"):
-        out.append(f"tests/test_cuda.py: {len(s['failed_tests'])} failed, errored or died; the first: "
+        out.append(f"tests/kernels/test_cuda.py: {len(s['failed_tests'])} failed, errored or died; the first: "
                    f"{s['first_failure']['nodeid']}")
     if s.get("not_run"):
-        out.append(f"tests/test_cuda.py: {len(s['not_run'])} tests not run (out of time)")
+        out.append(f"tests/kernels/test_cuda.py: {len(s['not_run'])} tests not run (out of time)")
     return out
 
 
@@ -406,7 +406,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test of this script)")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds this script may take")
-    ap.add_argument("--tests-summary", help="benchmarks/gpu_tests.py's summary of tests/test_cuda.py, copied into "
+    ap.add_argument("--tests-summary", help="benchmarks/gpu_tests.py's summary of tests/kernels/test_cuda.py, copied into "
                     "the report (its failures fail the check)")
     args = ap.parse_args()
     deadline = START + args.deadline

@@ -15,7 +15,7 @@
 #      setuptools is there; the extension must link no shared libcudart and have
 #      has_cuda;
 #   3. tests (benchmarks/gpu_tests.py -> tests.log, tests.jsonl, tests.json):
-#      tests/test_cuda.py, each test limited (pytest-timeout), the whole step
+#      tests/kernels/test_cuda.py, each test limited (pytest-timeout), the whole step
 #      limited to what is left once the timing step's share is kept; the first
 #      failure is the one that matters; a sticky CUDA error restarts the rest in a
 #      fresh process;
@@ -115,11 +115,11 @@ say "built in $(( $(date +%s) - START ))s since the start"
 STATUS=0
 T=$(( $(left) - TIMING ))
 if (( T >= 30 )); then
-    say "3. tests/test_cuda.py, ${T}s -> tests.log, tests.jsonl, tests.json"
+    say "3. tests/kernels/test_cuda.py, ${T}s -> tests.log, tests.jsonl, tests.json"
     # the ptxas spill check needs no GPU and ran where the code was written
     timeout -k 5 $(( T + 15 )) "$PY" benchmarks/gpu_tests.py --budget "$T" --per-test 120 \
         --progress "$OUT/tests.jsonl" --summary "$OUT/tests.json" --log "$OUT/tests.log" -- \
-        tests/test_cuda.py --deselect tests/test_cuda.py::test_kernels_compile_for_sm80_and_sm90_without_spills
+        tests/kernels/test_cuda.py --deselect tests/kernels/test_cuda.py::test_kernels_compile_for_sm80_and_sm90_without_spills
     rc=$?
     (( rc != 0 )) && { STATUS=1; say "tests: exit status $rc (tests.json: first_failure, gpu_skipped, not_run)"; }
 else

@@ -2,7 +2,7 @@
 and the pytest plugin that makes it so (this file, loaded with ``-p gpu_tests``).
 
     python benchmarks/gpu_tests.py --budget 200 --progress tests.jsonl --summary tests.json \\
-        --log tests.log -- tests/test_cuda.py -k "not sm80"
+        --log tests.log -- tests/kernels/test_cuda.py -k "not sm80"
 
 What it bounds, and what it keeps:
 
@@ -38,7 +38,7 @@ import pytest
 
 PROGRESS_ENV = "HKT_GPU_TESTS_PROGRESS"
 # a comma-separated list of test names after whose failure the plugin reports a
-# sticky CUDA error, as if its probe had failed: how tests/test_gpu_session.py
+# sticky CUDA error, as if its probe had failed: how tests/research/test_gpu_session.py
 # exercises the restart without a GPU
 FAKE_STICKY_ENV = "HKT_GPU_TESTS_FAKE_STICKY"
 GPU_SKIP_REASON = "needs a CUDA GPU"

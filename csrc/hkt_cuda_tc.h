@@ -47,7 +47,7 @@
  *   A (16 x 16, row major): a0 (g, 2t), a1 (g + 8, 2t), a2 (g, 2t + 8), a3 (g + 8, 2t + 8)
  *   B (16 x 8, by column):  b0 (2t, g), b1 (2t + 8, g)   [rows k, k + 1 of column g]
  *   C (16 x 8, float32):    c0, c1 (g, 2t), (g, 2t + 1); c2, c3 (g + 8, 2t), (g + 8, 2t + 1)
- * tests/test_cuda.py emulates the instruction from that description.
+ * tests/kernels/test_cuda.py emulates the instruction from that description.
  *
  * Non-finite values follow hkt.h: a hidden entry's P and dS are exactly 0; a
  * visible NaN or +inf score makes the row NaN (NaN propagates through the max,

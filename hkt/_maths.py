@@ -6,7 +6,7 @@ of the attention and varlen ops).
 
 hkt.reference keeps its own copy of each, written from docs/contract.md and
 importing nothing of hkt, so that a differential test never has the library's
-maths on both of its sides; tests/test_library_maths.py holds the two copies
+maths on both of its sides; tests/ops/test_library_maths.py holds the two copies
 to the same answers.  The operations here are the reference's, in its order,
 so a gradient computed through them has the bits it had when the library
 called the reference.

@@ -56,7 +56,7 @@ mode (forward, or forward+backward), and ``"concat"`` where nothing is
 recorded.  benchmarks/gpu_session.sh times every variant and writes the
 fastest under ``"sdpa_fastest_variant"`` in its gpu.json, keyed the same way
 (``variant_key``); ``MEASURED_FASTEST`` is copied from a committed
-benchmarks/results/gpu.json, and tests/test_gpu_session.py checks that the
+benchmarks/results/gpu.json, and tests/research/test_gpu_session.py checks that the
 two agree.
 """
 import math

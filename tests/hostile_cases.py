@@ -9,7 +9,7 @@ Every case is a function that makes one hostile call, plus what it must do:
                           means the extension broke the C API); only a crash, a hang
                           or a SystemError fails
 
-``run_isolated(names)`` (used by tests/test_hostile.py) runs the cases in a runner
+``run_isolated(names)`` (used by tests/reliability/test_hostile.py) runs the cases in a runner
 subprocess, ``python hostile_cases.py NAME...``, which prints one line per case.  When
 the runner dies (SEGV, abort, a sanitizer report) or a case hangs past its timeout,
 that case is recorded as crashed/hung and a fresh runner carries on with the cases

@@ -14,7 +14,7 @@ venv (``--inner``), which loads the installed ``hkt/_C.abi3.so`` by itself
 mask on NumPy arrays against a float64 NumPy reference written here, and that
 the process maps one OpenMP runtime, from outside the installed package.
 
-:func:`openmp_runtimes` is also what tests/test_openmp_runtime.py reads the
+:func:`openmp_runtimes` is also what tests/packaging/test_openmp_runtime.py reads the
 process with (torch and hkt, both import orders).
 """
 import argparse

@@ -254,7 +254,7 @@ int check_overlaps(const held *hd) {
 /* ---- arrays ---- */
 
 /* 1 when q[0] (so every array of the call) is on a CUDA device: the CUDA
- * kernels run.  The one place that decides it (tests/test_cuda.py's emulation
+ * kernels run.  The one place that decides it (tests/kernels/test_cuda.py's emulation
  * makes it return 1 to run the CUDA kernels on CPU arrays). */
 int q0_on_cuda(const DLTensor *q0) {
 #ifdef HKT_WITH_CUDA

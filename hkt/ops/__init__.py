@@ -12,7 +12,7 @@ needs gradients runs the same registered functions without the dispatcher
 (_eager.py).  Importing this package registers every op.
 """
 from . import attention, decode, downsample, varlen, window  # noqa: F401
-from ._schema import _TAGS  # noqa: F401 (tests/test_cuda.py reads the tags)
+from ._schema import _TAGS  # noqa: F401 (tests/kernels/test_cuda.py reads the tags)
 from .attention import attention_backward, attention_forward  # noqa: F401
 
 __all__ = ["attention_forward", "attention_backward"]

@@ -9,7 +9,7 @@ was captured with (the seed is read on the host).  The tag makes
 torch.compile(mode="reduce-overhead") run the ops outside its CUDA graphs
 (graph partitions on either side of them are still captured).
 HKT_CUDAGRAPH_SAFE=1 at import registers them without it, for
-tests/test_cuda.py::test_compiled_reduce_overhead_captures_untagged_ops,
+tests/kernels/test_cuda.py::test_compiled_reduce_overhead_captures_untagged_ops,
 which shows whether the tag can go (README, "CUDA graphs").
 """
 import math

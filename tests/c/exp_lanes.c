@@ -3,7 +3,7 @@
  * its unclamped form (exp_nonpos_vec_le0) on the patterns it takes, those <= 0
  * or NaN: every
  * `step`-th of the 2^32 (step 1: all of them) and the special values.  Built by
- * tests/test_exp_lanes.py with -DHKT_ISA_AVX2 or -DHKT_ISA_AVX512; prints the
+ * tests/kernels/test_exp_lanes.py with -DHKT_ISA_AVX2 or -DHKT_ISA_AVX512; prints the
  * count checked and the count that differ (NaN against NaN counts as equal),
  * and exits 1 on a difference. */
 #include "hkt_isa.h"

@@ -161,7 +161,7 @@ def test_grouped_query_heads():
 
 def test_bfloat16_computes_in_float32_off_the_native_path(monkeypatch):
     """Where bfloat16 does not run natively (no AVX512_BF16, or HKT_BF16=upcast), it
-    is computed in float32 and rounded (tests/test_bf16_native.py: the native path)."""
+    is computed in float32 and rounded (tests/kernels/test_bf16_native.py: the native path)."""
     monkeypatch.setattr(hkt._kernels, "native_bf16", False)
     q, k, v, w = packed_inputs(LENS, LENS, 2, 8, 4, 3, dtype=torch.bfloat16, seed=1)
     got = varlen(q, k, v, w, LENS, LENS, True)

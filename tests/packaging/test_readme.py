@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
-# blocks that need more than one process: run by their own tests (tests/test_distributed.py)
+# blocks that need more than one process: run by their own tests (tests/integrations/test_distributed.py)
 ELSEWHERE = ("torchrun --nproc-per-node",)
 
 

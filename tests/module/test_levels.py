@@ -12,7 +12,7 @@ import hkt
 import hkt.kvcache
 import hkt.level_cache
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 F64 = torch.float64
 
 

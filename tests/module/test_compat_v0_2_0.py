@@ -21,7 +21,7 @@ from safetensors import safe_open  # noqa: E402
 
 import hkt  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "v0_2_0")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "v0_2_0")
 F64 = torch.float64
 
 
