@@ -46,9 +46,10 @@
  * HKT_ISA_AVX2 or HKT_ISA_AVX512 and include them through hkt_isa.h, which
  * turns the instruction set on.  (GCC's target_clones, used before, builds one
  * source per ISA but with one vector type: 64-byte vectors in the AVX2 clone
- * have no register mode and run far slower.)  HKT_ISA_BUILDS is 0 where GCC's
- * x86-64 target pragma is not available; the portable build then serves alone. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
+ * have no register mode and run far slower.)  HKT_ISA_BUILDS is 0 off x86-64
+ * and for compilers other than GCC and clang (whose target pragma and
+ * attribute hkt_isa.h uses); the portable build then serves alone. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
 #define HKT_ISA_BUILDS 1
 #else
 #define HKT_ISA_BUILDS 0
