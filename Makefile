@@ -55,7 +55,7 @@ test-torch:
 # build of it writes; ends with "N passed, N failed".  The cross compiler and
 # qemu are installed first where they are missing (apt-get, as root or through
 # sudo).  make test runs the same driver natively (tests/test_c_kernels.py).
-C_KERNEL_FLAGS = -std=gnu11 -O3 -fno-trapping-math -fopenmp -Wall -Wextra -Wno-unknown-pragmas -Wno-psabi -Icsrc
+C_KERNEL_FLAGS = -std=gnu11 -O3 -fno-trapping-math -ffp-contract=fast -fopenmp -Wall -Wextra -Wno-unknown-pragmas -Wno-psabi -Icsrc
 C_KERNEL_DEPS  = tests/c/kernels.c $(wildcard csrc/*.c csrc/*.h)
 AARCH64_CC    ?= aarch64-linux-gnu-gcc
 AARCH64_QEMU  ?= qemu-aarch64

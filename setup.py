@@ -50,7 +50,12 @@ openmp = os.environ.get("HKT_NO_OPENMP", "0") != "1"
 # both sides of a select and vectorise branchy loops (the softmax's exp) without
 # AVX-512's masks -- with AVX2 it kept that loop scalar; it changes no computed
 # value (no reassociation, unlike -ffast-math)
-cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi", "-fno-trapping-math"]
+# -ffp-contract=fast: a product may fuse into a later addition, across
+# statements: GCC's default for gnu11 already; clang contracts only within one
+# expression unless asked, and asked its dense float32 kernels give GCC's bits
+# (docs/install.md)
+cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi", "-fno-trapping-math",
+          "-ffp-contract=fast"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
 ldflags = []
 if os.environ.get("HKT_SANITIZE", "0") == "1":

@@ -71,10 +71,16 @@
 #define HKT_CAT(a, b) HKT_CAT2(a, b)
 #define HKT_ISA_NAME(x) HKT_CAT(x, HKT_ISA) /* x_generic, x_avx2, x_avx512 */
 
-/* The native bfloat16 kernels (hkt_bf16_body.h) need GCC's AVX512_BF16
- * intrinsics and target attributes, and are built into the AVX-512 set only;
- * elsewhere bfloat16 is upcast by the caller. */
-#if HKT_ISA_BUILDS && __GNUC__ >= 11 && !defined(HKT_NO_BF16)
+/* The native bfloat16 kernels (hkt_bf16_body.h) need the AVX512_BF16 (and
+ * AMX) intrinsics and target attributes of GCC 11 or clang (14, the oldest
+ * that has built them), and are built into the AVX-512 set only; elsewhere
+ * bfloat16 is upcast by the caller. */
+#if defined(__clang__)
+#define HKT_BF16_COMPILER (__clang_major__ >= 14)
+#else
+#define HKT_BF16_COMPILER (__GNUC__ >= 11)
+#endif
+#if HKT_ISA_BUILDS && HKT_BF16_COMPILER && !defined(HKT_NO_BF16)
 #define HKT_BF16_NATIVE 1
 #else
 #define HKT_BF16_NATIVE 0
