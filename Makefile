@@ -10,7 +10,7 @@ BIN     = $(VENV)/bin
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make test
 TORCH  ?= torch==2.13.0
 
-.PHONY: install test test-torch demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
+.PHONY: install test test-torch test-aarch64 aarch64-tools demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
 
 $(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu csrc/binding/*.c csrc/binding/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,40 @@ test-torch:
 	cd tests && ../$(TORCH_VENV)/bin/python -c "import torch, hkt; assert torch.__version__.split('+')[0] == '$(TORCH_VERSION)', torch.__version__; print('test-torch: torch', torch.__version__, 'hkt from', hkt.__file__)"
 	HKT_TEST_CUDA_EMULATION=1 $(TORCH_VENV)/bin/python -m pytest -q -rfE -p no:cacheprovider \
 	    --junitxml=$(TORCH_VENV)/junit.xml tests $(PYTEST_ARGS)
+
+# The C driver of every kernel family (tests/c/kernels.c: through csrc/hkt.h, no
+# Python) built for AArch64 with Debian's cross compiler and run under qemu's
+# user-mode emulation, checked against the float64 results this machine's own
+# build of it writes; ends with "N passed, N failed".  The cross compiler and
+# qemu are installed first where they are missing (apt-get, as root or through
+# sudo).  make test runs the same driver natively (tests/kernels/test_c_kernels.py).
+C_KERNEL_FLAGS = -std=gnu11 -O3 -fno-trapping-math -ffp-contract=fast -fopenmp -Wall -Wextra -Wno-unknown-pragmas -Wno-psabi -Icsrc
+C_KERNEL_DEPS  = tests/c/kernels.c $(wildcard csrc/*.c csrc/*.h)
+AARCH64_CC    ?= aarch64-linux-gnu-gcc
+AARCH64_QEMU  ?= qemu-aarch64
+AARCH64_ROOT  ?= /usr/aarch64-linux-gnu
+build/c/kernels-host: $(C_KERNEL_DEPS)
+	mkdir -p build/c
+	$(CC) $(C_KERNEL_FLAGS) tests/c/kernels.c $(wildcard csrc/*.c) -o $@ -lm
+
+build/c/expected.txt: build/c/kernels-host
+	build/c/kernels-host --write $@
+
+build/c/kernels-aarch64: $(C_KERNEL_DEPS)
+	mkdir -p build/c
+	$(AARCH64_CC) $(C_KERNEL_FLAGS) tests/c/kernels.c $(wildcard csrc/*.c) -o $@ -lm
+
+aarch64-tools:
+	@if ! command -v $(AARCH64_CC) >/dev/null || ! command -v $(AARCH64_QEMU) >/dev/null; then \
+	    SUDO=$$(test "$$(id -u)" = 0 || echo sudo); \
+	    echo "installing gcc-aarch64-linux-gnu and qemu-user"; \
+	    $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	        gcc-aarch64-linux-gnu qemu-user; \
+	fi
+
+test-aarch64: aarch64-tools build/c/expected.txt
+	$(MAKE) build/c/kernels-aarch64
+	$(AARCH64_QEMU) -L $(AARCH64_ROOT) build/c/kernels-aarch64 --check build/c/expected.txt
 
 demo: install
 	$(BIN)/python -m research.demo
@@ -108,12 +142,13 @@ fuzz: install
 # the training run and the emulated-CUDA grid: plain torch work, slow under ASan;
 # the check of the committed results files (JSON only, no extension); and the
 # check that the performance pages are generated (their dates come from git log,
-# which does not see the copy).
+# which does not see the copy); the C driver (tests/kernels/test_c_kernels.py), which
+# builds its own kernels, not the sanitized extension.
 SAN_DIR      = build/sanitize
 SAN_EXAMPLES ?= 1000
 SAN_SKIP     = --ignore=tests/integrations/test_notebook.py --ignore=tests/research/test_experiments.py \
                --ignore=tests/integrations/test_distributed.py --ignore=tests/kernels/test_cuda.py --ignore=tests/research/test_results.py \
-               --ignore=tests/kernels/test_exp_lanes.py --ignore=tests/research/test_bench_report.py \
+               --ignore=tests/kernels/test_exp_lanes.py --ignore=tests/research/test_bench_report.py --ignore=tests/kernels/test_c_kernels.py \
                --deselect tests/packaging/test_readme.py::test_performance_pages_are_generated_from_the_results
 SAN_ENV      = LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
                ASAN_OPTIONS=detect_leaks=0,allocator_may_return_null=1,detect_odr_violation=0 \

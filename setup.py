@@ -5,13 +5,20 @@ extension is hkt/_C.abi3.so and a wheel is tagged cp310-abi3: one wheel for
 CPython 3.10 and every later 3.x (not the free-threaded builds, which have no
 stable ABI).
 
-DEBUG=1 builds -O0 -g.  HKT_NO_OPENMP=1 builds single-threaded (for compilers
-without OpenMP).  CFLAGS=-DHKT_NO_ISA_BUILDS builds the kernels once, for the
-compiler's default target, instead of the AVX-512, AVX2 and portable builds
-picked at import (GCC on x86-64 only makes those; other compilers, clang
-included, build the portable one).  A build with other options than the last
-one in this tree (these variables, CC, CFLAGS, LDFLAGS) recompiles everything:
-setuptools alone compares file dates only.
+DEBUG=1 builds -O0 -g.  OpenMP: the first form the compiler builds and links
+with is used -- -fopenmp (GCC's libgomp, clang's libomp), then Apple clang's
+-Xpreprocessor -fopenmp -lomp with libomp's include and lib folders under
+$OpenMP_ROOT or Homebrew's prefixes; with none, the build goes on
+single-threaded and says so once, with how to get threads
+(hkt._C.default_threads() is 1 in such a build).  HKT_NO_OPENMP=1 builds
+single-threaded without looking.  A single-threaded build keeps the kernels'
+`omp simd` loops (-fopenmp-simd, no runtime needed), so it sums in the same
+order as the threaded one.  CFLAGS=-DHKT_NO_ISA_BUILDS builds the kernels once,
+for the compiler's default target, instead of the AVX-512, AVX2 and portable
+builds picked at import (GCC and clang make those on x86-64; other targets,
+AArch64 included, build the portable one).  A build with other options than the
+last one in this tree (these variables, CC, CFLAGS, LDFLAGS, the OpenMP form
+found) recompiles everything: setuptools alone compares file dates only.
 
 HKT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
 (-fsanitize=address,undefined, frame pointers kept, any UB report fatal).  Such
@@ -43,12 +50,14 @@ openmp = os.environ.get("HKT_NO_OPENMP", "0") != "1"
 # both sides of a select and vectorise branchy loops (the softmax's exp) without
 # AVX-512's masks -- with AVX2 it kept that loop scalar; it changes no computed
 # value (no reassociation, unlike -ffast-math)
-cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi", "-fno-trapping-math"]
+# -ffp-contract=fast: a product may fuse into a later addition, across
+# statements: GCC's default for gnu11 already; clang contracts only within one
+# expression unless asked, and asked its dense float32 kernels give GCC's bits
+# (docs/install.md)
+cflags = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", "-Wno-psabi", "-fno-trapping-math",
+          "-ffp-contract=fast"]
 cflags += ["-O0", "-g"] if debug else ["-O3"]
 ldflags = []
-if openmp:
-    cflags.append("-fopenmp")
-    ldflags.append("-fopenmp")
 if os.environ.get("HKT_SANITIZE", "0") == "1":
     sanitize = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
     cflags += sanitize + ["-g"]
@@ -103,6 +112,44 @@ def gencode_flags():
     return flags
 
 
+NO_OPENMP = {"cflags": [], "ldflags": [], "include_dirs": [], "library_dirs": [], "libraries": []}
+NO_OPENMP_MESSAGE = """\
+warning: the C compiler ({cc}) builds nothing with OpenMP here, so hkt._C is
+built single-threaded (hkt._C.default_threads() is 1).  For threads, install an
+OpenMP runtime and build again: on macOS, Homebrew's libomp (brew install libomp,
+or set OpenMP_ROOT to its folder); on Debian/Ubuntu with clang, libomp-dev (GCC's
+libgomp comes with gcc).  HKT_NO_OPENMP=1 builds single-threaded without this."""
+# a parallel region and the runtime's API: omp.h, the flag and the library
+OMP_PROBE = """#include <omp.h>
+int hkt_probe(void) {
+    int n = 0;
+#pragma omp parallel reduction(+ : n)
+    n += omp_get_num_threads();
+    return n;
+}
+"""
+SIMD_PROBE = """int hkt_probe(const int *x) {
+    int n = 0;
+#pragma omp simd reduction(+ : n)
+    for (int i = 0; i < 8; i++) n += x[i];
+    return n;
+}
+"""
+
+
+def openmp_forms():
+    """The ways to build with OpenMP, tried in order: the compiler's own flag
+    (GCC, LLVM's clang), then Apple clang's, which has no -fopenmp driver flag
+    and ships no runtime: the preprocessor's flag, and libomp from $OpenMP_ROOT
+    or Homebrew (Apple silicon's prefix, then Intel's)."""
+    yield dict(NO_OPENMP, cflags=["-fopenmp"], ldflags=["-fopenmp"])
+    roots = [os.environ.get("OpenMP_ROOT"), "/opt/homebrew/opt/libomp", "/usr/local/opt/libomp"]
+    for root in [r for r in roots if r and os.path.isdir(r)]:
+        yield {"cflags": ["-Xpreprocessor", "-fopenmp"], "ldflags": [],
+               "include_dirs": [os.path.join(root, "include")], "library_dirs": [os.path.join(root, "lib")],
+               "libraries": ["omp"]}
+
+
 class build_ext_cuda(build_ext):
     """Compiles the .cu with nvcc into an object the C linker adds to hkt._C
     (when nvcc is set), and removes hkt/_C binaries of other ABIs next to the
@@ -112,41 +159,73 @@ class build_ext_cuda(build_ext):
 
     nvcc = None
 
-    def run(self):
+    def build_extensions(self):
+        # the OpenMP form is found here, where the compiler is known
+        omp = self._find_openmp()
+        # clang reports each `omp simd` loop it leaves scalar (the reductions
+        # whose order it keeps): dozens of lines of no use to a user
+        quiet = ["-Wno-pass-failed"] if self._is_clang() else []
+        for ext in self.extensions:
+            ext.extra_compile_args = [*ext.extra_compile_args, *omp["cflags"], *quiet]
+            ext.extra_link_args = [*ext.extra_link_args, *omp["ldflags"]]
+            ext.include_dirs = [*ext.include_dirs, *omp["include_dirs"]]
+            ext.library_dirs = [*ext.library_dirs, *omp["library_dirs"]]
+            ext.libraries = [*ext.libraries, *omp["libraries"]]
         # setuptools rebuilds by file dates only, so a build with other options
         # over the objects of the last one (build/ stays in the tree) would link
-        # those: HKT_NO_OPENMP=1 once, a plain build after kept one thread
+        # those: a single-threaded build once, a threaded one after kept one thread
+        options = BUILD_OPTIONS + repr(sorted(omp.items())) + repr(quiet)
         stamp = os.path.join(self.build_temp, "hkt-build-options")
         try:
             with open(stamp) as f:
-                if f.read() != BUILD_OPTIONS:
+                if f.read() != options:
                     self.force = True
         except OSError:
             self.force = True
-        super().run()
+        super().build_extensions()
         os.makedirs(self.build_temp, exist_ok=True)
         with open(stamp, "w") as f:
-            f.write(BUILD_OPTIONS)
+            f.write(options)
 
-    def build_extensions(self):
+    def _is_clang(self):
+        try:
+            out = subprocess.run([self.compiler.compiler[0], "--version"], capture_output=True, text=True).stdout
+        except OSError:
+            return False
+        return "clang" in out
+
+    def _find_openmp(self):
+        """The first of openmp_forms() the compiler builds and links with; else
+        single-threaded (said once, unless HKT_NO_OPENMP=1 asked for it), with
+        the simd loops kept where the compiler can."""
         if openmp:
-            self._check_openmp()
-        super().build_extensions()
+            for flags in openmp_forms():
+                if self._probe(OMP_PROBE, flags, link=True):
+                    return flags
+            print(NO_OPENMP_MESSAGE.format(cc=self.compiler.compiler[0]), file=sys.stderr)
+        simd = dict(NO_OPENMP, cflags=["-fopenmp-simd"])
+        return simd if self._probe(SIMD_PROBE, simd, link=False) else NO_OPENMP
 
-    def _check_openmp(self):
-        """A compiler without OpenMP fails on omp.h deep in the first file: say
-        so first, with the way out."""
+    def _probe(self, code, flags, link):
+        """Whether the compiler builds code with flags (and links it into a
+        shared object: a compile alone passes where omp.h is there but the
+        runtime library is not).  The compiler's own message says why not."""
         import tempfile
         with tempfile.TemporaryDirectory() as d:
-            src = os.path.join(d, "omp_probe.c")
+            src = os.path.join(d, "probe.c")
             with open(src, "w") as f:
-                f.write("#include <omp.h>\nint hkt_probe(void) { return omp_get_max_threads(); }\n")
+                f.write(code)
             try:
-                self.compiler.compile([src], output_dir=d, extra_postargs=["-fopenmp"])
-            except Exception as e:  # CompileError; its message is the compiler's
-                raise SystemExit(f"error: the C compiler ({' '.join(self.compiler.compiler)}) cannot build with "
-                                 f"OpenMP (-fopenmp, omp.h): install its OpenMP runtime (libgomp for GCC, libomp "
-                                 f"for clang), or build single-threaded with HKT_NO_OPENMP=1\n{e}") from None
+                objs = self.compiler.compile([src], output_dir=d, include_dirs=flags["include_dirs"],
+                                             extra_postargs=flags["cflags"])
+                if link:
+                    self.compiler.link_shared_object(objs, os.path.join(d, "probe.so"),
+                                                     libraries=flags["libraries"],
+                                                     library_dirs=flags["library_dirs"],
+                                                     extra_postargs=flags["ldflags"])
+            except Exception:  # CompileError, LinkError
+                return False
+        return True
 
     def _remove_other_abis(self, ext):
         # next to the binary just built (build/lib..., or hkt/ in place): a wheel

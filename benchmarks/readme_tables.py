@@ -312,6 +312,7 @@ def performance_page(runs):
         if notes:
             lines += ["", "### Where the time goes", ""] + notes
     for title, name in (("Other benchmarks", "other_benchmarks.md"),
+                        ("Other builds: the 16-byte kernels, clang", "builds.md"),
                         ("Constants and the measurements behind them", "constants.md"),
                         ("Tried and not kept", "tried.md")):
         body = note(NOTES, name)

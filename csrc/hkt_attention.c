@@ -186,12 +186,16 @@ static size_t worker_stack_bytes(void) {
 #ifdef _OPENMP
 #pragma omp parallel num_threads(2)
     if (omp_get_thread_num() != 0) {
-        pthread_attr_t a;
         size_t size = SIZE_MAX;
+#if defined(__APPLE__) /* no pthread_getattr_np there; its own call */
+        size = pthread_get_stacksize_np(pthread_self());
+#else
+        pthread_attr_t a;
         if (pthread_getattr_np(pthread_self(), &a) == 0) {
             if (pthread_attr_getstacksize(&a, &size) != 0) size = SIZE_MAX;
             pthread_attr_destroy(&a);
         }
+#endif
 #pragma omp critical(hkt_worker_stack)
         if (size < least) least = size;
     }

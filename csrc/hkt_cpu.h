@@ -46,9 +46,10 @@
  * HKT_ISA_AVX2 or HKT_ISA_AVX512 and include them through hkt_isa.h, which
  * turns the instruction set on.  (GCC's target_clones, used before, builds one
  * source per ISA but with one vector type: 64-byte vectors in the AVX2 clone
- * have no register mode and run far slower.)  HKT_ISA_BUILDS is 0 where GCC's
- * x86-64 target pragma is not available; the portable build then serves alone. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
+ * have no register mode and run far slower.)  HKT_ISA_BUILDS is 0 off x86-64
+ * and for compilers other than GCC and clang (whose target pragma and
+ * attribute hkt_isa.h uses); the portable build then serves alone. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(HKT_NO_ISA_BUILDS)
 #define HKT_ISA_BUILDS 1
 #else
 #define HKT_ISA_BUILDS 0
@@ -70,10 +71,16 @@
 #define HKT_CAT(a, b) HKT_CAT2(a, b)
 #define HKT_ISA_NAME(x) HKT_CAT(x, HKT_ISA) /* x_generic, x_avx2, x_avx512 */
 
-/* The native bfloat16 kernels (hkt_bf16_body.h) need GCC's AVX512_BF16
- * intrinsics and target attributes, and are built into the AVX-512 set only;
- * elsewhere bfloat16 is upcast by the caller. */
-#if HKT_ISA_BUILDS && __GNUC__ >= 11 && !defined(HKT_NO_BF16)
+/* The native bfloat16 kernels (hkt_bf16_body.h) need the AVX512_BF16 (and
+ * AMX) intrinsics and target attributes of GCC 11 or clang (14, the oldest
+ * that has built them), and are built into the AVX-512 set only; elsewhere
+ * bfloat16 is upcast by the caller. */
+#if defined(__clang__)
+#define HKT_BF16_COMPILER (__clang_major__ >= 14)
+#else
+#define HKT_BF16_COMPILER (__GNUC__ >= 11)
+#endif
+#if HKT_ISA_BUILDS && HKT_BF16_COMPILER && !defined(HKT_NO_BF16)
 #define HKT_BF16_NATIVE 1
 #else
 #define HKT_BF16_NATIVE 0

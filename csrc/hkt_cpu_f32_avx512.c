@@ -3,4 +3,5 @@
 #include "hkt_isa.h"
 #if HKT_ISA_BUILDS
 #include "hkt_cpu_f32.c"
+HKT_ISA_END
 #endif

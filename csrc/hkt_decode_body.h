@@ -29,7 +29,7 @@
 
 /* Lanes of a and b summed in pairs: the first half holds a's, the second b's. */
 static inline __attribute__((always_inline)) vec pair_sums(vec a, vec b) {
-    return vshuffle2(a, b, even) + vshuffle2(a, b, odd);
+    return veven(a, b) + vodd(a, b);
 }
 
 /* y[r] = <x, K[r]> for r < n, rows ld apart.  Four rows at a time share each

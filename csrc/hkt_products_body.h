@@ -49,7 +49,7 @@ typedef struct {
 /* ... or the coarser level's folded scores E, upsampled: x->a points at the
  * parent row of the tile's first row, which is even */
 #define UP_ROW(o, p, r, v, VT, VLEN)                                                           \
-    o = vshuffle1(vload(x->a + (r >> 1) * x->lda + (v & ~1) * (VLEN) / 2), v & 1 ? dup_hi : dup_lo)
+    o = vdup_half(vload(x->a + (r >> 1) * x->lda + (v & ~1) * (VLEN) / 2), v & 1)
 /* what becomes of the entry o before it is stored: nothing, */
 #define AS_IS(o, r, v, VT, VLEN)
 /* dS = P (dP - delta), o being dP (tile_dscores' formula), */
@@ -334,8 +334,8 @@ static inline void fold_row(const real *restrict g, const real *restrict up, rea
     int64_t c = 0;
     for (; c + 2 * VL <= n; c += 2 * VL) {
         const vec s = vload(up + c / 2);
-        vstore(e + c, vec_madd(wl - (vec){0}, vload(g + c), vshuffle1(s, dup_lo)));
-        vstore(e + c + VL, vec_madd(wl - (vec){0}, vload(g + c + VL), vshuffle1(s, dup_hi)));
+        vstore(e + c, vec_madd(wl - (vec){0}, vload(g + c), vdup_lo(s)));
+        vstore(e + c + VL, vec_madd(wl - (vec){0}, vload(g + c + VL), vdup_hi(s)));
     }
     for (; c < n; c++) e[c] = madd(wl, g[c], up[c >> 1]);
 }
@@ -352,7 +352,7 @@ static inline void pairsum(const real *restrict src, const real *restrict src2, 
             a += vload(src2 + 2 * c);
             b += vload(src2 + 2 * c + VL);
         }
-        vstore(dst + c, vshuffle2(a, b, even) + vshuffle2(a, b, odd));
+        vstore(dst + c, veven(a, b) + vodd(a, b));
     }
     for (; 2 * c < n; c++) {
         const real x0 = src2 ? src[2 * c] + src2[2 * c] : src[2 * c];

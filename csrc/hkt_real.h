@@ -24,58 +24,64 @@
 #define VL_FULL ((int64_t)(HKT_VEC_BYTES / sizeof(real)))
 #define VL VL_FULL
 typedef real vec __attribute__((vector_size(HKT_VEC_BYTES)));
+/* The lanes the kernels pick, as index lists for every lane count of vec:
+ * each half's lanes doubled (DUP_LO, DUP_HI), and the even and odd lanes of
+ * two vectors side by side (EVEN, ODD). */
 #if REAL_IS_FLOAT && HKT_VEC_BYTES == 64
+#define HKT_LANES_DUP_LO 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7
+#define HKT_LANES_DUP_HI 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15
+#define HKT_LANES_EVEN 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define HKT_LANES_ODD 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 typedef int32_t ivec __attribute__((vector_size(64)));
-static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-static const ivec dup_hi = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
-static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 #elif HKT_VEC_BYTES == 64 || (REAL_IS_FLOAT && HKT_VEC_BYTES == 32) /* 8 lanes: 64-byte doubles, 32-byte floats */
+#define HKT_LANES_DUP_LO 0, 0, 1, 1, 2, 2, 3, 3
+#define HKT_LANES_DUP_HI 4, 4, 5, 5, 6, 6, 7, 7
+#define HKT_LANES_EVEN 0, 2, 4, 6, 8, 10, 12, 14
+#define HKT_LANES_ODD 1, 3, 5, 7, 9, 11, 13, 15
 #if REAL_IS_FLOAT
 typedef int32_t ivec __attribute__((vector_size(32))); /* shuffle masks: integers as wide as the reals */
 #else
 typedef int64_t ivec __attribute__((vector_size(64)));
 #endif
-static const ivec dup_lo = {0, 0, 1, 1, 2, 2, 3, 3};
-static const ivec dup_hi = {4, 4, 5, 5, 6, 6, 7, 7};
-static const ivec even = {0, 2, 4, 6, 8, 10, 12, 14};
-static const ivec odd = {1, 3, 5, 7, 9, 11, 13, 15};
 #elif HKT_VEC_BYTES == 32 || REAL_IS_FLOAT /* 4 lanes: 32-byte doubles, 16-byte floats */
+#define HKT_LANES_DUP_LO 0, 0, 1, 1
+#define HKT_LANES_DUP_HI 2, 2, 3, 3
+#define HKT_LANES_EVEN 0, 2, 4, 6
+#define HKT_LANES_ODD 1, 3, 5, 7
 #if REAL_IS_FLOAT
 typedef int32_t ivec __attribute__((vector_size(16)));
 #else
 typedef int64_t ivec __attribute__((vector_size(32)));
 #endif
-static const ivec dup_lo = {0, 0, 1, 1};
-static const ivec dup_hi = {2, 2, 3, 3};
-static const ivec even = {0, 2, 4, 6};
-static const ivec odd = {1, 3, 5, 7};
 #else /* 16-byte doubles: 2 lanes */
+#define HKT_LANES_DUP_LO 0, 0
+#define HKT_LANES_DUP_HI 1, 1
+#define HKT_LANES_EVEN 0, 2
+#define HKT_LANES_ODD 1, 3
 typedef int64_t ivec __attribute__((vector_size(16)));
-static const ivec dup_lo = {0, 0};
-static const ivec dup_hi = {1, 1};
-static const ivec even = {0, 2};
-static const ivec odd = {1, 3};
 #endif
 
-/* Lanes picked by those masks: GCC's __builtin_shuffle.  Clang has no shuffle
- * by a mask vector (its __builtin_shufflevector takes the lanes as constants),
- * so there the same lanes are picked one by one (the clang build has no ISA
- * builds of its own either: a portable build, not a tuned one). */
+/* Those lanes picked: GCC's __builtin_shuffle by a mask vector; clang has no
+ * such shuffle (its __builtin_shufflevector takes the lanes as constants, as
+ * GCC's does from GCC 12 on only), so there the same lists are its constants:
+ * shuffle instructions either way, the same lanes.  vdup_half(a, hi): a's
+ * high half doubled where hi is nonzero, else its low half. */
 #if defined(__clang__)
-static inline vec vshuffle1(vec a, ivec m) {
-    vec r;
-    for (int i = 0; i < (int)VL; i++) r[i] = a[m[i]];
-    return r;
-}
-static inline vec vshuffle2(vec a, vec b, ivec m) {
-    vec r;
-    for (int i = 0; i < (int)VL; i++) r[i] = m[i] < VL ? a[m[i]] : b[m[i] - VL];
-    return r;
-}
+#define vdup_lo(a) __builtin_shufflevector(a, a, HKT_LANES_DUP_LO)
+#define vdup_hi(a) __builtin_shufflevector(a, a, HKT_LANES_DUP_HI)
+#define veven(a, b) __builtin_shufflevector(a, b, HKT_LANES_EVEN)
+#define vodd(a, b) __builtin_shufflevector(a, b, HKT_LANES_ODD)
+static inline __attribute__((always_inline)) vec vdup_half(vec a, int hi) { return hi ? vdup_hi(a) : vdup_lo(a); }
 #else
-#define vshuffle1(a, m) __builtin_shuffle(a, m)
-#define vshuffle2(a, b, m) __builtin_shuffle(a, b, m)
+static const ivec dup_lo = {HKT_LANES_DUP_LO};
+static const ivec dup_hi = {HKT_LANES_DUP_HI};
+static const ivec even = {HKT_LANES_EVEN};
+static const ivec odd = {HKT_LANES_ODD};
+#define vdup_lo(a) __builtin_shuffle(a, dup_lo)
+#define vdup_hi(a) __builtin_shuffle(a, dup_hi)
+#define veven(a, b) __builtin_shuffle(a, b, even)
+#define vodd(a, b) __builtin_shuffle(a, b, odd)
+#define vdup_half(a, hi) __builtin_shuffle(a, (hi) ? dup_hi : dup_lo)
 #endif
 
 static inline __attribute__((always_inline)) vec vload(const real *p) {

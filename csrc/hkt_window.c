@@ -1,5 +1,5 @@
 /* The windowed kernels (hkt_window.h) in float32 and float64, each in the
- * portable build and (GCC on x86-64) AVX2 and AVX-512 builds, picked as the
+ * portable build and (GCC and clang on x86-64) AVX2 and AVX-512 builds, picked as the
  * other CPU kernels are (hkt_cpu_kernels: the widest the CPU has, or the one
  * HKT_CPU_KERNELS names). */
 #include "hkt_window.h"
@@ -25,6 +25,22 @@ typedef float real;
 #include <immintrin.h> /* the AVX-512 bodies' lane sums */
 #endif
 
+/* The instruction set of the bodies between WIN_ISA_BEGIN_* and WIN_ISA_END:
+ * GCC's target pragma, or clang's attribute on every function defined there
+ * (clang has no target pragma).  WIN_AVX512 tells a body it is AVX-512's
+ * (clang's attribute defines no __AVX512F__). */
+#if defined(__clang__)
+#define WIN_ISA_BEGIN_AVX2 _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define WIN_ISA_BEGIN_AVX512 \
+    _Pragma("clang attribute push(__attribute__((target(\"avx512f,fma\"))), apply_to = function)")
+#define WIN_ISA_END _Pragma("clang attribute pop")
+#else
+#define WIN_ISA_BEGIN_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define WIN_ISA_BEGIN_AVX512 _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,fma\")")
+#define WIN_ISA_END _Pragma("GCC pop_options")
+#endif
+#define WIN_AVX512 0
+
 #define WIN_F32 1
 #define real float
 #define REAL_EXP expf
@@ -35,18 +51,20 @@ typedef float real;
 #include "hkt_window_body.h"
 #undef WFN
 #if HKT_ISA_BUILDS
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+WIN_ISA_BEGIN_AVX2
 #define WFN(name) win_f32_avx2_##name
 #include "hkt_window_body.h"
 #undef WFN
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
+WIN_ISA_END
+WIN_ISA_BEGIN_AVX512
+#undef WIN_AVX512
+#define WIN_AVX512 1
 #define WFN(name) win_f32_avx512_##name
 #include "hkt_window_body.h"
 #undef WFN
-#pragma GCC pop_options
+#undef WIN_AVX512
+#define WIN_AVX512 0
+WIN_ISA_END
 #endif
 #undef real
 #undef REAL_EXP
@@ -65,30 +83,30 @@ typedef float real;
 #include "hkt_window_body.h"
 #undef WFN
 #if HKT_ISA_BUILDS
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+WIN_ISA_BEGIN_AVX2
 #define WFN(name) win_f64_avx2_##name
 #include "hkt_window_body.h"
 #undef WFN
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,fma")
+WIN_ISA_END
+WIN_ISA_BEGIN_AVX512
+#undef WIN_AVX512
+#define WIN_AVX512 1
 #define WFN(name) win_f64_avx512_##name
 #include "hkt_window_body.h"
 #undef WFN
-#pragma GCC pop_options
+#undef WIN_AVX512
+#define WIN_AVX512 0
+WIN_ISA_END
 #endif
 #undef real
 
+#if HKT_ISA_BUILDS
 /* 2: AVX-512, 1: AVX2, 0: portable -- the set the other kernels run */
 static int win_isa(void) {
-#if HKT_ISA_BUILDS
     const char *name = hkt_cpu_kernels();
     return strcmp(name, "avx512f") == 0 ? 2 : strcmp(name, "avx2") == 0 ? 1 : 0;
-#else
-    return 0;
-#endif
 }
+#endif
 
 size_t hkt_window_workspace_bytes(const hkt_window_params *p, int backward) {
     const int f64 = p->dtype == HKT_FLOAT64;

@@ -448,7 +448,7 @@ static void WFN(flush)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t
 static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real P, int64_t Dv) {
     real g = 0;
     int64_t d = 0;
-#if defined(__AVX512F__) && WIN_F32
+#if WIN_AVX512 && WIN_F32
     __m512 acc = _mm512_setzero_ps();
     const __m512 Pv = _mm512_set1_ps(P);
     for (; d + 16 <= Dv; d += 16) {
@@ -457,7 +457,7 @@ static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real
         _mm512_storeu_ps(dvr + d, _mm512_fmadd_ps(Pv, gv, _mm512_loadu_ps(dvr + d)));
     }
     g = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX512F__)
+#elif WIN_AVX512
     __m512d acc = _mm512_setzero_pd();
     const __m512d Pv = _mm512_set1_pd(P);
     for (; d + 8 <= Dv; d += 8) {

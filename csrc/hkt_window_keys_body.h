@@ -233,11 +233,11 @@ static inline int64_t WFN(group_at)(const hkt_window_params *p, int m, int64_t i
 static inline real WFN(dot_tree)(const real *a, const real *b, int64_t n) {
     real g = 0;
     int64_t d = 0;
-#if defined(__AVX512F__) && WIN_F32
+#if WIN_AVX512 && WIN_F32
     __m512 acc = _mm512_setzero_ps();
     for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
     g = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX512F__)
+#elif WIN_AVX512
     __m512d acc = _mm512_setzero_pd();
     for (; d + 8 <= n; d += 8) acc = _mm512_fmadd_pd(_mm512_loadu_pd(a + d), _mm512_loadu_pd(b + d), acc);
     g = _mm512_reduce_add_pd(acc);

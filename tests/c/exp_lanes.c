@@ -68,3 +68,4 @@ int main(int argc, char **argv) {
     printf("%lld checked, %lld differ\n", n, differ);
     return differ != 0;
 }
+HKT_ISA_END /* clang's end of the instruction set (hkt_isa.h) */
