@@ -102,3 +102,14 @@ def test_only_the_kernel_calls_import_the_extension():
 @pytest.mark.parametrize("module", ["hkt.reference"])
 def test_the_reference_imports_nothing_of_hkt(module):
     assert _graph()[module] == set()
+
+
+# the modules that may import the reference: the package exposes it, and the
+# paper's analysis tools draw its score matrices as a user would
+MAY_IMPORT_THE_REFERENCE = {"hkt", "hkt.analysis"}
+
+
+def test_no_library_module_imports_the_reference():
+    users = {m for m, deps in _graph().items() if "hkt.reference" in deps}
+    assert "hkt" in users  # the scan sees an import that is there
+    assert users <= MAY_IMPORT_THE_REFERENCE, sorted(users - MAY_IMPORT_THE_REFERENCE)
