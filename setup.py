@@ -203,8 +203,11 @@ class build_ext_cuda(build_ext):
                 if self._probe(OMP_PROBE, flags, link=True):
                     return flags
             print(NO_OPENMP_MESSAGE.format(cc=self.compiler.compiler[0]), file=sys.stderr)
-        simd = dict(NO_OPENMP, cflags=["-fopenmp-simd"])
-        return simd if self._probe(SIMD_PROBE, simd, link=False) else NO_OPENMP
+        # the extension repeats the message at import (HKT_OPENMP_MISSING): pip
+        # hides a build's output unless -v
+        missing = ["-DHKT_OPENMP_MISSING"] if openmp else []
+        simd = dict(NO_OPENMP, cflags=["-fopenmp-simd", *missing])
+        return simd if self._probe(SIMD_PROBE, simd, link=False) else dict(NO_OPENMP, cflags=missing)
 
     def _probe(self, code, flags, link):
         """Whether the compiler builds code with flags (and links it into a
