@@ -35,6 +35,7 @@ toolkit nor a libcudart of one version, and it cannot clash with the libcudart
 torch loads: `ldd hkt/_C.abi3.so` lists no libcudart.
 """
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -114,7 +115,7 @@ def gencode_flags():
 
 NO_OPENMP = {"cflags": [], "ldflags": [], "include_dirs": [], "library_dirs": [], "libraries": []}
 NO_OPENMP_MESSAGE = """\
-warning: the C compiler ({cc}) builds nothing with OpenMP here, so hkt._C is
+the C compiler ({cc}) builds nothing with OpenMP here, so hkt._C is
 built single-threaded (hkt._C.default_threads() is 1).  For threads, install an
 OpenMP runtime and build again: on macOS, Homebrew's libomp (brew install libomp,
 or set OpenMP_ROOT to its folder); on Debian/Ubuntu with clang, libomp-dev (GCC's
@@ -202,10 +203,12 @@ class build_ext_cuda(build_ext):
             for flags in openmp_forms():
                 if self._probe(OMP_PROBE, flags, link=True):
                     return flags
-            print(NO_OPENMP_MESSAGE.format(cc=self.compiler.compiler[0]), file=sys.stderr)
-        # the extension repeats the message at import (HKT_OPENMP_MISSING): pip
-        # hides a build's output unless -v
-        missing = ["-DHKT_OPENMP_MISSING"] if openmp else []
+            text = NO_OPENMP_MESSAGE.format(cc=self.compiler.compiler[0])
+            print("warning: " + text, file=sys.stderr)
+            message = " ".join(text.split())
+        # the extension repeats the message at import: pip hides a build's
+        # output unless -v (a JSON string of ASCII text is a C string literal)
+        missing = [f"-DHKT_OPENMP_MISSING={json.dumps(message)}"] if openmp else []
         simd = dict(NO_OPENMP, cflags=["-fopenmp-simd", *missing])
         return simd if self._probe(SIMD_PROBE, simd, link=False) else dict(NO_OPENMP, cflags=missing)
 

@@ -137,14 +137,9 @@ static int exec_module(PyObject *m) {
 #endif
 #ifdef HKT_OPENMP_MISSING
     /* pip shows a build's own warning only with -v: a user who built without an
-     * OpenMP runtime by chance learns it here, once per process */
-    if (PyErr_WarnEx(PyExc_RuntimeWarning,
-                     "hkt._C was built without OpenMP (the C compiler found no OpenMP runtime), so its kernels "
-                     "run on one thread. For threads install one and rebuild: on macOS `brew install libomp` "
-                     "(or set OpenMP_ROOT), on Debian/Ubuntu with clang `apt install libomp-dev`; "
-                     "HKT_NO_OPENMP=1 builds single-threaded on purpose, without this warning",
-                     1) < 0)
-        return -1;
+     * OpenMP runtime by chance learns it here, once per process (setup.py's
+     * message, passed in as the macro's string) */
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, HKT_OPENMP_MISSING, 1) < 0) return -1;
 #endif
     char problem[256];
     if (hkt_settings_problem(problem, sizeof problem) && PyErr_WarnEx(PyExc_RuntimeWarning, problem, 1) < 0)
