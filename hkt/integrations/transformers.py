@@ -5,9 +5,10 @@ Importing this module registers ``"hkt"`` with transformers' ``AttentionInterfac
 for it).  Then:
 
     convert(model, levels=3, downsample_kernel=2, level0_weight=0.5) -> model
-        gives every attention module of a loaded decoder HKT's trainable parts,
-        initialised so that the model computes what it computed before, and
-        switches it to attn_implementation="hkt";
+        gives every attention module of a loaded model (a decoder: causal HKT;
+        an encoder: bidirectional) HKT's trainable parts, initialised so that
+        the model computes what it computed before, and switches it to
+        attn_implementation="hkt";
     from_pretrained(ModelClass, path, **kwargs) -> model
         loads a converted model saved with save_pretrained, HKT parameters included.
 
@@ -21,6 +22,7 @@ each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
 :func:`hkt.hkt_attention` one new token at a time.
 """
+import inspect
 import json
 import math
 import os
@@ -73,6 +75,9 @@ class HKTLevels(Levels):
         super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel, None)
         self.level0_weight = level0_weight
         self.decode_state: Optional[HeadLevelCache] = None
+        # whether the module's latest call was handed a cache (_note_cache): not every
+        # family passes use_cache down to its attention
+        self.cached_call = False
         if levels == 1:
             return
         self._add_head_levels(device=device, dtype=dtype)
@@ -109,8 +114,9 @@ class HKTLevels(Levels):
             return like.new_ones(self.num_heads, 1)
         return (torch.softmax(self.level_logits, dim=-1) * self.level_scale).to(like.dtype)
 
-    def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool):
-        """No cached positions: the whole causal op over the sequence.  Each row is
+    def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True):
+        """No cached positions: the whole op over the sequence (causal, or
+        bidirectional over each row's tokens for an encoder).  Each row is
         first shifted so that its first token is at position 0, so its coarse
         blocks are those of the row alone (left padding would otherwise move their
         boundaries and average padding into them); right padding is masked."""
@@ -126,7 +132,7 @@ class HKTLevels(Levels):
             mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
         qs = [q0] + self.coarse_heads(q0, "q")
         ks = [k0] + self.coarse_heads(k0, "k")
-        out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=True, dropout_p=dropout, scale=scaling)
+        out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
             self.decode_state = HeadLevelCache(T, pad, key[:, :, -1].detach(), query[:, :, -self.tail_length():],
                                                ks[1:])
@@ -211,23 +217,24 @@ def _unsupported(what: str, instead: str = "") -> NotImplementedError:
 _last_mask = (lambda: None, None, None)
 
 
-def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
+def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = True) -> Optional[Tensor]:
     """:func:`_read_mask`, once per mask object (and version) a model builds."""
     global _last_mask
     if mask is None:
-        return _read_mask(mask, B, T, S)
+        return _read_mask(mask, B, T, S, causal)
     ref, key, real = _last_mask
-    if ref() is mask and key == (mask._version, B, T, S):
+    if ref() is mask and key == (mask._version, B, T, S, causal):
         return real
-    real = _read_mask(mask, B, T, S)
-    _last_mask = (weakref.ref(mask), (mask._version, B, T, S), real)
+    real = _read_mask(mask, B, T, S, causal)
+    _last_mask = (weakref.ref(mask), (mask._version, B, T, S, causal), real)
     return real
 
 
-def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tensor]:
+def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = True) -> Optional[Tensor]:
     """Which of the S keys of each row are tokens (not padding), (B, S) bool, from
     the 4-D mask the model built (None: no padding), after checking that it is
-    causal attention over each row's tokens, and nothing else: the coarse levels
+    causal (``causal``; else bidirectional) attention over each row's tokens,
+    and nothing else: the coarse levels
     average neighbouring tokens, which another mask (packed sequences, sliding
     windows, bidirectional blocks) would have to cut, and they cannot."""
     if mask is None:
@@ -248,11 +255,13 @@ def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int) -> Optional[Tenso
     visible = visible.expand(B, T, S)
     real = visible[:, -1]  # the last query (position S - 1) sees every token of its row
     pos = torch.arange(S, device=mask.device)
-    causal = pos[None, :] <= (pos[S - T:, None])  # query i is position S - T + i
+    # query i is position S - T + i
+    allowed = pos[None, :] <= pos[S - T:, None] if causal else torch.ones(T, S, dtype=torch.bool, device=mask.device)
     # every row, padding queries too: packed sequences' mask looks like left padding
     # from its last row alone
-    if not torch.equal(visible, causal & real[:, None, :]):
-        raise _unsupported("an attention mask other than causal attention over each row's tokens (packed "
+    if not torch.equal(visible, allowed & real[:, None, :]):
+        raise _unsupported(f"an attention mask other than {'causal' if causal else 'bidirectional'} attention over "
+                           "each row's tokens (packed "
                            "sequences, sliding windows, bidirectional blocks, a static cache's unfilled slots, a "
                            "custom 4-D mask)")
     first = torch.where(real.any(dim=1), real.int().argmax(dim=1), 0)
@@ -295,26 +304,35 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
             raise _unsupported(name)
     if kwargs.get("output_attentions"):
         raise _unsupported("output_attentions=True (the kernels never form the attention weights)")
-    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
-        raise _unsupported("non-causal attention (HKT's coarse levels here are causal)")
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     B, H, T, D = query.shape
     S = key.shape[2]
+    if (H, key.shape[1], D) != (levels.num_heads, levels.num_kv_heads, levels.head_dim):
+        raise ValueError(f"{type(module).__name__}: the attention function received {H} query heads, "
+                         f"{key.shape[1]} key heads of {D} features, but convert read {levels.num_heads}, "
+                         f"{levels.num_kv_heads} and {levels.head_dim} from the module")
     w = levels.level_weights(query)
     if levels.levels == 1:  # the model's own attention: any mask it builds
-        return _level0(query, key, value, w, attention_mask, scaling, dropout).transpose(1, 2), None
-    real = _real_tokens(attention_mask, B, T, S)
+        return _level0(query, key, value, w, attention_mask, scaling, dropout, causal).transpose(1, 2), None
+    if not causal and S != T:
+        raise _unsupported("non-causal attention with keys other than the queries' own (cross-attention, or a "
+                           "bidirectional model's cache) with levels > 1", "convert with levels=1")
+    real = _real_tokens(attention_mask, B, T, S, causal)
     if S == T:
-        out = levels.prefill(query, key, value, w, real, scaling, dropout, bool(kwargs.get("use_cache")))
+        keep = causal and (levels.cached_call or bool(kwargs.get("use_cache")))
+        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal)
     else:
         out = levels.decode_cached(query, key, value, w, real, scaling, dropout)
     return out.transpose(1, 2), None
 
 
-def _level0(query, key, value, w, mask, scaling, dropout):
+def _level0(query, key, value, w, mask, scaling, dropout, causal):
     """levels=1: the model's attention, on hkt's kernels, with its own mask."""
     T = query.shape[2]
-    if mask is None:  # causal with no padding (T = S, or a static cache's first T of S), or one new token
-        return hkt.hkt_attention([query], [key], value, w, is_causal=T > 1, dropout_p=dropout, scale=scaling)
+    if mask is None:  # no padding; causal: T = S, a static cache's first T of S, or one new token
+        return hkt.hkt_attention([query], [key], value, w, is_causal=causal and T > 1, dropout_p=dropout,
+                                 scale=scaling)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
     return hkt.hkt_attention([query], [key], value, w, attn_mask=mask, dropout_p=dropout, scale=scaling)
@@ -364,12 +382,69 @@ def _refuse_reorder(cache, beam_idx):
                        "use greedy search or sampling with num_beams=1")
 
 
+def _reads_attention_interface(cls) -> bool:
+    """Whether a module class's forward looks up transformers' attention
+    functions (``ALL_ATTENTION_FUNCTIONS``, the AttentionInterface): in the
+    installed transformers every attention class that routes through the
+    interface does so in its own ``forward``, whatever its projections are
+    called (fused ones included)."""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
 def _attention_modules(model: nn.Module) -> List[nn.Module]:
-    """The attention modules of a transformers decoder that route through the
-    AttentionInterface: those with a layer index, grouped-query heads and a
-    query projection, as transformers' Llama-style attention classes have."""
-    return [m for m in model.modules()
-            if all(hasattr(m, a) for a in ("layer_idx", "num_key_value_groups", "head_dim", "q_proj", "config"))]
+    """The modules of a transformers model that call the AttentionInterface."""
+    return [m for m in model.modules() if _reads_attention_interface(type(m))]
+
+
+def _first_attr(objects, names):
+    for obj in objects:
+        for name in names:
+            value = getattr(obj, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def _head_shape(m: nn.Module):
+    """(H, H_kv, D) of an attention module: from its own attributes where it
+    has them (each family names them its own way), else from its config."""
+    config = getattr(m, "config", None)
+    H = _first_attr([m, config], ("num_heads", "num_attention_heads"))
+    D = _first_attr([m], ("head_dim", "head_size", "attention_head_size")) or _first_attr([config], ("head_dim",))
+    if D is None and H and _first_attr([config], ("hidden_size",)):
+        D = config.hidden_size // H
+    Hk = _first_attr([m], ("num_key_value_heads", "num_kv_heads"))
+    groups = _first_attr([m], ("num_key_value_groups",))
+    if Hk is None and groups and H:
+        Hk = H // groups
+    if Hk is None:
+        Hk = _first_attr([config], ("num_key_value_heads",)) or H
+    if not H or not D:
+        raise ValueError(f"model: {type(m).__name__} names neither its heads nor its head size in a way HKT reads "
+                         "(num_heads / num_attention_heads, head_dim / head_size, or its config's)")
+    return H, Hk, D
+
+
+def _windowed(m: nn.Module) -> Optional[int]:
+    """The sliding window an attention module passes to the attention function:
+    its own attribute where it has one (per layer, as Qwen2 and Gemma 2/3
+    alternate), else its config's (Mistral, Phi-3, Starcoder2 read it there)."""
+    if hasattr(m, "sliding_window"):
+        return m.sliding_window
+    return getattr(getattr(m, "config", None), "sliding_window", None)
+
+
+# the names under which transformers' attention classes take the cache
+_CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _note_cache(module: nn.Module, args, kwargs) -> None:
+    """A converted attention module's forward pre-hook: records whether this
+    call has a cache to which a later call appends (then its prefill keeps the
+    coarse levels' decoding state)."""
+    module.hkt.cached_call = any(kwargs.get(name) is not None for name in _CACHE_ARGS)
 
 
 def _check_options(levels, downsample_kernel, level0_weight) -> None:
@@ -382,19 +457,26 @@ def _check_options(levels, downsample_kernel, level0_weight) -> None:
 
 
 def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, level0_weight: float = 0.5) -> nn.Module:
-    """Turns a loaded transformers decoder into an HKT model, in place, and returns it.
+    """Turns a loaded transformers model into an HKT model, in place, and returns it.
 
-    Every attention module gets an :class:`HKTLevels` child ``hkt`` on the
-    device and in the dtype of its query projection, initialised so that the
+    Its attention modules are those whose forward calls transformers'
+    AttentionInterface (whatever their projections are called: Llama's
+    ``q_proj``, Phi-3's fused ``qkv_proj``, GPT-2's ``c_attn``, BERT's
+    ``query``), with their head counts and head size read from the module or
+    its config.  Every one gets an :class:`HKTLevels` child ``hkt`` on the
+    device and in the dtype of its parameters, initialised so that the
     model computes what it computed before (levels=1 is the same attention,
     on hkt's kernels); the new parameters train if the attention's did.  The
     model's config gets ``hkt = {"levels", "downsample_kernel",
     "level0_weight"}`` (saved by ``save_pretrained``; :func:`from_pretrained`
-    reads it) and attn_implementation "hkt".
+    reads it) and attn_implementation "hkt".  Causal attention (decoders)
+    becomes causal HKT; bidirectional attention (encoders, ``is_causal``
+    False) non-causal HKT over each row's tokens.
 
     Raises:
         ValueError for bad options, a model with no such attention module, one
-        already converted, or sliding-window or non-causal attention;
+        already converted, sliding-window attention, soft-capped attention
+        logits, or (levels > 1) cross-attention, each saying what to do instead;
         NotImplementedError (later) from ``generate`` with beam search.
     """
     _check_options(levels, downsample_kernel, level0_weight)
@@ -402,21 +484,31 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
     if not modules:
         raise ValueError(f"model: no attention module of transformers' AttentionInterface kind found in "
                          f"{type(model).__name__}")
+    shapes = []
     for m in modules:
+        name = f"{type(m).__name__} (layer {getattr(m, 'layer_idx', '?')})"
         if isinstance(getattr(m, "hkt", None), HKTLevels):
             raise ValueError("model: already converted to HKT")
-        if getattr(m, "sliding_window", None) is not None:
-            raise ValueError(f"model: {type(m).__name__} (layer {m.layer_idx}) uses sliding-window attention, "
-                             "which HKT's coarse levels do not implement")
-        if not getattr(m, "is_causal", True):
-            raise ValueError(f"model: {type(m).__name__} (layer {m.layer_idx}) is not causal; HKT here is causal")
-    for m in modules:
-        ref = m.q_proj.weight
+        if _windowed(m) is not None:
+            raise ValueError(f"model: {name} uses sliding-window attention, which HKT's coarse levels do not "
+                             f"implement yet; to convert it with full attention instead (which changes what "
+                             f"layers with a window compute once a sequence is longer than it), build the model with "
+                             f"the window off in its config (sliding_window=None, or every layer_types entry "
+                             f"'full_attention')")
+        if getattr(m, "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"model: {name} soft-caps its attention logits (attn_logit_softcapping), which HKT "
+                             f"does not implement yet; to convert it without the cap (which changes what the model "
+                             f"computes), build it with attn_logit_softcapping=None in its config")
+        if levels > 1 and getattr(m, "is_cross_attention", False):
+            raise ValueError(f"model: {name} is cross-attention, whose keys come from another sequence: HKT's "
+                             "coarse levels are for self-attention; convert with levels=1")
+        shapes.append(_head_shape(m))
+    for m, (H, Hk, D) in zip(modules, shapes):
+        ref = next(m.parameters())
         trains = any(p.requires_grad for p in m.parameters())
-        H = ref.shape[0] // m.head_dim
-        m.hkt = HKTLevels(H, H // m.num_key_value_groups, m.head_dim, levels, downsample_kernel, level0_weight,
-                          device=ref.device, dtype=ref.dtype)
+        m.hkt = HKTLevels(H, Hk, D, levels, downsample_kernel, level0_weight, device=ref.device, dtype=ref.dtype)
         m.hkt.requires_grad_(trains)
+        m.register_forward_pre_hook(_note_cache, with_kwargs=True)
     model.config.hkt = {"levels": levels, "downsample_kernel": downsample_kernel, "level0_weight": level0_weight}
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:

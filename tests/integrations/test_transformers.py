@@ -1,6 +1,7 @@
-"""hkt.integrations.transformers on two model families that route attention
-through transformers' AttentionInterface (Llama, Qwen2), with grouped-query
-heads, tiny configs and random weights (nothing is downloaded)."""
+"""hkt.integrations.transformers: every model family of the matrix below
+(decoders and encoders, separate and fused projections), built from tiny
+configs with random weights (nothing is downloaded), and in depth on two
+families with grouped-query heads (Llama, Qwen2)."""
 import copy
 import os
 
@@ -16,6 +17,61 @@ import hkt.integrations.transformers as ht  # noqa: E402
 
 VOCAB = 96
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+# initializer_range: weights large enough that attention is far from uniform, so that
+# the coarse levels, once trained, change the function visibly
+_TOKENS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+_SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=128, **_TOKENS)
+_GQA = dict(_SIZES, num_key_value_heads=2)
+_FULL = ["full_attention", "full_attention"]  # the local layers' window off (refused at convert for now)
+# family: (config class, model class, config options); every one routes its
+# attention through transformers' AttentionInterface
+MATRIX = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _GQA),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_GQA, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GQA),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_GQA, head_dim=16)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_GQA, head_dim=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_GQA, head_dim=8, layer_types=_FULL,
+                                                          attn_logit_softcapping=None)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_GQA, head_dim=8, layer_types=_FULL)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_GQA, sliding_window=None)),  # fused qkv_proj
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _GQA),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", _GQA),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_GQA, sliding_window=None)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", _SIZES),  # fused query_key_value
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                                   **_TOKENS)),  # fused c_attn (Conv1D)
+    "bert": ("BertConfig", "BertModel", _SIZES),  # bidirectional
+    "roberta": ("RobertaConfig", "RobertaModel", dict(_SIZES, pad_token_id=1, bos_token_id=0)),
+}
+ENCODERS = ("bert", "roberta")
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """A tiny model of the matrix's family, random weights, eval mode."""
+    config_class, model_class, options = MATRIX[family]
+    config = getattr(transformers, config_class)(**dict(options, **overrides))
+    torch.manual_seed(seed)
+    return getattr(transformers, model_class)(config).eval()
+
+
+def output(model, x, mask=None):
+    """The logits of a decoder, the last hidden states of an encoder."""
+    out = model(x, attention_mask=mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def padded(family: str, B: int = 3, T: int = 13):
+    """Tokens and mask of a batch with rows padded on the right (as tokenizers
+    pad for an encoder) or the left (for a decoder's generation)."""
+    x = ids(B, T)
+    mask = torch.ones_like(x)
+    for row, n in ((1, 4), (2, 7)):
+        cut = slice(T - n, T) if family in ENCODERS else slice(0, n)
+        x[row, cut], mask[row, cut] = MATRIX[family][2].get("pad_token_id", 0), 0
+    return x, mask
 
 
 def tiny(family: str, seed: int = 0):
@@ -50,6 +106,87 @@ def ids(B, T, seed=3):
 
 def rel(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _added(model):
+    return {n: p for n, p in model.named_parameters() if ".hkt." in n}
+
+
+@pytest.mark.parametrize("family", MATRIX)
+@pytest.mark.parametrize("levels,tol", [(1, 2e-5), (3, 2e-4)])
+def test_family_converts_exactly(family, levels, tol):
+    """levels=1 is the model's attention on hkt's kernels; levels=3 at
+    conversion computes what the model computed (a padded batch: the tokens'
+    outputs; a padding position's is not a token's)."""
+    base = build(family)
+    x, mask = padded(family)
+    with torch.no_grad():
+        want = output(base, x, mask)
+    model = ht.convert(copy.deepcopy(base), levels=levels)
+    layers = [m for m in model.modules() if isinstance(m, ht.HKTLevels)]
+    assert len(layers) == base.config.num_hidden_layers
+    real = mask.bool()
+    with torch.no_grad():
+        assert rel(output(model, x, mask)[real], want[real]) <= tol
+        if levels > 1:  # the coarse levels are live: trained parameters change the function
+            assert rel(output(scramble(model), x, mask)[real], want[real]) > 1e-2
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_family_trains_every_added_parameter(family):
+    model = ht.convert(build(family), levels=3).train()
+    added = _added(model)
+    assert len(added) == 5 * model.config.num_hidden_layers
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, mask = padded(family)
+    target = torch.randn(output(model, x, mask).shape, generator=torch.Generator().manual_seed(5))
+    reached = set()
+    for _ in range(3):
+        opt.zero_grad()
+        # a random target: an encoder's layer-normed states have a constant mean square
+        loss = (output(model, x, mask) * target)[mask.bool()].mean()
+        loss.backward()
+        reached |= {n for n, p in added.items() if p.grad is not None and bool(p.grad.abs().sum() > 0)}
+        opt.step()
+    assert reached == set(added)
+
+
+@pytest.mark.parametrize("family", MATRIX)
+def test_family_save_and_load(family, tmp_path):
+    model = scramble(ht.convert(build(family), levels=3))
+    model.save_pretrained(tmp_path)
+    loaded = ht.from_pretrained(type(model), str(tmp_path)).eval()
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+    x, mask = padded(family)
+    with torch.no_grad():
+        assert torch.equal(output(model, x, mask), output(loaded, x, mask))
+
+
+@pytest.mark.parametrize("family", [f for f in MATRIX if f not in ENCODERS])
+def test_family_generate_with_cache_equals_without(family):
+    model = scramble(ht.convert(build(family), levels=3))
+    x, mask = padded(family, T=9)
+    out = [model.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, use_cache=c) for c in (True, False)]
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert rel(torch.stack(out[0].logits, 1), torch.stack(out[1].logits, 1)) < 1e-4
+
+
+@pytest.mark.parametrize("family,options,what", [
+    ("mistral", dict(sliding_window=8), "sliding-window attention.*sliding_window=None"),
+    ("gemma2", dict(layer_types=None), "sliding-window attention.*layer_types"),
+    ("gemma2", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=None"),
+    ("gemma3", dict(layer_types=None), "sliding-window attention"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), "sliding-window attention"),
+])
+def test_windows_and_softcapping_are_refused_at_convert(family, options, what):
+    model = build(family, **options)
+    with pytest.raises(ValueError, match=what):
+        ht.convert(model)
+    assert not any(isinstance(m, ht.HKTLevels) for m in model.modules())  # nothing half converted
 
 
 def test_registered():
