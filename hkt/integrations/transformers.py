@@ -548,7 +548,13 @@ def from_pretrained(model_class, path: str, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(path, **kwargs)`` of a model converted and
     saved with ``save_pretrained``: its base weights loaded by transformers,
     converted with the options in its config (``config.hkt``), then its HKT
-    parameters loaded from the checkpoint.  ``path`` is a local directory."""
+    parameters loaded from the checkpoint.  ``path`` is a local directory.
+    ``model_class`` may be an Auto class (``AutoModel``,
+    ``AutoModelForCausalLM``): the class it picks for the saved config loads it."""
+    if getattr(model_class, "_model_mapping", None) is not None:  # an Auto class
+        from transformers import AutoConfig
+        from transformers.models.auto.auto_factory import _get_model_class
+        model_class = _get_model_class(AutoConfig.from_pretrained(path), model_class._model_mapping)
     config = model_class.config_class.from_pretrained(path)
     options = getattr(config, CONFIG_KEY, None)
     if not isinstance(options, dict):
