@@ -175,6 +175,25 @@ def test_family_generate_with_cache_equals_without(family):
     assert rel(torch.stack(out[0].logits, 1), torch.stack(out[1].logits, 1)) < 1e-4
 
 
+@pytest.mark.parametrize("family", ENCODERS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_encoder_padding_equals_the_row_alone(family, side):
+    """Bidirectional HKT with trained coarse levels: a padded row's tokens get
+    what the row alone gets (its blocks are formed from its tokens only)."""
+    model = scramble(ht.convert(build(family), levels=3))
+    x, mask = padded(family)
+    if side == "left":
+        x, mask = x.flip(1), mask.flip(1)
+    with torch.no_grad():
+        # the positions the row alone has (RoBERTa counts them from its tokens, BERT is told)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) if family == "bert" else None
+        got = model(x, attention_mask=mask, position_ids=positions).last_hidden_state
+        for row in range(x.shape[0]):
+            real = mask[row].bool()
+            alone = output(model, x[row:row + 1, real])[0]
+            assert rel(got[row, real], alone) < 1e-5, row
+
+
 @pytest.mark.parametrize("family,options,what", [
     ("mistral", dict(sliding_window=8), "sliding-window attention.*sliding_window=None"),
     ("gemma2", dict(layer_types=None), "sliding-window attention.*layer_types"),
