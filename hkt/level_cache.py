@@ -405,6 +405,12 @@ class HeadLevelCache:
     def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor]):
         self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
 
+    def reorder(self, index: Tensor) -> None:
+        """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
+        index = index.to(self.pad.device)
+        self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
+        self.coarse_k = [c[index] for c in self.coarse_k]
+
 
 # the name 0.2.0 gave the class (hkt.kvcache.DecodeCache)
 DecodeCache = LevelCache

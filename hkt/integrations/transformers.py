@@ -22,6 +22,7 @@ each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
 :func:`hkt.hkt_attention` one new token at a time.
 """
+import functools
 import inspect
 import json
 import math
@@ -163,9 +164,9 @@ class HKTLevels(Levels):
                                "starting from an empty cache")
         if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
             raise _unsupported(
-                "a cache that changed between steps other than by appending (beam search reordering, assisted or "
-                "speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
-                "per step", "use greedy search or sampling with num_beams=1")
+                "a cache that changed between steps other than by appending or beam search's reordering (assisted "
+                "or speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
+                "per step", "generate without an assistant model")
         pad, count = _row_layout(real, B, S, query.device)
         if not torch.equal(pad, state.pad):
             raise _unsupported("padding that changes during decoding")
@@ -375,11 +376,20 @@ def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, row
     return out
 
 
-def _refuse_reorder(cache, beam_idx):
-    """Beam search's cache reordering: the coarse levels' decoding state is not
-    reordered with HF's cache, so refuse rather than decode from the wrong beams."""
-    raise _unsupported("beam search (num_beams > 1: the cache is reordered between steps)",
-                       "use greedy search or sampling with num_beams=1")
+def _reorder_cache(model: nn.Module, cache, beam_idx: Tensor):
+    """Beam search's cache reordering (``generate`` calls ``model._reorder_cache``
+    where a model has one): transformers' cache as it would be reordered
+    without HKT (by the model class's own ``_reorder_cache`` where it has one),
+    and every converted layer's coarse levels with it."""
+    own = getattr(type(model), "_reorder_cache", None)
+    if own is not None:
+        cache = own(model, cache, beam_idx)
+    else:
+        cache.reorder_cache(beam_idx)
+    for m in model.modules():
+        if isinstance(m, HKTLevels) and m.decode_state is not None:
+            m.decode_state.reorder(beam_idx)
+    return cache
 
 
 def _reads_attention_interface(cls) -> bool:
@@ -477,7 +487,8 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
         ValueError for bad options, a model with no such attention module, one
         already converted, sliding-window attention, soft-capped attention
         logits, or (levels > 1) cross-attention, each saying what to do instead;
-        NotImplementedError (later) from ``generate`` with beam search.
+        NotImplementedError (later) from ``generate`` with a static cache
+        and levels > 1, or with assisted decoding (a cropped cache).
     """
     _check_options(levels, downsample_kernel, level0_weight)
     modules = _attention_modules(model)
@@ -513,7 +524,8 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
         raise ValueError(f"model: {type(model).__name__} does not take a registered attention implementation")
-    model._reorder_cache = _refuse_reorder  # generate's beam search asks the model first
+    # generate's beam search asks the model first, then the cache
+    model._reorder_cache = functools.partial(_reorder_cache, model)
     return model
 
 

@@ -355,10 +355,34 @@ def test_from_pretrained_refuses_an_unconverted_checkpoint(tmp_path):
         ht.from_pretrained(LlamaForCausalLM, str(tmp_path))
 
 
-def test_beam_search_is_refused():
-    model = ht.convert(tiny("llama"), levels=3)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        model.generate(ids(1, 6), max_new_tokens=4, num_beams=2, do_sample=False)
+def _beams(model, x, mask, **kw):
+    out = model.generate(x, attention_mask=mask, max_new_tokens=10, num_beams=3, num_return_sequences=3,
+                         do_sample=False, return_dict_in_generate=True, output_scores=True, **kw)
+    return out.sequences, out.beam_indices
+
+
+def _reordered(order):
+    """Whether some returned sequence's path (its beam at each step) moved
+    from one beam to another: the cache was reordered on the way."""
+    return bool(((order != order[:, :1]) & (order >= 0)).any())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search(family):
+    """levels=1 gives the original's beams token for token; levels=3 the
+    same beams with the cache as without it (its coarse levels reordered
+    with transformers' cache), on a left-padded batch."""
+    base = tiny(family)
+    x = ids(2, 9)
+    mask = torch.ones_like(x)
+    x[1, :3], mask[1, :3] = 0, 0
+    want, order = _beams(base, x, mask)
+    assert _reordered(order)
+    assert torch.equal(_beams(ht.convert(copy.deepcopy(base), levels=1), x, mask)[0], want)
+    model = scramble(ht.convert(base, levels=3))
+    seq, order = _beams(model, x, mask)
+    assert _reordered(order)
+    assert torch.equal(seq, _beams(model, x, mask, use_cache=False)[0])
 
 
 def test_a_changed_cache_is_refused():
