@@ -4,7 +4,6 @@ recomputes it on every call) and from what, and from_mha's copies of an
 nn.MultiheadAttention's parameters into a new MultiheadHKT, with the start it
 gives the coarse levels.
 """
-import math
 import warnings
 from typing import List, Optional, Set, Tuple
 
@@ -104,14 +103,11 @@ def _copy_level0(new: nn.Module, mha: nn.MultiheadAttention) -> Set[int]:
     return copied
 
 
-def _switch_coarse_off(new: nn.Module, levels: int, level0_weight: float, downsample_kernel: int) -> None:
+def _switch_coarse_off(new: nn.Module, level0_weight: float) -> None:
     """from_mha's start for the coarse levels (see its docstring): off, but
     trainable; level 0 rescaled so that its weight w0 leaves MHA's score."""
     with torch.no_grad():
-        # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives softmax weight w0 to level 0.
-        new.level_logits.zero_()
-        new.level_logits[:, 0] = math.log(level0_weight * (levels - 1) / (1.0 - level0_weight))
-        w0 = torch.softmax(new.level_logits, dim=-1)[:, 0]  # (H,), in the module's dtype
+        w0 = new._start_from_trained(level0_weight)  # (H,), in the module's dtype
         inv = (1.0 / w0).repeat_interleave(new.head_dim)  # (E,): one factor per query row
         wq, wk, _, bq, bk, _ = new.in_projections()
         wq.mul_(inv[:, None])
@@ -122,8 +118,6 @@ def _switch_coarse_off(new: nn.Module, levels: int, level0_weight: float, downsa
         if bq is not None:
             new.coarse_q_proj_bias.zero_()
             new.coarse_k_proj_bias.copy_(bk.unsqueeze(0).expand_as(new.coarse_k_proj_bias))
-        new.q_downsample.fill_(1.0 / downsample_kernel)
-        new.k_downsample.fill_(1.0 / downsample_kernel)
 
 
 def _from_mha(cls, mha: nn.MultiheadAttention, levels: int, downsample_kernel: int, level0_weight: float,
@@ -148,7 +142,7 @@ def _from_mha(cls, mha: nn.MultiheadAttention, levels: int, downsample_kernel: i
               levels=levels, downsample_kernel=downsample_kernel, windows=windows)
     copied = _copy_level0(new, mha)
     if levels > 1:
-        _switch_coarse_off(new, levels, level0_weight, downsample_kernel)
+        _switch_coarse_off(new, level0_weight)
     # what trained before trains after: the copies as their sources (above), and
     # the parameters hkt adds (coarse projections, taps, level weights) if any of
     # mha's did, so a frozen attention stays frozen

@@ -5,6 +5,7 @@ decoding state is :class:`hkt.LevelCache` (hkt/level_cache.py).
 Shapes below: B batch, T query length, S key length, E the query stream's
 features, H heads, H_kv kv heads, hd head size, L levels, K downsample_kernel.
 """
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -141,6 +142,8 @@ class Levels(nn.Module):
         ``coarse_k_proj`` (L-1, H_kv, hd, hd) (torch layout, out x in); and
         ``level_logits`` (H, L).  None of them for levels=1."""
         if self.levels == 1:
+            for name in ("q_downsample", "k_downsample", "coarse_q_proj", "coarse_k_proj", "level_logits"):
+                self.register_parameter(name, None)
             return
         H, Hk, D, Lc, K = self.num_heads, self.num_kv_heads, self.head_dim, self.levels - 1, self.downsample_kernel
         kw = {"device": device, "dtype": dtype}
@@ -181,6 +184,22 @@ class Levels(nn.Module):
                 nn.init.constant_(self.coarse_q_proj_bias, 0.0)
                 nn.init.constant_(self.coarse_k_proj_bias, 0.0)
             nn.init.constant_(self.level_logits, 0.0)
+
+    @torch.no_grad()
+    def _start_from_trained(self, level0_weight: float) -> Tensor:
+        """What every conversion of a trained attention starts its levels with
+        (:meth:`hkt.MultiheadHKT.from_mha`, the Hugging Face conversion): taps
+        1/K (coarse vectors are causal block averages) and ``level_logits``
+        giving level 0 the weight w0 = ``level0_weight`` in every head and the
+        other levels the rest, evenly.  Returns w0 (num_heads,) as computed in
+        the module's dtype, for the caller's 1/w0 on level 0."""
+        L = self.levels
+        self.q_downsample.fill_(1.0 / self.downsample_kernel)
+        self.k_downsample.fill_(1.0 / self.downsample_kernel)
+        # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives softmax weight w0 to level 0.
+        self.level_logits.zero_()
+        self.level_logits[:, 0] = math.log(level0_weight * (L - 1) / (1.0 - level0_weight))
+        return torch.softmax(self.level_logits, dim=-1)[:, 0]
 
     def _reference_weight(self) -> Tensor:
         """A tensor in the module's dtype and on its device (levels=1 has no

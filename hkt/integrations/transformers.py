@@ -25,7 +25,6 @@ each layer's levels an :class:`hkt.Levels`).  The attention itself is
 import functools
 import inspect
 import json
-import math
 import os
 import weakref
 from typing import Dict, List, Optional
@@ -79,10 +78,9 @@ class HKTLevels(Levels):
         # whether the module's latest call was handed a cache (_note_cache): not every
         # family passes use_cache down to its attention
         self.cached_call = False
-        if levels == 1:
-            return
+        # levels=1 has it too (ones): the dtype and device of level_weights() (Levels._reference_weight)
+        self.register_buffer("level_scale", torch.ones(num_heads, 1, device=device, dtype=dtype), persistent=False)
         self._add_head_levels(device=device, dtype=dtype)
-        self.register_buffer("level_scale", torch.empty(num_heads, 1, device=device, dtype=dtype), persistent=False)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -94,26 +92,23 @@ class HKTLevels(Levels):
         level 0's weight ``level0_weight`` and the rest split evenly."""
         if self.levels == 1:
             return
-        L, K, w0 = self.levels, self.downsample_kernel, self.level0_weight
-        self.q_downsample.fill_(1.0 / K)
-        self.k_downsample.fill_(1.0 / K)
+        w0 = self._start_from_trained(self.level0_weight)
         self.coarse_q_proj.zero_()
         eye = torch.eye(self.head_dim, dtype=self.coarse_k_proj.dtype, device=self.coarse_k_proj.device)
         self.coarse_k_proj.copy_(eye.expand_as(self.coarse_k_proj))
-        # theta_0 - theta_l = log(w0 (L-1) / (1 - w0)) gives level 0 the softmax weight w0
-        self.level_logits.zero_()
-        self.level_logits[:, 0] = math.log(w0 * (L - 1) / (1.0 - w0))
-        self.level_scale.copy_(1.0 / torch.softmax(self.level_logits, dim=-1)[:, :1])
+        self.level_scale.copy_(1.0 / w0[:, None])
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"levels={self.levels}, downsample_kernel={self.downsample_kernel}")
 
-    def level_weights(self, like: Tensor) -> Tensor:
-        """w (H, L) for hkt_attention, in ``like``'s dtype."""
-        if self.levels == 1:
-            return like.new_ones(self.num_heads, 1)
-        return (torch.softmax(self.level_logits, dim=-1) * self.level_scale).to(like.dtype)
+    def _reference_weight(self) -> Tensor:
+        return self.level_scale
+
+    def level_weights(self) -> Tensor:
+        """w (H, L) for hkt_attention: :meth:`hkt.Levels.level_weights`
+        (softmax(level_logits), or ones for levels=1) times ``level_scale``."""
+        return super().level_weights() * self.level_scale
 
     def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True):
         """No cached positions: the whole op over the sequence (causal, or
@@ -313,7 +308,7 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         raise ValueError(f"{type(module).__name__}: the attention function received {H} query heads, "
                          f"{key.shape[1]} key heads of {D} features, but convert read {levels.num_heads}, "
                          f"{levels.num_kv_heads} and {levels.head_dim} from the module")
-    w = levels.level_weights(query)
+    w = levels.level_weights().to(query.dtype)
     if levels.levels == 1:  # the model's own attention: any mask it builds
         return _level0(query, key, value, w, attention_mask, scaling, dropout, causal).transpose(1, 2), None
     if not causal and S != T:
