@@ -169,7 +169,7 @@ def test_family_save_and_load(family, tmp_path):
 def test_family_generate_with_cache_equals_without(family):
     model = scramble(ht.convert(build(family), levels=3))
     x, mask = padded(family, T=9)
-    out = [model.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+    out = [model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
                           return_dict_in_generate=True, use_cache=c) for c in (True, False)]
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert rel(torch.stack(out[0].logits, 1), torch.stack(out[1].logits, 1)) < 1e-4
