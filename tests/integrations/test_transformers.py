@@ -175,6 +175,20 @@ def test_family_generate_with_cache_equals_without(family):
     assert rel(torch.stack(out[0].logits, 1), torch.stack(out[1].logits, 1)) < 1e-4
 
 
+def test_cross_attention_converts_with_one_level_only():
+    """GPT-2 with cross-attention blocks: their keys are another sequence's,
+    which HKT's coarse levels (self-attention) do not cover."""
+    with pytest.raises(ValueError, match="GPT2Attention .* is cross-attention.*convert with levels=1"):
+        ht.convert(build("gpt2", add_cross_attention=True), levels=3)
+    base = build("gpt2", add_cross_attention=True)
+    x, encoded = ids(2, 7), torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = base(x, encoder_hidden_states=encoded).logits
+        model = ht.convert(base, levels=1)
+        assert sum(isinstance(m, ht.HKTLevels) for m in model.modules()) == 4  # self and cross, 2 layers
+        assert rel(model(x, encoder_hidden_states=encoded).logits, want) <= 2e-5
+
+
 @pytest.mark.parametrize("family", ENCODERS)
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_encoder_padding_equals_the_row_alone(family, side):
