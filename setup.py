@@ -66,9 +66,12 @@ if os.environ.get("HKT_SANITIZE", "0") == "1":
 
 CUDA_SOURCE = "csrc/cuda/hkt_attention_cuda.cu"
 # the CPU kernels (no Python.h), and the binding, the only C that includes it
+# (csrc/cpu/: the type-free parts, the dispatch, and each real type's kernels
+# built per instruction set)
 KERNEL_SOURCES = [f"csrc/cpu/{name}.c" for name in
-                  ("hkt_attention", "hkt_decode", "hkt_cpu_f32", "hkt_cpu_f64", "hkt_cpu_f32_avx2", "hkt_cpu_f64_avx2",
-                   "hkt_cpu_f32_avx512", "hkt_cpu_f64_avx512", "hkt_varlen", "hkt_downsample", "hkt_window")]
+                  ("hkt_dispatch", "hkt_attention", "hkt_decode", "hkt_varlen", "hkt_downsample", "hkt_window",
+                   *(f"hkt_{family}_{t}{isa}" for family in ("cpu", "window") for t in ("f32", "f64")
+                     for isa in ("", "_avx2", "_avx512")))]
 BINDING_SOURCES = [f"csrc/binding/{name}.c" for name in
                    ("capsules", "checks", "arguments", "attention", "varlen", "decode", "downsample", "window",
                     "module")]
