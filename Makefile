@@ -12,7 +12,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: install test test-torch test-aarch64 aarch64-tools demo bench bench-avx2 clean fuzz sanitize wheel wheel-check
 
-$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h csrc/*.cu csrc/binding/*.c csrc/binding/*.h)
+$(BIN)/.installed: pyproject.toml setup.py $(wildcard csrc/*.h csrc/cpu/*.c csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.h csrc/binding/*.c csrc/binding/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
@@ -58,20 +58,20 @@ test-torch:
 # qemu are installed first where they are missing (apt-get, as root or through
 # sudo).  make test runs the same driver natively (tests/kernels/test_c_kernels.py).
 C_KERNEL_FLAGS = -std=gnu11 -O3 -fno-trapping-math -ffp-contract=fast -fopenmp -Wall -Wextra -Wno-unknown-pragmas -Wno-psabi -Icsrc
-C_KERNEL_DEPS  = tests/c/kernels.c $(wildcard csrc/*.c csrc/*.h)
+C_KERNEL_DEPS  = tests/c/kernels.c $(wildcard csrc/*.h csrc/cpu/*.c csrc/cpu/*.h)
 AARCH64_CC    ?= aarch64-linux-gnu-gcc
 AARCH64_QEMU  ?= qemu-aarch64
 AARCH64_ROOT  ?= /usr/aarch64-linux-gnu
 build/c/kernels-host: $(C_KERNEL_DEPS)
 	mkdir -p build/c
-	$(CC) $(C_KERNEL_FLAGS) tests/c/kernels.c $(wildcard csrc/*.c) -o $@ -lm
+	$(CC) $(C_KERNEL_FLAGS) tests/c/kernels.c $(wildcard csrc/cpu/*.c) -o $@ -lm
 
 build/c/expected.txt: build/c/kernels-host
 	build/c/kernels-host --write $@
 
 build/c/kernels-aarch64: $(C_KERNEL_DEPS)
 	mkdir -p build/c
-	$(AARCH64_CC) $(C_KERNEL_FLAGS) tests/c/kernels.c $(wildcard csrc/*.c) -o $@ -lm
+	$(AARCH64_CC) $(C_KERNEL_FLAGS) tests/c/kernels.c $(wildcard csrc/cpu/*.c) -o $@ -lm
 
 aarch64-tools:
 	@if ! command -v $(AARCH64_CC) >/dev/null || ! command -v $(AARCH64_QEMU) >/dev/null; then \

@@ -25,7 +25,7 @@ HKT_SANITIZE=1 builds with AddressSanitizer and UndefinedBehaviorSanitizer
 an extension only loads into a process that has libasan first: `make sanitize`
 builds one outside the source tree and runs the tests with it under LD_PRELOAD.
 
-HKT_CUDA=1 also builds the CUDA kernels (csrc/hkt_attention_cuda.cu) when nvcc
+HKT_CUDA=1 also builds the CUDA kernels (csrc/cuda/hkt_attention_cuda.cu) when nvcc
 is found (on PATH, or $CUDA_HOME/bin/nvcc); without nvcc it warns and builds
 the CPU-only extension.  HKT_CUDA_ARCHS="80 90" picks the GPU architectures
 (SASS for each, plus PTX of the last for newer GPUs).  The extension links the
@@ -64,16 +64,20 @@ if os.environ.get("HKT_SANITIZE", "0") == "1":
     cflags += sanitize + ["-g"]
     ldflags += sanitize
 
-CUDA_SOURCE = "csrc/hkt_attention_cuda.cu"
+CUDA_SOURCE = "csrc/cuda/hkt_attention_cuda.cu"
 # the CPU kernels (no Python.h), and the binding, the only C that includes it
-KERNEL_SOURCES = ["csrc/hkt_attention.c", "csrc/hkt_decode.c", "csrc/hkt_cpu_f32.c", "csrc/hkt_cpu_f64.c",
-                  "csrc/hkt_cpu_f32_avx2.c", "csrc/hkt_cpu_f64_avx2.c", "csrc/hkt_cpu_f32_avx512.c",
-                  "csrc/hkt_cpu_f64_avx512.c", "csrc/hkt_varlen.c", "csrc/hkt_downsample.c", "csrc/hkt_window.c"]
+# (csrc/cpu/: the type-free parts, the dispatch, and each real type's kernels
+# built per instruction set)
+KERNEL_SOURCES = [f"csrc/cpu/{name}.c" for name in
+                  ("hkt_dispatch", "hkt_attention", "hkt_decode", "hkt_varlen", "hkt_downsample", "hkt_window",
+                   *(f"hkt_{family}_{t}{isa}" for family in ("cpu", "window") for t in ("f32", "f64")
+                     for isa in ("", "_avx2", "_avx512")))]
 BINDING_SOURCES = [f"csrc/binding/{name}.c" for name in
                    ("capsules", "checks", "arguments", "attention", "varlen", "decode", "downsample", "window",
                     "module")]
 # every header a source includes: setuptools rebuilds by file dates, these included
-HEADERS = sorted(os.path.join(d, f) for d in ("csrc", "csrc/binding") for f in os.listdir(d) if f.endswith(".h"))
+HEADERS = sorted(os.path.join(d, f) for d in ("csrc", "csrc/cpu", "csrc/cuda", "csrc/binding") for f in os.listdir(d)
+                 if f.endswith(".h"))
 
 
 def find_cuda():

@@ -114,7 +114,7 @@ def _native_bf16(q0: Tensor, dv: int = 0, ndim: int = 4) -> bool:
             and q0.shape[-1] % 2 == 0 and dv % 2 == 0)
 
 
-# CUDA: bfloat16 q, k, v go to the tensor-core kernels (csrc/hkt_attention_cuda.cu)
+# CUDA: bfloat16 q, k, v go to the tensor-core kernels (csrc/cuda/hkt_attention_cuda.cu)
 # within their limits (_C.cuda_tc_refusal; the backward's are narrower, and
 # past them it runs in float32).  Off unless asked for (HKT_CUDA_TENSOR_CORES=1,
 # or set this to True) until benchmarks/gpu_check.sh has passed with them on a

@@ -1,6 +1,6 @@
 """Decoding with windowed levels (docs/contract.md section 1.11): the attention
 of new positions against a DecodeCache whose module has ``windows`` -- in C on
-the CPU (csrc/hkt_window_decode_body.h), else in torch, a position t at a time.
+the CPU (csrc/cpu/hkt_window_decode_body.h), else in torch, a position t at a time.
 
 Level l sees key j from query t when (t >> l) - (j >> l) < W_l / 2^l (causal:
 j <= t), that is when j >= start_l = ((t >> l) - W_l / 2^l + 1) * 2^l.  The
@@ -177,7 +177,7 @@ def attend_windowed_rows(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums:
                          windows: Sequence[Optional[int]]) -> Tensor:
     """Rows t0 .. t0 + n - 1 of the causal windowed hkt_attention, (B, H, n, Dv),
     the cache holding their keys and block sums (append_windowed): the C kernel
-    (csrc/hkt_window_decode_body.h) for float32 and float64 CPU tensors, else
+    (csrc/cpu/hkt_window_decode_body.h) for float32 and float64 CPU tensors, else
     attend_windowed a row at a time."""
     L, (B, H, n, D) = len(q), q[0].shape
     if q[0].device.type != "cpu" or q[0].dtype not in (torch.float32, torch.float64):

@@ -67,7 +67,7 @@ def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causa
                      tile: int = KERNEL_TILE) -> int:
     """Multiply-adds the CPU forward kernel spends on score Gram blocks.
 
-    Mirrors csrc/hkt_attention_body.h: queries and keys are walked in ``tile`` x
+    Mirrors csrc/cpu/hkt_attention_body.h: queries and keys are walked in ``tile`` x
     ``tile`` tiles; for tile [i0, i1) x [j0, j1) and level l the kernel forms
     the Gram block of level-l rows r0 = i0 >> l .. (i1 - 1) >> l and columns
     c0 = j0 >> l .. (j1 - 1) >> l, D multiply-adds per entry.  With

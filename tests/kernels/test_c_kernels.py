@@ -1,5 +1,6 @@
 """Every CPU kernel family called from C alone (tests/c/kernels.c, through
-csrc/hkt.h and csrc/hkt_window.h, no Python): the build this machine picks
+csrc/hkt.h and csrc/hkt_window.h, no Python; built with the sources of
+csrc/cpu/): the build this machine picks
 (its widest instruction set) writes its float64 results, and the portable
 16-byte kernels, the ones an AArch64 build runs, are checked against them in
 float64 and float32.  `make test-aarch64` runs the same driver built for
@@ -28,7 +29,8 @@ def driver(tmp_path_factory):
         pytest.skip("needs a C compiler and the sources (csrc/, tests/c/)")
     out = tmp_path_factory.mktemp("c_kernels")
     exe = out / "kernels"
-    sources = sorted(os.path.join(CSRC, f) for f in os.listdir(CSRC) if f.endswith(".c"))
+    cpu = os.path.join(CSRC, "cpu")
+    sources = sorted(os.path.join(cpu, f) for f in os.listdir(cpu) if f.endswith(".c"))
     build = subprocess.run([cc, *FLAGS, f"-I{CSRC}", DRIVER, *sources, "-o", str(exe), "-lm"], capture_output=True,
                            text=True, timeout=900)
     assert build.returncode == 0, build.stderr[-3000:]

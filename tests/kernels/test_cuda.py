@@ -1,4 +1,4 @@
-"""The CUDA kernels (csrc/hkt_attention_cuda.cu) against the CPU kernels and the
+"""The CUDA kernels (csrc/cuda/hkt_attention_cuda.cu) against the CPU kernels and the
 float64 reference.
 
 GPU tests skip unless torch sees a GPU and hkt._C was built with HKT_CUDA=1.
@@ -967,10 +967,10 @@ def emulated(tmp_path_factory):
     (d / "inc" / "cuda_runtime.h").write_text(_SHIM)
     # kernel<real[, N]><<<grid, block, shmem, stream>>>(args): every launch names its stream
     cu, n = re.subn(r"(\w+<[\w, ]+>)<<<([^,]+),\s*([^,]+),\s*([^,]+),\s*(\w+)>>>\((\w+)\)",
-                    r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "hkt_attention_cuda.cu").read_text())
+                    r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "cuda" / "hkt_attention_cuda.cu").read_text())
     assert n >= 7 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
         "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
-    kernels = "".join((csrc / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_reference.h",
+    kernels = "".join((csrc / "cuda" / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_reference.h",
                                                               "hkt_cuda_tc.h"))
     assert "<<<" not in kernels, "kernel launches belong in hkt_attention_cuda.cu, where the emulation reads them"
     assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu + kernels), \
@@ -990,9 +990,9 @@ def emulated(tmp_path_factory):
     binding_sources = sorted(name[:-2] for name in binding if name.endswith(".c"))
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     inc = sysconfig.get_paths()["include"]
-    cpu_sources = sorted(csrc.glob("*.c"))
+    cpu_sources = sorted((csrc / "cpu").glob("*.c"))
     compiles = [
-        ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", "-DHKT_WITH_CUDA",
+        ["g++", "-std=c++20", "-O1", "-fPIC", "-pthread", f"-I{d / 'inc'}", f"-I{csrc}", f"-I{csrc / 'cuda'}", "-DHKT_WITH_CUDA",
          "-DHKT_CUDA_EMULATION", "-c",
          str(d / "emu.cpp"), "-o", str(d / "emu.o")],
         *(["gcc", "-std=gnu11", "-O1", "-fPIC", "-fopenmp", "-Wno-psabi", f"-I{csrc}", f"-I{inc}", "-DHKT_WITH_CUDA",
@@ -1357,7 +1357,7 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(tmp_path):
 
     def compile_for(arch):  # one nvcc per architecture, side by side: its report is then its own
         cmd = ["nvcc", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-std=c++17", f"-I{csrc}",
-               "-DHKT_WITH_CUDA", "-O3", "-Xptxas", "-v", "-c", str(csrc / "hkt_attention_cuda.cu"), "-o",
+               "-DHKT_WITH_CUDA", "-O3", "-Xptxas", "-v", "-c", str(csrc / "cuda" / "hkt_attention_cuda.cu"), "-o",
                str(tmp_path / f"k{arch}.o")]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 

@@ -1,5 +1,5 @@
 """The softmax's vector exp in each instruction-set build (exp_nonpos_vec in
-csrc/hkt_real.h: AVX-512's with vscalefps, AVX2's with 2^n built from the
+csrc/cpu/hkt_real.h: AVX-512's with vscalefps, AVX2's with 2^n built from the
 rounding's bits) gives the bits of the scalar exp_nonpos of the same build, which
 the kernels use for tails, on float bit patterns of every class; so does its
 unclamped form (exp_nonpos_vec_le0, the forward's) on every pattern <= 0 or NaN.
@@ -26,7 +26,7 @@ def compiler(name):
     cc = shutil.which(name)
     if cc is None or platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip(f"needs {name} on x86-64 (the instruction-set builds are GCC's and clang's)")
-    if not os.path.isfile(os.path.join(CSRC, "hkt_real.h")):
+    if not os.path.isfile(os.path.join(CSRC, "cpu", "hkt_real.h")):
         pytest.skip("needs the extension's sources (csrc/) beside tests/")
     return cc
 
@@ -42,7 +42,7 @@ def test_vector_exp_has_the_scalar_bits(isa, flag, cc_name, tmp_path):
     if flag not in machine_info()["flags"]:
         pytest.skip(f"this CPU has no {flag}")
     exe = tmp_path / f"exp_lanes_{isa}"
-    subprocess.run([cc, *FLAGS, f"-I{CSRC}", f"-DHKT_ISA_{isa}", os.path.join(HERE, "..", "c", "exp_lanes.c"), "-o",
+    subprocess.run([cc, *FLAGS, f"-I{CSRC}", f"-I{os.path.join(CSRC, 'cpu')}", f"-DHKT_ISA_{isa}", os.path.join(HERE, "..", "c", "exp_lanes.c"), "-o",
                     str(exe), "-lm"], check=True, capture_output=True, text=True)
     out = subprocess.run([str(exe), "61"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -25,9 +25,12 @@ def test_sdist_holds_what_builds_and_tests_it(tmp_path):
     (archive,) = tmp_path.glob("hkt-*.tar.gz")
     with tarfile.open(archive) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    # the CUDA source too (HKT_CUDA=1 builds from it), every header, and the
-    # tests with the helpers they import
-    for path in ["csrc/hkt_attention_cuda.cu", "csrc/hkt.h", "csrc/dlpack.h", "tests/conftest.py",
+    # every C source of every csrc/ folder (the CUDA ones too: HKT_CUDA=1 builds
+    # from them), and the tests with the helpers they import
+    sources = [p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*")
+               if p.suffix in (".c", ".h", ".cu") and not p.name.startswith(".")]
+    assert "csrc/cuda/hkt_attention_cuda.cu" in sources and "csrc/binding/module.c" in sources  # the walk sees them
+    for path in [*sources, "tests/conftest.py",
                  "tests/helpers.py", "tests/hostile_cases.py", "tests/data_fixtures.py", "docs/contract.md",
                  "examples/quickstart.ipynb", "benchmarks/readme_tables.py", "results/listops512.json", "MANIFEST.in",
                  "research/timing.py"]:

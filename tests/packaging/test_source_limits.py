@@ -88,12 +88,27 @@ def test_file_and_function_limits(path):
 
 
 def _includes():
-    graph = {}
-    for p in ROOT.joinpath("csrc").rglob("*"):
+    """Each C source's quoted includes, found as the compilers find them: beside
+    the source, else in csrc/ (the one -I of every build)."""
+    csrc, graph = ROOT.joinpath("csrc").resolve(), {}
+    for p in csrc.rglob("*"):
         if p.suffix in C_SUFFIXES:
             names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', p.read_text(), re.M)
-            graph[p] = {(p.parent / n).resolve() for n in names}
+            graph[p] = {(p.parent / n if (p.parent / n).is_file() else csrc / n).resolve() for n in names}
     return graph
+
+
+def test_includes_follow_the_layering():
+    """csrc/'s root holds the public headers and what CPU and CUDA share; each
+    folder (cpu/, cuda/, binding/) includes the root's headers and its own,
+    never another folder's; the root includes only the root."""
+    csrc = ROOT.joinpath("csrc").resolve()
+    graph = _includes()
+    assert {p.parent.name for p in graph} >= {"cpu", "cuda", "binding"}
+    for src, targets in graph.items():
+        for t in targets:
+            assert t.is_file(), f"{src.relative_to(csrc)} includes {t.name}, which is not in its folder nor csrc/"
+            assert t.parent in (csrc, src.parent), f"{src.relative_to(csrc)} includes {t.relative_to(csrc)}"
 
 
 def test_no_include_circle_in_csrc():

@@ -1,10 +1,10 @@
 /*
  * HKT attention on the CPU: the type-free part.  hkt.h's CPU entry points, the
  * per-thread workspace layout (hkt_cpu.h), the plan of a call's host memory
- * (hkt_cpu_workspace_plan) and the dispatch to the float32 and float64
- * kernels, which are one body (hkt_attention_body.h, hkt_backward_body.h)
- * compiled per type (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set
- * (hkt_isa).
+ * (hkt_cpu_workspace_plan), the CPU's features and settings the kernels ask
+ * after, and the dispatch by dtype to the float32 and float64 kernels, which
+ * are one body (hkt_attention_body.h, hkt_backward_body.h) compiled per type
+ * (hkt_cpu_f32.c, hkt_cpu_f64.c) and per instruction set (hkt_dispatch.c).
  */
 #define _GNU_SOURCE /* pthread_getattr_np */
 #include "hkt_cpu.h"
@@ -22,48 +22,10 @@
 #include <unistd.h>
 #endif
 
-#define HKT_ISA_TABLE(isa, label, bf16)                                                              \
-    {label, hkt_forward_f32_##isa, hkt_backward_f32_##isa, hkt_decode_f32_##isa, hkt_forward_f64_##isa, \
-     hkt_backward_f64_##isa, hkt_decode_f64_##isa, bf16}
-
-static const hkt_isa_table isa_generic = HKT_ISA_TABLE(generic, "default", NULL);
-#if HKT_ISA_BUILDS
-static const hkt_isa_table isa_avx2 = HKT_ISA_TABLE(avx2, "avx2", NULL);
-#if HKT_BF16_NATIVE
-static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", hkt_forward_bf16_avx512);
-#else
-static const hkt_isa_table isa_avx512 = HKT_ISA_TABLE(avx512, "avx512f", NULL);
-#endif
-#endif
-
 /* HKT_CPU_KERNELS's names: a narrower set than the CPU's best, or that best */
 static int cpu_kernels_known(const char *want) {
     return strcmp(want, "default") == 0 || strcmp(want, "avx2") == 0 || strcmp(want, "avx512f") == 0;
 }
-
-static const hkt_isa_table *pick_isa(void) {
-#if HKT_ISA_BUILDS
-    __builtin_cpu_init();
-    const int has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    const int has512 = __builtin_cpu_supports("avx512f") && has2;
-    const char *want = getenv("HKT_CPU_KERNELS"); /* for tests and benchmarks: a narrower set */
-    if (want && strcmp(want, "default") == 0) return &isa_generic;
-    if (want && strcmp(want, "avx2") == 0 && has2) return &isa_avx2;
-    if (has512) return &isa_avx512;
-    if (has2) return &isa_avx2;
-#endif
-    return &isa_generic;
-}
-
-const hkt_isa_table *hkt_isa(void) {
-    /* every thread that races here stores the same pointer */
-    static const hkt_isa_table *volatile chosen = NULL;
-    const hkt_isa_table *t = chosen;
-    if (!t) chosen = t = pick_isa();
-    return t;
-}
-
-const char *hkt_cpu_kernels(void) { return hkt_isa()->name; }
 
 int hkt_cpu_has_bf16(void) {
     if (!hkt_isa()->forward_bf16) return 0;
@@ -471,11 +433,9 @@ static const hkt_params *threads_for(const hkt_params *p, int backward, hkt_para
 void hkt_forward_cpu(const hkt_params *p) {
     hkt_params one;
     p = threads_for(p, 0, &one);
-    const hkt_isa_table *isa = hkt_isa();
     if (p->dtype == HKT_BFLOAT16) __atomic_add_fetch(&hkt_amx_epoch, 1, __ATOMIC_RELAXED); /* hkt_cpu.h */
-    if (p->dtype == HKT_FLOAT64) isa->forward_f64(p);
-    else if (p->dtype == HKT_BFLOAT16) isa->forward_bf16(p); /* the binding checked hkt_cpu_has_bf16 */
-    else isa->forward_f32(p);
+    if (p->dtype == HKT_BFLOAT16) hkt_isa()->forward_bf16(p); /* the binding checked hkt_cpu_has_bf16 */
+    else hkt_kernels_of(p->dtype)->forward(p);
 }
 
 void hkt_backward_cpu(const hkt_params *p) {
@@ -483,6 +443,5 @@ void hkt_backward_cpu(const hkt_params *p) {
     p = threads_for(p, 1, &one);
     /* the float32 body runs the bfloat16 backward too (hkt_bf16_body.h's hooks) */
     if (p->dtype == HKT_BFLOAT16) __atomic_add_fetch(&hkt_amx_epoch, 1, __ATOMIC_RELAXED);
-    if (p->dtype == HKT_FLOAT64) hkt_isa()->backward_f64(p);
-    else hkt_isa()->backward_f32(p);
+    hkt_kernels_of(p->dtype)->backward(p);
 }

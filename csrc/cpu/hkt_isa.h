@@ -1,6 +1,6 @@
 /*
  * hkt_isa.h -- included first by the instruction-set builds of the CPU kernels
- * (hkt_cpu_{f32,f64}_{avx2,avx512}.c), which define HKT_ISA_AVX2 or
+ * (hkt_{cpu,window}_{f32,f64}_{avx2,avx512}.c), which define HKT_ISA_AVX2 or
  * HKT_ISA_AVX512 before it: turns that instruction set on for the rest of the
  * translation unit (hkt_cpu.h sets the vector width and names from the same
  * macros).  Where HKT_ISA_BUILDS is 0 the file builds nothing.  The file

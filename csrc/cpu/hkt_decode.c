@@ -50,6 +50,5 @@ hkt_decode_plan_t hkt_decode_plan(const hkt_decode_params *p) {
 size_t hkt_decode_workspace_bytes(const hkt_decode_params *p) { return hkt_decode_plan(p).total; }
 
 void hkt_decode_cpu(const hkt_decode_params *p) {
-    if (p->dtype == HKT_FLOAT64) hkt_isa()->decode_f64(p);
-    else hkt_isa()->decode_f32(p);
+    hkt_kernels_of(p->dtype)->decode(p);
 }

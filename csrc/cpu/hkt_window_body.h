@@ -1,8 +1,11 @@
 /*
  * hkt_window_body.h -- the windowed kernels of hkt_window.h for one real type.
- * Included by hkt_window.c once per type and instruction set, with `real`,
- * WFN(name) (the function's name for them), REAL_EXP / REAL_LOG and
- * REAL_EXP_NONPOS (exp of x <= 0, in a form the compiler vectorises) defined.
+ * Not a header of declarations: the kernels' body, included once by
+ * hkt_window_f32.c and once by hkt_window_f64.c (and so per instruction set,
+ * as the dense kernels' bodies are), each defining `real`, REAL_IS_FLOAT and
+ * REAL_EXP / REAL_LOG / REAL_NEXTAFTER first.  Every function is static, named
+ * win_*, the entry points win_forward, win_backward and win_decode; exps of
+ * x <= 0 are hkt_real.h's exp_nonpos, in a form the compiler vectorises.
  *
  * Per (batch, head) the queries run in order.  For level l the keys it sees
  * from query block a = i >> l are the level-l blocks [base, end) (the window
@@ -29,6 +32,16 @@
  * lse spread too far for that product, SPREAD, each query visits them).
  */
 
+#include "hkt_cpu.h"
+#include "hkt_dropout.h"
+#include "hkt_real.h"
+#include "hkt_window.h"
+
+#include <string.h>
+#if HKT_VEC_BYTES == 64
+#include <immintrin.h> /* the AVX-512 build's lane sums */
+#endif
+
 #define WIN_TILE 16
 /* the per-key mode's chunk of keys, scored and exponentiated together */
 #define WIN_KEYS 128
@@ -42,11 +55,11 @@
  * [lo, hi) unclipped (no window: all of them), and [base, end) clipped */
 typedef struct {
     int64_t lo, hi, base, end;
-} WFN(range);
+} win_range;
 
-static inline WFN(range) WFN(level_range)(const hkt_window_params *p, int l, int64_t a) {
+static inline win_range win_level_range(const hkt_window_params *p, int l, int64_t a) {
     const int64_t Sl = p->S > 0 ? ((p->S - 1) >> l) + 1 : 0;
-    WFN(range) r;
+    win_range r;
     if (p->radius[l] == 0) {
         r.lo = 0;
         r.hi = Sl;
@@ -63,11 +76,11 @@ static inline WFN(range) WFN(level_range)(const hkt_window_params *p, int l, int
     return r;
 }
 
-static inline int64_t WFN(blocks)(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 : 0; }
+static inline int64_t win_blocks(int64_t n, int l) { return n > 0 ? ((n - 1) >> l) + 1 : 0; }
 
 /* most level-l blocks a query block sees */
-static int64_t WFN(level_cap)(const hkt_window_params *p, int l) {
-    const int64_t Sl = WFN(blocks)(p->S, l);
+static int64_t win_level_cap(const hkt_window_params *p, int l) {
+    const int64_t Sl = win_blocks(p->S, l);
     if (p->radius[l] == 0) return Sl;
     const int64_t n = 2 * p->radius[l] - 1;
     return n < Sl ? n : Sl;
@@ -82,17 +95,17 @@ typedef struct {
     int64_t idx, n;
     real keys, last_keys;
     int lev, m;
-} WFN(run);
+} win_run;
 
 /* a mask that varies with the query, or dropout: every key visited on its own */
-static int WFN(per_key)(const hkt_window_params *p) { return p->mask_kind != HKT_MASK_NONE || p->dropout_p > 0; }
+static int win_per_key(const hkt_window_params *p) { return p->mask_kind != HKT_MASK_NONE || p->dropout_p > 0; }
 
 /* one thread's workspace, carved from its slice */
 typedef struct {
     real *G[HKT_MAX_LEVELS], *A[HKT_MAX_LEVELS], *E[HKT_MAX_LEVELS];
-    WFN(range) r[HKT_MAX_LEVELS];
+    win_range r[HKT_MAX_LEVELS];
     real *e, *acc;          /* a run's exps; a row accumulator (Dv) */
-    WFN(run) runs[8];       /* the current part's units, as runs */
+    win_run runs[8];       /* the current part's units, as runs */
     real *GT[HKT_MAX_LEVELS], *QT; /* per level: a tile's dot products (key-major); the tile's queries, transposed */
     int64_t tile[HKT_MAX_LEVELS], tile_base[HKT_MAX_LEVELS]; /* the tile's first query block (-1: none); first key */
     int nruns;
@@ -104,26 +117,26 @@ typedef struct {
     real M[HKT_MAX_LEVELS], Z[HKT_MAX_LEVELS]; /* per level: a partial's max and sum */
     real c[HKT_MAX_LEVELS], Y[HKT_MAX_LEVELS]; /* backward: a block's largest lse, its weighted sum of <dout, out> */
     int shared[HKT_MAX_LEVELS];         /* backward: level m's units visited once per level-(m-1) block */
-} WFN(work);
+} win_work;
 
-static size_t WFN(thread_bytes)(const hkt_window_params *p, int backward) {
+static size_t win_thread_bytes(const hkt_window_params *p, int backward) {
     size_t reals = 0, units = 0;
     for (int l = 0; l < p->L; l++) {
-        const size_t n = (size_t)WFN(level_cap)(p, l);
+        const size_t n = (size_t)win_level_cap(p, l);
         reals += (backward ? 3 : 2) * ((n + 15) / 16 * 16) + WIN_TILE * (n + WIN_TILE);
         units += n + 2;
     }
     units = (units + 15) / 16 * 16;
     const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
-    const size_t keyed = WFN(per_key)(p) ? (WIN_GROUP + 1) * 3 * WIN_KEYS + WIN_GROUP * (size_t)p->L * (dv + 2) : 0;
+    const size_t keyed = win_per_key(p) ? (WIN_GROUP + 1) * 3 * WIN_KEYS + WIN_GROUP * (size_t)p->L * (dv + 2) : 0;
     return (reals + units + (1 + 2 * (size_t)p->L) * dv + WIN_TILE * (size_t)p->D + keyed) * sizeof(real) + 64;
 }
 
-static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(work) *wk) {
+static void win_carve(const hkt_window_params *p, int backward, char *mem, win_work *wk) {
     real *x = (real *)mem;
     size_t units = 0;
     for (int l = 0; l < p->L; l++) {
-        const size_t n = ((size_t)WFN(level_cap)(p, l) + 15) / 16 * 16;
+        const size_t n = ((size_t)win_level_cap(p, l) + 15) / 16 * 16;
         wk->G[l] = x;
         x += n;
         wk->A[l] = x;
@@ -131,9 +144,9 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
         wk->E[l] = backward ? x : NULL;
         if (backward) x += n;
         wk->GT[l] = x;
-        x += WIN_TILE * ((size_t)WFN(level_cap)(p, l) + WIN_TILE);
+        x += WIN_TILE * ((size_t)win_level_cap(p, l) + WIN_TILE);
         wk->tile[l] = -1;
-        units += (size_t)WFN(level_cap)(p, l) + 2;
+        units += (size_t)win_level_cap(p, l) + 2;
     }
     units = (units + 15) / 16 * 16;
     wk->e = x;
@@ -147,7 +160,7 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
     x += dv * (size_t)p->L;
     wk->QT = x;
     x += WIN_TILE * (size_t)p->D;
-    const size_t keys = WFN(per_key)(p) ? (WIN_GROUP + 1) * WIN_KEYS : 0, slots = WFN(per_key)(p) ? WIN_GROUP : 0;
+    const size_t keys = win_per_key(p) ? (WIN_GROUP + 1) * WIN_KEYS : 0, slots = win_per_key(p) ? WIN_GROUP : 0;
     wk->ks = x;
     wk->ke = x + keys;
     wk->kk = x + 2 * keys;
@@ -158,7 +171,7 @@ static void WFN(carve)(const hkt_window_params *p, int backward, char *mem, WFN(
     wk->QZ = x + slots * (size_t)p->L;
 }
 
-static inline real WFN(dot)(const real *a, const real *b, int64_t n) {
+static inline real win_dot(const real *a, const real *b, int64_t n) {
     real s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
@@ -167,7 +180,7 @@ static inline real WFN(dot)(const real *a, const real *b, int64_t n) {
 
 /* scale * w as the other kernels form it: a product that rounds to 0 although
  * neither factor is 0 becomes the smallest subnormal of its sign */
-static inline real WFN(factor)(double scale, real w) {
+static inline real win_factor(double scale, real w) {
     const real f = (real)scale * w;
     if (f == 0 && w != 0 && scale != 0) {
         const real tiny = REAL_NEXTAFTER((real)0, (real)1);
@@ -180,10 +193,10 @@ static inline real WFN(factor)(double scale, real w) {
  * taken from a tile of WIN_TILE query blocks' dot products, made when a enters
  * it: with the tile's queries transposed, one key's products with all of them
  * are one vector of sums, each in the order of d, with no horizontal sum. */
-static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t b, int64_t h,
+static void win_level_scores(const hkt_window_params *p, win_work *wk, int l, int64_t b, int64_t h,
                               int64_t hk, int64_t a, real f) {
-    const int64_t D = p->D, Tl = WFN(blocks)(p->T, l), Sl = WFN(blocks)(p->S, l);
-    const WFN(range) r = WFN(level_range)(p, l, a);
+    const int64_t D = p->D, Tl = win_blocks(p->T, l), Sl = win_blocks(p->S, l);
+    const win_range r = win_level_range(p, l, a);
     wk->r[l] = r;
     const real *qa = (const real *)p->q[l] + ((b * p->H + h) * Tl + a) * D;
     const real *kl = (const real *)p->k[l] + (b * p->H_kv + hk) * Sl * D;
@@ -191,7 +204,7 @@ static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, 
     const int64_t t0 = a & ~(int64_t)(WIN_TILE - 1);
     if (wk->tile[l] != t0) { /* the next WIN_TILE query blocks: their dot products with every key they see */
         const int64_t t1 = t0 + WIN_TILE < Tl ? t0 + WIN_TILE : Tl;
-        const WFN(range) lo = WFN(level_range)(p, l, t0), hi = WFN(level_range)(p, l, t1 - 1);
+        const win_range lo = win_level_range(p, l, t0), hi = win_level_range(p, l, t1 - 1);
         real *QT = wk->QT, *GT = wk->GT[l];
         for (int64_t d = 0; d < D; d++)
             for (int64_t t = 0; t < WIN_TILE; t++) QT[d * WIN_TILE + t] = t0 + t < t1 ? qa[(t0 + t - a) * D + d] : 0;
@@ -222,10 +235,10 @@ static void WFN(level_scores)(const hkt_window_params *p, WFN(work) *wk, int l, 
     if (wk->E[l]) memset(wk->E[l], 0, (size_t)(r.end - r.base) * sizeof(real));
 }
 
-static inline void WFN(add_run)(const hkt_window_params *p, WFN(work) *wk, int lev, int64_t idx, int64_t n,
+static inline void win_add_run(const hkt_window_params *p, win_work *wk, int lev, int64_t idx, int64_t n,
                                 int m, int64_t ec) {
     if (n <= 0) return;
-    WFN(run) *r = &wk->runs[wk->nruns++];
+    win_run *r = &wk->runs[wk->nruns++];
     const int64_t full = (int64_t)1 << lev, tail = p->S - ((idx + n - 1) << lev);
     r->s = wk->A[m] + ec;
     r->ec = ec;
@@ -240,77 +253,77 @@ static inline void WFN(add_run)(const hkt_window_params *p, WFN(work) *wk, int l
 /* level m's units over its level-(m-1) blocks [x0, x1): the whole level-m
  * blocks in it as one run, a level-(m-1) block alone at either end as a run
  * of its own */
-static void WFN(add_range)(const hkt_window_params *p, WFN(work) *wk, int m, int64_t x0, int64_t x1) {
+static void win_add_range(const hkt_window_params *p, win_work *wk, int m, int64_t x0, int64_t x1) {
     if (x0 >= x1) return;
     const int64_t base = wk->r[m].base;
     if (x0 & 1) {
-        WFN(add_run)(p, wk, m - 1, x0, 1, m, (x0 >> 1) - base);
+        win_add_run(p, wk, m - 1, x0, 1, m, (x0 >> 1) - base);
         x0++;
     }
     const int64_t pairs = (x1 - x0) / 2;
-    WFN(add_run)(p, wk, m, x0 >> 1, pairs, m, (x0 >> 1) - base);
+    win_add_run(p, wk, m, x0 >> 1, pairs, m, (x0 >> 1) - base);
     x0 += 2 * pairs;
-    if (x0 < x1) WFN(add_run)(p, wk, m - 1, x0, 1, m, (x0 >> 1) - base);
+    if (x0 < x1) win_add_run(p, wk, m - 1, x0, 1, m, (x0 >> 1) - base);
 }
 
 /* the units of level m's part (m = 0: the single keys level 0 sees), once the
  * levels' A are current */
-static void WFN(seg_units)(const hkt_window_params *p, WFN(work) *wk, int m) {
+static void win_seg_units(const hkt_window_params *p, win_work *wk, int m) {
     wk->nruns = 0;
     if (m == 0) {
-        const WFN(range) r0 = wk->r[0];
-        WFN(add_run)(p, wk, 0, r0.base, r0.end - r0.base, 0, 0);
+        const win_range r0 = wk->r[0];
+        win_add_run(p, wk, 0, r0.base, r0.end - r0.base, 0, 0);
         return;
     }
     if (p->radius[m - 1] == 0) return; /* level m-1 sees every key: nothing is left for level m */
-    const WFN(range) rm = wk->r[m], rd = wk->r[m - 1];
-    const int64_t Sd = WFN(blocks)(p->S, m - 1);
+    const win_range rm = wk->r[m], rd = wk->r[m - 1];
+    const int64_t Sd = win_blocks(p->S, m - 1);
     /* left of level m-1's window */
     int64_t x0 = 2 * rm.lo > 0 ? 2 * rm.lo : 0, x1 = rd.lo < Sd ? rd.lo : Sd;
-    WFN(add_range)(p, wk, m, x0, x1);
+    win_add_range(p, wk, m, x0, x1);
     if (!p->is_causal) { /* right of it: keys after query i */
         x0 = rd.hi > 0 ? rd.hi : 0;
         x1 = 2 * rm.hi < Sd ? 2 * rm.hi : Sd;
-        WFN(add_range)(p, wk, m, x0, x1);
+        win_add_range(p, wk, m, x0, x1);
     }
 }
 
 /* new block at level l for query i */
-static inline int WFN(starts)(int64_t i, int l) { return i == 0 || ((i - 1) >> l) != (i >> l); }
-static inline int WFN(ends)(const hkt_window_params *p, int64_t i, int l) {
+static inline int win_starts(int64_t i, int l) { return i == 0 || ((i - 1) >> l) != (i >> l); }
+static inline int win_ends(const hkt_window_params *p, int64_t i, int l) {
     return i == p->T - 1 || ((i + 1) >> l) != (i >> l);
 }
 
-static inline const real *WFN(vrow)(const hkt_window_params *p, const void *const *arr, int lev, int64_t b,
+static inline const real *win_vrow(const hkt_window_params *p, const void *const *arr, int lev, int64_t b,
                                      int64_t hk, int64_t idx) {
-    const int64_t Sl = WFN(blocks)(p->S, lev);
+    const int64_t Sl = win_blocks(p->S, lev);
     return (const real *)arr[lev] + ((b * p->H_kv + hk) * Sl + idx) * p->Dv;
 }
 
 /* the counts of visible keys of level lev's blocks from idx on (a key-only
  * mask), or NULL: every block has all its keys */
-static inline const real *WFN(count_row)(const hkt_window_params *p, int lev, int64_t b, int64_t hk, int64_t idx) {
+static inline const real *win_count_row(const hkt_window_params *p, int lev, int64_t b, int64_t hk, int64_t idx) {
     if (!p->counts[lev]) return NULL;
-    return (const real *)p->counts[lev] + (b * p->H_kv + hk) * WFN(blocks)(p->S, lev) + idx;
+    return (const real *)p->counts[lev] + (b * p->H_kv + hk) * win_blocks(p->S, lev) + idx;
 }
 
 /* the partial softmax of the current units: max M, sum Z (each unit counted
  * for its keys, or for its visible ones), O = sum of exp(s - M) * its summed values */
-static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *O, real *M,
+static void win_partial(const hkt_window_params *p, win_work *wk, int64_t b, int64_t hk, real *O, real *M,
                          real *Z) {
     const int64_t Dv = p->Dv;
     real mx = -INFINITY;
     int nan = 0;
     for (int x = 0; x < wk->nruns; x++) {
-        const WFN(run) *r = &wk->runs[x];
-        const real *cn = WFN(count_row)(p, r->lev, b, hk, r->idx);
+        const win_run *r = &wk->runs[x];
+        const real *cn = win_count_row(p, r->lev, b, hk, r->idx);
         for (int64_t u = 0; u < r->n; u++)
             if (!cn || cn[u] > 0) mx = r->s[u] > mx ? r->s[u] : mx;
     }
     memset(O, 0, (size_t)Dv * sizeof(real));
     if (mx == -INFINITY) { /* no unit, or none but hidden ones -- or NaN ones, which must reach the row */
         for (int x = 0; x < wk->nruns; x++) {
-            const real *cn = WFN(count_row)(p, wk->runs[x].lev, b, hk, wk->runs[x].idx);
+            const real *cn = win_count_row(p, wk->runs[x].lev, b, hk, wk->runs[x].idx);
             for (int64_t u = 0; u < wk->runs[x].n; u++)
                 nan |= (!cn || cn[u] > 0) && wk->runs[x].s[u] != wk->runs[x].s[u];
         }
@@ -321,13 +334,13 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
     }
     real sum = 0, *e = wk->e;
     for (int x = 0; x < wk->nruns; x++) {
-        const WFN(run) *r = &wk->runs[x];
+        const win_run *r = &wk->runs[x];
         const int64_t n = r->n;
-        const real *cn = WFN(count_row)(p, r->lev, b, hk, r->idx);
+        const real *cn = win_count_row(p, r->lev, b, hk, r->idx);
         real se = 0;
 #pragma omp simd reduction(+ : se)
         for (int64_t u = 0; u < n; u++) {
-            e[u] = REAL_EXP_NONPOS(r->s[u] - mx);
+            e[u] = exp_nonpos(r->s[u] - mx);
             se += e[u];
         }
         if (cn) { /* a block of no visible key weighs nothing, whatever its score */
@@ -340,7 +353,7 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
         } else {
             sum += r->keys * se + (r->last_keys - r->keys) * e[n - 1];
         }
-        const real *V = WFN(vrow)(p, p->vs, r->lev, b, hk, r->idx);
+        const real *V = win_vrow(p, p->vs, r->lev, b, hk, r->idx);
         for (int64_t u = 0; u < n; u++) {
             const real eu = e[u];
             if (cn && cn[u] == 0) continue;
@@ -355,35 +368,35 @@ static void WFN(partial)(const hkt_window_params *p, WFN(work) *wk, int64_t b, i
 
 #include "hkt_window_keys_body.h"
 
-static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h) {
+static void win_forward_head(const hkt_window_params *p, win_work *wk, int64_t b, int64_t h) {
     const int64_t hk = h / (p->H / p->H_kv), Dv = p->Dv;
     const real *w = (const real *)p->w + h * p->L;
     real f[HKT_MAX_LEVELS];
-    for (int l = 0; l < p->L; l++) f[l] = WFN(factor)(p->scale, w[l]);
+    for (int l = 0; l < p->L; l++) f[l] = win_factor(p->scale, w[l]);
     real *out = (real *)p->out + (b * p->H + h) * p->T * Dv;
     real *lse = (real *)p->lse + (b * p->H + h) * p->T;
     const int64_t dvp = (Dv + 15) / 16 * 16;
-    const int per_key = WFN(per_key)(p);
+    const int per_key = win_per_key(p);
     for (int64_t i = 0; i < p->T; i++) {
         for (int l = p->L - 1; l >= 0; l--)
-            if (WFN(starts)(i, l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
+            if (win_starts(i, l)) win_level_scores(p, wk, l, b, h, hk, i >> l, f[l]);
         /* level m's part, shared by the queries of one level-(m-1) block; per key, by a group of them */
         for (int m = p->L - 1; m >= 0; m--)
             if (per_key && m >= 2) {
-                const int64_t g = WFN(group_at)(p, m, i);
+                const int64_t g = win_group_at(p, m, i);
                 if (g) {
-                    WFN(seg_units)(p, wk, m);
-                    WFN(partial_group)(p, wk, b, h, hk, i, g, wk->QO + m * WIN_GROUP * dvp, wk->QM + m * WIN_GROUP,
+                    win_seg_units(p, wk, m);
+                    win_partial_group(p, wk, b, h, hk, i, g, wk->QO + m * WIN_GROUP * dvp, wk->QM + m * WIN_GROUP,
                                        wk->QZ + m * WIN_GROUP);
                 }
                 const int64_t slot = i & (WIN_GROUP - 1) & ((((int64_t)1) << (m - 1)) - 1);
                 wk->M[m] = wk->QM[m * WIN_GROUP + slot];
                 wk->Z[m] = wk->QZ[m * WIN_GROUP + slot];
                 memcpy(wk->O + m * dvp, wk->QO + (m * WIN_GROUP + slot) * dvp, (size_t)Dv * sizeof(real));
-            } else if (m == 0 || per_key || WFN(starts)(i, m - 1)) {
-                WFN(seg_units)(p, wk, m);
-                if (per_key) WFN(partial_group)(p, wk, b, h, hk, i, 1, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
-                else WFN(partial)(p, wk, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
+            } else if (m == 0 || per_key || win_starts(i, m - 1)) {
+                win_seg_units(p, wk, m);
+                if (per_key) win_partial_group(p, wk, b, h, hk, i, 1, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
+                else win_partial(p, wk, b, hk, wk->O + m * dvp, &wk->M[m], &wk->Z[m]);
             }
         real mx = -INFINITY;
         for (int m = 0; m < p->L; m++) mx = wk->M[m] > mx ? wk->M[m] : mx;
@@ -397,7 +410,7 @@ static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t
         memset(acc, 0, (size_t)Dv * sizeof(real));
         for (int m = 0; m < p->L; m++) {
             if (wk->M[m] == -INFINITY) continue;
-            const real e = REAL_EXP_NONPOS(wk->M[m] - mx);
+            const real e = exp_nonpos(wk->M[m] - mx);
             const real *Om = wk->O + m * dvp;
             sum += e * wk->Z[m];
 #pragma omp simd
@@ -410,10 +423,10 @@ static void WFN(forward_head)(const hkt_window_params *p, WFN(work) *wk, int64_t
 }
 
 /* the end of level l's query block a: its E gives dq, dk, dw and its parents' E */
-static void WFN(flush)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t b, int64_t h, int64_t hk,
+static void win_flush(const hkt_window_params *p, win_work *wk, int l, int64_t b, int64_t h, int64_t hk,
                        int64_t a, real f, real *dwl) {
-    const int64_t D = p->D, Tl = WFN(blocks)(p->T, l), Sl = WFN(blocks)(p->S, l);
-    const WFN(range) r = wk->r[l];
+    const int64_t D = p->D, Tl = win_blocks(p->T, l), Sl = win_blocks(p->S, l);
+    const win_range r = wk->r[l];
     const real *E = wk->E[l], *G = wk->G[l];
     const real *qa = (const real *)p->q[l] + ((b * p->H + h) * Tl + a) * D;
     const real *kl = (const real *)p->k[l] + (b * p->H_kv + hk) * Sl * D;
@@ -445,10 +458,10 @@ static void WFN(flush)(const hkt_window_params *p, WFN(work) *wk, int l, int64_t
 /* <go, vr>, and dvr += P * go, in one pass over the row.  With AVX-512 the
  * sum's lanes are added by a tree of shuffles: the compiler's reduction went
  * through memory one lane at a time, the backward's hottest loop. */
-static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real P, int64_t Dv) {
+static inline real win_dot_axpy(const real *go, const real *vr, real *dvr, real P, int64_t Dv) {
     real g = 0;
     int64_t d = 0;
-#if WIN_AVX512 && WIN_F32
+#if HKT_VEC_BYTES == 64 && REAL_IS_FLOAT
     __m512 acc = _mm512_setzero_ps();
     const __m512 Pv = _mm512_set1_ps(P);
     for (; d + 16 <= Dv; d += 16) {
@@ -457,7 +470,7 @@ static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real
         _mm512_storeu_ps(dvr + d, _mm512_fmadd_ps(Pv, gv, _mm512_loadu_ps(dvr + d)));
     }
     g = _mm512_reduce_add_ps(acc);
-#elif WIN_AVX512
+#elif HKT_VEC_BYTES == 64
     __m512d acc = _mm512_setzero_pd();
     const __m512d Pv = _mm512_set1_pd(P);
     for (; d + 8 <= Dv; d += 8) {
@@ -480,26 +493,26 @@ static inline real WFN(dot_axpy)(const real *go, const real *vr, real *dvr, real
 /* the current units' gradients, given their probabilities' common factor:
  * P_u = exp(s_u - c) * (weight), go the summed output gradient (weighted like
  * P) and Dg its weighted sum of <dout, out> */
-static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real c,
+static void win_unit_grads(const hkt_window_params *p, win_work *wk, int64_t b, int64_t hk, real c,
                             const real *go, real Dg) {
     const int64_t Dv = p->Dv;
     real *P = wk->e;
     for (int x = 0; x < wk->nruns; x++) {
-        const WFN(run) *r = &wk->runs[x];
+        const win_run *r = &wk->runs[x];
         const int64_t n = r->n;
 #pragma omp simd
-        for (int64_t u = 0; u < n; u++) P[u] = REAL_EXP_NONPOS(r->s[u] - c);
-        const real *V = WFN(vrow)(p, p->vs, r->lev, b, hk, r->idx);
-        real *dV = (real *)WFN(vrow)(p, (const void *const *)p->dvs, r->lev, b, hk, r->idx);
+        for (int64_t u = 0; u < n; u++) P[u] = exp_nonpos(r->s[u] - c);
+        const real *V = win_vrow(p, p->vs, r->lev, b, hk, r->idx);
+        real *dV = (real *)win_vrow(p, (const void *const *)p->dvs, r->lev, b, hk, r->idx);
         real *E = wk->E[r->m] + r->ec;
         const real kD = r->keys * Dg;
-        const real *cn = WFN(count_row)(p, r->lev, b, hk, r->idx);
+        const real *cn = win_count_row(p, r->lev, b, hk, r->idx);
         int hidden = 0;
         for (int64_t u = 0; u < n; u++) hidden |= r->s[u] == -INFINITY;
         if (cn || hidden) { /* a key-only mask's counts, or units a -inf score hides (even in a NaN row) */
             for (int64_t u = 0; u < n; u++) {
                 if ((cn && cn[u] == 0) || r->s[u] == -INFINITY) continue; /* hidden: no P, no gradient */
-                const real g = WFN(dot_axpy)(go, V + u * Dv, dV + u * Dv, P[u], Dv);
+                const real g = win_dot_axpy(go, V + u * Dv, dV + u * Dv, P[u], Dv);
                 E[u] += P[u] * (g - (cn ? cn[u] : u == n - 1 ? r->last_keys : r->keys) * Dg);
             }
             continue;
@@ -508,7 +521,7 @@ static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b
             const real Pu = P[u];
             const real *vr = V + u * Dv;
             real *dvr = dV + u * Dv;
-            const real g = WFN(dot_axpy)(go, vr, dvr, Pu, Dv);
+            const real g = win_dot_axpy(go, vr, dvr, Pu, Dv);
             E[u] += Pu * (g - (u == n - 1 ? r->last_keys * Dg : kD));
         }
     }
@@ -518,16 +531,16 @@ static void WFN(unit_grads)(const hkt_window_params *p, WFN(work) *wk, int64_t b
  * of level m's units: exp(c - lse_i) stays far inside the real's range */
 #define WIN_SPREAD ((real)(sizeof(real) == 4 ? 30 : 300))
 
-static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t hk, real *dw_part) {
+static void win_backward_kv(const hkt_window_params *p, win_work *wk, int64_t b, int64_t hk, real *dw_part) {
     const int64_t D = p->D, Dv = p->Dv, group = p->H / p->H_kv, dvp = (Dv + 15) / 16 * 16;
     for (int l = 0; l < p->L; l++) {
-        const int64_t Sl = WFN(blocks)(p->S, l);
+        const int64_t Sl = win_blocks(p->S, l);
         if (Sl * D > 0) /* an empty array may have no memory at all (a NULL data pointer) */
             memset((real *)p->dk[l] + (b * p->H_kv + hk) * Sl * D, 0, (size_t)(Sl * D) * sizeof(real));
         if (Sl * Dv > 0)
             memset((real *)p->dvs[l] + (b * p->H_kv + hk) * Sl * Dv, 0, (size_t)(Sl * Dv) * sizeof(real));
     }
-    const int per_key = WFN(per_key)(p);
+    const int per_key = win_per_key(p);
     for (int64_t h = hk * group; h < (hk + 1) * group; h++) {
         for (int l = 0; l < p->L; l++) wk->tile[l] = -1; /* the tiles hold another head's queries */
         if (p->dmask && p->T * p->S > 0)
@@ -535,7 +548,7 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
         const real *w = (const real *)p->w + h * p->L;
         real f[HKT_MAX_LEVELS], dwl[HKT_MAX_LEVELS];
         for (int l = 0; l < p->L; l++) {
-            f[l] = WFN(factor)(p->scale, w[l]);
+            f[l] = win_factor(p->scale, w[l]);
             dwl[l] = 0;
         }
         const real *out = (const real *)p->out + (b * p->H + h) * p->T * Dv;
@@ -543,9 +556,9 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
         const real *lse = (const real *)p->lse + (b * p->H + h) * p->T;
         for (int64_t i = 0; i < p->T; i++) {
             for (int l = p->L - 1; l >= 0; l--)
-                if (WFN(starts)(i, l)) WFN(level_scores)(p, wk, l, b, h, hk, i >> l, f[l]);
+                if (win_starts(i, l)) win_level_scores(p, wk, l, b, h, hk, i >> l, f[l]);
             for (int m = 2; m < p->L; m++)
-                if (WFN(starts)(i, m - 1)) { /* a level-(m-1) block begins: can its queries share level m? */
+                if (win_starts(i, m - 1)) { /* a level-(m-1) block begins: can its queries share level m? */
                     const int64_t r0 = i, r1 = ((i >> (m - 1)) + 1) << (m - 1) < p->T ? ((i >> (m - 1)) + 1) << (m - 1)
                                                                                      : p->T;
                     real hi = -INFINITY, lo = INFINITY;
@@ -561,22 +574,22 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                     memset(wk->X + m * dvp, 0, (size_t)Dv * sizeof(real));
                 }
             for (int m = 2; per_key && m < p->L; m++) { /* a group of queries sharing level m's units */
-                const int64_t g = WFN(group_at)(p, m, i);
+                const int64_t g = win_group_at(p, m, i);
                 if (!g) continue;
                 int exact = 1;
-                for (int64_t r = i; r < i + g; r++) exact &= WFN(lse_exact)(lse[r]);
+                for (int64_t r = i; r < i + g; r++) exact &= win_lse_exact(lse[r]);
                 wk->grouped[m] = exact; /* else its rows visit them one by one, from their max and sum */
                 if (exact) {
-                    WFN(seg_units)(p, wk, m);
-                    WFN(grads_group)(p, wk, b, h, hk, i, g, NULL);
+                    win_seg_units(p, wk, m);
+                    win_grads_group(p, wk, b, h, hk, i, g, NULL);
                 }
             }
             const real li = lse[i];
             if (li != INFINITY && per_key) {
-                WFN(query_grads_keys)(p, wk, b, h, hk, i, li);
+                win_query_grads_keys(p, wk, b, h, hk, i, li);
             } else if (li != INFINITY) { /* a row that sees nothing has no gradient */
                 const real *go = dout + i * Dv;
-                const real Di = WFN(dot)(go, out + i * Dv, Dv);
+                const real Di = win_dot(go, out + i * Dv, Dv);
                 for (int m = 0; m < p->L; m++) {
                     if (m >= 2 && wk->shared[m]) {
                         const real a = REAL_EXP(wk->c[m] - li);
@@ -586,43 +599,43 @@ static void WFN(backward_kv)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                         wk->Y[m] += a * Di;
                         continue;
                     }
-                    WFN(seg_units)(p, wk, m);
-                    WFN(unit_grads)(p, wk, b, hk, li, go, Di);
+                    win_seg_units(p, wk, m);
+                    win_unit_grads(p, wk, b, hk, li, go, Di);
                 }
             }
             for (int l = 0; l < p->L; l++)
-                if (WFN(ends)(p, i, l)) {
+                if (win_ends(p, i, l)) {
                     if (l + 1 >= 2 && l + 1 < p->L && wk->shared[l + 1]) { /* level l+1's shared units, once */
-                        WFN(seg_units)(p, wk, l + 1);
-                        WFN(unit_grads)(p, wk, b, hk, wk->c[l + 1], wk->X + (l + 1) * dvp, wk->Y[l + 1]);
+                        win_seg_units(p, wk, l + 1);
+                        win_unit_grads(p, wk, b, hk, wk->c[l + 1], wk->X + (l + 1) * dvp, wk->Y[l + 1]);
                     }
-                    WFN(flush)(p, wk, l, b, h, hk, i >> l, f[l], &dwl[l]);
+                    win_flush(p, wk, l, b, h, hk, i >> l, f[l], &dwl[l]);
                 }
         }
         for (int l = 0; l < p->L; l++) dw_part[(b * p->H + h) * p->L + l] = dwl[l];
     }
 }
 
-static void WFN(forward)(const hkt_window_params *p) {
-    const size_t per = (WFN(thread_bytes)(p, 0) + 63) / 64 * 64;
+static void win_forward(const hkt_window_params *p) {
+    const size_t per = (win_thread_bytes(p, 0) + 63) / 64 * 64;
     const int64_t tasks = p->B * p->H;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->num_threads) if (p->num_threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
-        WFN(work) wk;
-        WFN(carve)(p, 0, (char *)p->workspace + per * (size_t)omp_get_thread_num(), &wk);
-        WFN(forward_head)(p, &wk, t / p->H, t % p->H);
+        win_work wk;
+        win_carve(p, 0, (char *)p->workspace + per * (size_t)thread_id(), &wk);
+        win_forward_head(p, &wk, t / p->H, t % p->H);
     }
 }
 
-static void WFN(backward)(const hkt_window_params *p) {
-    const size_t per = (WFN(thread_bytes)(p, 1) + 63) / 64 * 64;
+static void win_backward(const hkt_window_params *p) {
+    const size_t per = (win_thread_bytes(p, 1) + 63) / 64 * 64;
     real *dw_part = (real *)((char *)p->workspace + per * (size_t)p->num_threads);
     const int64_t tasks = p->B * p->H_kv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p->num_threads) if (p->num_threads > 1 && tasks > 1)
     for (int64_t t = 0; t < tasks; t++) {
-        WFN(work) wk;
-        WFN(carve)(p, 1, (char *)p->workspace + per * (size_t)omp_get_thread_num(), &wk);
-        WFN(backward_kv)(p, &wk, t / p->H_kv, t % p->H_kv, dw_part);
+        win_work wk;
+        win_carve(p, 1, (char *)p->workspace + per * (size_t)thread_id(), &wk);
+        win_backward_kv(p, &wk, t / p->H_kv, t % p->H_kv, dw_part);
     }
     real *dw = (real *)p->dw;
     for (int64_t x = 0; x < p->H * p->L; x++) dw[x] = 0;

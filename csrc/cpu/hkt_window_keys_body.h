@@ -2,7 +2,7 @@
  * hkt_window_keys_body.h -- the windowed kernels' per-key mode (hkt_window.h:
  * a mask that varies with the query, or dropout), for one real type.
  * Included by hkt_window_body.h, with its structures, its units (seg_units)
- * and WFN, WIN_KEYS and WIN_GROUP defined.
+ * and WIN_KEYS and WIN_GROUP defined.
  *
  * A unit's keys no longer share one probability: each key is scored at its
  * unit's score plus its mask entry and visited on its own, WIN_KEYS keys at a
@@ -23,10 +23,10 @@ typedef struct {
     uint64_t sm, th, rowidx;    /* keep_entry's mixed seed and threshold; the index of the row's key 0 */
     real kf;                    /* what a kept entry is multiplied by */
     int drop;
-} WFN(keyrow);
+} win_keyrow;
 
-static WFN(keyrow) WFN(key_row)(const hkt_window_params *p, int64_t b, int64_t h, int64_t i) {
-    WFN(keyrow) kr;
+static win_keyrow win_key_row(const hkt_window_params *p, int64_t b, int64_t h, int64_t i) {
+    win_keyrow kr;
     memset(&kr, 0, sizeof kr);
     const int64_t off = b * p->mask_stride[0] + h * p->mask_stride[1] + i * p->mask_stride[2];
     if (p->mask_kind == HKT_MASK_BOOL) kr.mb = (const unsigned char *)p->mask + off;
@@ -41,7 +41,7 @@ static WFN(keyrow) WFN(key_row)(const hkt_window_params *p, int64_t b, int64_t h
 }
 
 /* a run's keys, [*j0, return): its units' keys, cut at S */
-static inline int64_t WFN(run_keys)(const hkt_window_params *p, const WFN(run) *r, int64_t *j0) {
+static inline int64_t win_run_keys(const hkt_window_params *p, const win_run *r, int64_t *j0) {
     *j0 = r->idx << r->lev;
     const int64_t j1 = (r->idx + r->n) << r->lev;
     return j1 < p->S ? j1 : p->S;
@@ -49,7 +49,7 @@ static inline int64_t WFN(run_keys)(const hkt_window_params *p, const WFN(run) *
 
 /* the unit scores of keys j0 .. j0 + n - 1 of run r into u: each key its
  * unit's score, filled a unit at a time */
-static void WFN(unit_fill)(const WFN(run) *r, int64_t j0, int64_t n, real *u) {
+static void win_unit_fill(const win_run *r, int64_t j0, int64_t n, real *u) {
     const int lev = r->lev;
     if (lev == 0) {
         memcpy(u, r->s + (j0 - r->idx), (size_t)n * sizeof(real));
@@ -65,7 +65,7 @@ static void WFN(unit_fill)(const WFN(run) *r, int64_t j0, int64_t n, real *u) {
 /* one query's scores of those keys into s: the unit scores u plus the float
  * mask's entries; -inf where the bool mask hides a key (even for a NaN score:
  * a hidden entry is out of its row) */
-static void WFN(key_scores)(const real *u, const WFN(keyrow) *kr, int64_t j0, int64_t n, real *s) {
+static void win_key_scores(const real *u, const win_keyrow *kr, int64_t j0, int64_t n, real *s) {
     if (kr->mb) {
         const unsigned char *mb = kr->mb + j0 * kr->ms;
         for (int64_t t = 0; t < n; t++) s[t] = mb[t * kr->ms] ? u[t] : -INFINITY;
@@ -78,20 +78,20 @@ static void WFN(key_scores)(const real *u, const WFN(keyrow) *kr, int64_t j0, in
 }
 
 /* the dropout factors of keys j0 .. j0 + n - 1 into kk: kf where kept, 0 where dropped */
-static void WFN(key_keeps)(const WFN(keyrow) *kr, int64_t j0, int64_t n, real *kk) {
+static void win_key_keeps(const win_keyrow *kr, int64_t j0, int64_t n, real *kk) {
     for (int64_t t = 0; t < n; t++) kk[t] = keep_entry(kr->sm, kr->th, kr->rowidx + (uint64_t)(j0 + t)) ? kr->kf : 0;
 }
 
 /* 16 reals as one GCC vector (one zmm of float32, two of float64), loaded
  * and stored unaligned */
-typedef real WFN(lanes) __attribute__((vector_size(16 * sizeof(real)), aligned(sizeof(real)), may_alias));
+typedef real win_lanes __attribute__((vector_size(16 * sizeof(real)), aligned(sizeof(real)), may_alias));
 
 /* y += sum_k c[k] * x[k], rows of Dv, each element summed in k's order in a
  * register rather than through memory row after row; 64 elements at a time,
  * four independent chains of FMAs that overlap (one chain waits on the
  * FMA's latency at every k).  (GCC made scalar code of the plain loops.) */
-static inline __attribute__((always_inline)) void WFN(axpy_rows)(real *y, const real *c, const real *const *x, int64_t n, int64_t Dv) {
-    typedef WFN(lanes) lanes;
+static inline __attribute__((always_inline)) void win_axpy_rows(real *y, const real *c, const real *const *x, int64_t n, int64_t Dv) {
+    typedef win_lanes lanes;
     int64_t d = 0;
     for (; d + 64 <= Dv; d += 64) {
         lanes a0 = *(const lanes *)(y + d), a1 = *(const lanes *)(y + d + 16), a2 = *(const lanes *)(y + d + 32),
@@ -125,7 +125,7 @@ static inline __attribute__((always_inline)) void WFN(axpy_rows)(real *y, const 
  * exps (times their dropout factors) into e.  0 when the query has seen
  * nothing but hidden or NaN scores so far (e is not made), else 1, or 2 when
  * some of the chunk's keys are hidden. */
-static int WFN(chunk_exps)(const WFN(keyrow) *kr, const real *s, real *e, real *kk, int64_t j0, int64_t n, real *mx,
+static int win_chunk_exps(const win_keyrow *kr, const real *s, real *e, real *kk, int64_t j0, int64_t n, real *mx,
                            real *sum, int *nan, real *O, int64_t Dv) {
     real cm = -INFINITY;
     int nn = 0, hid = 0;
@@ -137,7 +137,7 @@ static int WFN(chunk_exps)(const WFN(keyrow) *kr, const real *s, real *e, real *
     }
     *nan |= nn;
     if (cm > *mx) {
-        const real a = *mx == -INFINITY ? 0 : REAL_EXP_NONPOS(*mx - cm);
+        const real a = *mx == -INFINITY ? 0 : exp_nonpos(*mx - cm);
         *sum *= a;
         for (int64_t d = 0; d < Dv; d++) O[d] *= a;
         *mx = cm;
@@ -147,12 +147,12 @@ static int WFN(chunk_exps)(const WFN(keyrow) *kr, const real *s, real *e, real *
     real se = 0;
 #pragma omp simd reduction(+ : se)
     for (int64_t t = 0; t < n; t++) {
-        e[t] = REAL_EXP_NONPOS(s[t] - m);
+        e[t] = exp_nonpos(s[t] - m);
         se += e[t];
     }
     *sum += se;
     if (kr->drop) {
-        WFN(key_keeps)(kr, j0, n, kk);
+        win_key_keeps(kr, j0, n, kk);
         for (int64_t t = 0; t < n; t++) e[t] *= kk[t];
     }
     return 1 + hid;
@@ -165,15 +165,15 @@ static int WFN(chunk_exps)(const WFN(keyrow) *kr, const real *s, real *e, real *
  * Z[q]; a NaN score makes Z NaN, which poisons the row when the partials
  * merge.  The keys come in chunks of WIN_KEYS, each key's values read once
  * for the whole group. */
-static void WFN(partial_group)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h, int64_t hk,
+static void win_partial_group(const hkt_window_params *p, win_work *wk, int64_t b, int64_t h, int64_t hk,
                                int64_t i0, int64_t g, real *O, real *M, real *Z) {
     const int64_t Dv = p->Dv, dvp = (Dv + 15) / 16 * 16;
-    const real *V0 = WFN(vrow)(p, p->vs, 0, b, hk, 0);
-    WFN(keyrow) kr[WIN_GROUP];
+    const real *V0 = win_vrow(p, p->vs, 0, b, hk, 0);
+    win_keyrow kr[WIN_GROUP];
     real sum[WIN_GROUP];
     int nan[WIN_GROUP], live[WIN_GROUP];
     for (int64_t q = 0; q < g; q++) {
-        kr[q] = WFN(key_row)(p, b, h, i0 + q);
+        kr[q] = win_key_row(p, b, h, i0 + q);
         M[q] = -INFINITY;
         sum[q] = 0;
         nan[q] = 0;
@@ -181,15 +181,15 @@ static void WFN(partial_group)(const hkt_window_params *p, WFN(work) *wk, int64_
     }
     for (int x = 0; x < wk->nruns; x++) {
         int64_t J0;
-        const int64_t J1 = WFN(run_keys)(p, &wk->runs[x], &J0);
+        const int64_t J1 = win_run_keys(p, &wk->runs[x], &J0);
         for (int64_t j0 = J0; j0 < J1; j0 += WIN_KEYS) {
             const int64_t n = J1 - j0 < WIN_KEYS ? J1 - j0 : WIN_KEYS;
             real *u = wk->ks + WIN_GROUP * WIN_KEYS;
-            WFN(unit_fill)(&wk->runs[x], j0, n, u);
+            win_unit_fill(&wk->runs[x], j0, n, u);
             for (int64_t q = 0; q < g; q++) {
                 real *sq = wk->ks + q * WIN_KEYS;
-                WFN(key_scores)(u, &kr[q], j0, n, sq);
-                live[q] = WFN(chunk_exps)(&kr[q], sq, wk->ke + q * WIN_KEYS, wk->kk + q * WIN_KEYS, j0, n, &M[q],
+                win_key_scores(u, &kr[q], j0, n, sq);
+                live[q] = win_chunk_exps(&kr[q], sq, wk->ke + q * WIN_KEYS, wk->kk + q * WIN_KEYS, j0, n, &M[q],
                                           &sum[q], &nan[q], O + q * dvp, Dv);
             }
             for (int64_t q = 0; q < g; q++) { /* the chunk's values stay in cache for the group */
@@ -210,7 +210,7 @@ static void WFN(partial_group)(const hkt_window_params *p, WFN(work) *wk, int64_
                         rows[k] = V0 + (j0 + k) * Dv;
                     }
                 }
-                WFN(axpy_rows)(O + q * dvp, c, rows, k, Dv);
+                win_axpy_rows(O + q * dvp, c, rows, k, Dv);
             }
         }
     }
@@ -222,7 +222,7 @@ static void WFN(partial_group)(const hkt_window_params *p, WFN(work) *wk, int64_
 
 /* the per-key mode's group of queries for level m >= 2 that starts at i: how
  * many (a power of two, cut at T), 0 where i starts none */
-static inline int64_t WFN(group_at)(const hkt_window_params *p, int m, int64_t i) {
+static inline int64_t win_group_at(const hkt_window_params *p, int m, int64_t i) {
     const int gl = m - 1 < WIN_GROUP_LOG ? m - 1 : WIN_GROUP_LOG;
     if (i & (((int64_t)1 << gl) - 1)) return 0;
     return p->T - i < ((int64_t)1 << gl) ? p->T - i : (int64_t)1 << gl;
@@ -230,14 +230,14 @@ static inline int64_t WFN(group_at)(const hkt_window_params *p, int m, int64_t i
 
 /* <a, b> as dot_axpy sums it (with AVX-512, the lanes' sums by a tree of
  * shuffles): the per-key backward's dot of every (query, key) pair */
-static inline real WFN(dot_tree)(const real *a, const real *b, int64_t n) {
+static inline real win_dot_tree(const real *a, const real *b, int64_t n) {
     real g = 0;
     int64_t d = 0;
-#if WIN_AVX512 && WIN_F32
+#if HKT_VEC_BYTES == 64 && REAL_IS_FLOAT
     __m512 acc = _mm512_setzero_ps();
     for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
     g = _mm512_reduce_add_ps(acc);
-#elif WIN_AVX512
+#elif HKT_VEC_BYTES == 64
     __m512d acc = _mm512_setzero_pd();
     for (; d + 8 <= n; d += 8) acc = _mm512_fmadd_pd(_mm512_loadu_pd(a + d), _mm512_loadu_pd(b + d), acc);
     g = _mm512_reduce_add_pd(acc);
@@ -256,21 +256,21 @@ static inline real WFN(dot_tree)(const real *a, const real *b, int64_t n) {
  * the unit's E gets its keys' score gradients, the float mask's gradient each
  * one.  A row that sees nothing (lse +inf) has none.  Each key's values and
  * their gradient are read once for the group. */
-static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h, int64_t hk,
+static void win_grads_group(const hkt_window_params *p, win_work *wk, int64_t b, int64_t h, int64_t hk,
                              int64_t i0, int64_t g, const real *cpa) {
     const int64_t Dv = p->Dv, row = (b * p->H + h) * p->T;
-    const real *V0 = WFN(vrow)(p, p->vs, 0, b, hk, 0);
-    real *dV0 = (real *)WFN(vrow)(p, (const void *const *)p->dvs, 0, b, hk, 0);
+    const real *V0 = win_vrow(p, p->vs, 0, b, hk, 0);
+    real *dV0 = (real *)win_vrow(p, (const void *const *)p->dvs, 0, b, hk, 0);
     const real *lse = (const real *)p->lse + row;
-    WFN(keyrow) kr[WIN_GROUP];
+    win_keyrow kr[WIN_GROUP];
     real c[WIN_GROUP], pa[WIN_GROUP], Di[WIN_GROUP], *dm[WIN_GROUP];
     const real *go[WIN_GROUP];
     int64_t na = 0; /* the group's rows that see something */
     for (int64_t i = i0; i < i0 + g; i++) {
         if (lse[i] == INFINITY) continue;
-        kr[na] = WFN(key_row)(p, b, h, i);
+        kr[na] = win_key_row(p, b, h, i);
         go[na] = (const real *)p->dout + (row + i) * Dv;
-        Di[na] = WFN(dot)(go[na], (const real *)p->out + (row + i) * Dv, Dv);
+        Di[na] = win_dot(go[na], (const real *)p->out + (row + i) * Dv, Dv);
         c[na] = cpa ? cpa[0] : lse[i];
         pa[na] = cpa ? cpa[1] : 1;
         dm[na] = p->dmask ? (real *)p->dmask + (row + i) * p->S : NULL;
@@ -278,21 +278,21 @@ static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t 
     }
     const int drop = p->dropout_p > 0;
     for (int x = 0; na && x < wk->nruns; x++) {
-        const WFN(run) *r = &wk->runs[x];
+        const win_run *r = &wk->runs[x];
         real *E = wk->E[r->m] + r->ec;
         int64_t J0;
-        const int64_t J1 = WFN(run_keys)(p, r, &J0);
+        const int64_t J1 = win_run_keys(p, r, &J0);
         for (int64_t j0 = J0; j0 < J1; j0 += WIN_KEYS) {
             const int64_t n = J1 - j0 < WIN_KEYS ? J1 - j0 : WIN_KEYS;
             real *u = wk->ks + WIN_GROUP * WIN_KEYS;
-            WFN(unit_fill)(r, j0, n, u);
+            win_unit_fill(r, j0, n, u);
             for (int64_t a = 0; a < na; a++) {
                 real *sa = wk->ks + a * WIN_KEYS, *Pa = wk->ke + a * WIN_KEYS;
-                WFN(key_scores)(u, &kr[a], j0, n, sa);
+                win_key_scores(u, &kr[a], j0, n, sa);
                 const real ca = c[a], paa = pa[a];
 #pragma omp simd
-                for (int64_t t = 0; t < n; t++) Pa[t] = REAL_EXP_NONPOS(sa[t] - ca) * paa;
-                if (drop) WFN(key_keeps)(&kr[a], j0, n, wk->kk + a * WIN_KEYS);
+                for (int64_t t = 0; t < n; t++) Pa[t] = exp_nonpos(sa[t] - ca) * paa;
+                if (drop) win_key_keeps(&kr[a], j0, n, wk->kk + a * WIN_KEYS);
             }
             for (int64_t t = 0; t < n; t++) {
                 const int64_t j = j0 + t;
@@ -303,7 +303,7 @@ static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                 for (int64_t a = 0; a < na; a++) {
                     if (wk->ks[a * WIN_KEYS + t] == -INFINITY) continue; /* hidden: no probability, no gradient */
                     const real P = wk->ke[a * WIN_KEYS + t], kappa = drop ? wk->kk[a * WIN_KEYS + t] : 1;
-                    const real gj = kappa != 0 ? WFN(dot_tree)(go[a], vr, Dv) : 0;
+                    const real gj = kappa != 0 ? win_dot_tree(go[a], vr, Dv) : 0;
                     const real dS = P * (kappa * gj - Di[a]);
                     es += dS;
                     seen = 1;
@@ -314,7 +314,7 @@ static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t 
                     }
                 }
                 if (seen) E[(j >> r->lev) - r->idx] += es;
-                WFN(axpy_rows)(dV0 + j * Dv, coef, rows, k, Dv); /* dv_j += each row's P * kappa * dout */
+                win_axpy_rows(dV0 + j * Dv, coef, rows, k, Dv); /* dv_j += each row's P * kappa * dout */
             }
         }
     }
@@ -324,24 +324,24 @@ static void WFN(grads_group)(const hkt_window_params *p, WFN(work) *wk, int64_t 
  * finfo.min): such a row's P comes from its max and sum, taken again */
 #define WIN_LSE_EXACT ((real)(sizeof(real) == 4 ? 4096.0 : 2199023255552.0))
 
-static inline int WFN(lse_exact)(real li) { return li == INFINITY || (li > -WIN_LSE_EXACT && li < WIN_LSE_EXACT); }
+static inline int win_lse_exact(real li) { return li == INFINITY || (li > -WIN_LSE_EXACT && li < WIN_LSE_EXACT); }
 
 /* the per-key backward of query i (its A current, its row seeing something)
  * for the levels no group took */
-static void WFN(query_grads_keys)(const hkt_window_params *p, WFN(work) *wk, int64_t b, int64_t h, int64_t hk,
+static void win_query_grads_keys(const hkt_window_params *p, win_work *wk, int64_t b, int64_t h, int64_t hk,
                                   int64_t i, real li) {
     real cpa[2] = {li, 1};
-    if (!WFN(lse_exact)(li)) {
+    if (!win_lse_exact(li)) {
         real mx = -INFINITY, sum = 0, Mm, Zm;
         for (int m = 0; m < p->L; m++) { /* the row's max and sum, merged over its levels' parts */
-            WFN(seg_units)(p, wk, m);
-            WFN(partial_group)(p, wk, b, h, hk, i, 1, wk->acc, &Mm, &Zm);
+            win_seg_units(p, wk, m);
+            win_partial_group(p, wk, b, h, hk, i, 1, wk->acc, &Mm, &Zm);
             if (Mm == -INFINITY) continue;
             if (Mm > mx) {
-                sum = sum * REAL_EXP_NONPOS(mx - Mm) + Zm;
+                sum = sum * exp_nonpos(mx - Mm) + Zm;
                 mx = Mm;
             } else {
-                sum += Zm * REAL_EXP_NONPOS(Mm - mx);
+                sum += Zm * exp_nonpos(Mm - mx);
             }
         }
         cpa[0] = mx;
@@ -349,7 +349,7 @@ static void WFN(query_grads_keys)(const hkt_window_params *p, WFN(work) *wk, int
     }
     for (int m = 0; m < p->L; m++) {
         if (m >= 2 && wk->grouped[m]) continue;
-        WFN(seg_units)(p, wk, m);
-        WFN(grads_group)(p, wk, b, h, hk, i, 1, cpa);
+        win_seg_units(p, wk, m);
+        win_grads_group(p, wk, b, h, hk, i, 1, cpa);
     }
 }

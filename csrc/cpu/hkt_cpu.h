@@ -1,18 +1,21 @@
 /*
- * hkt_cpu.h -- what the CPU kernel files share (private to csrc/, not installed).
+ * hkt_cpu.h -- what the CPU kernel files share (private to csrc/cpu/, not installed).
  *
  * The CPU kernels are bodies written once for a type `real`
  * (hkt_products_body.h, hkt_attention_body.h, hkt_backward_body.h, hkt_decode_body.h, with
- * hkt_real.h's helpers; hkt_bf16_body.h for bfloat16 in float32's) and
- * compiled once per real type: hkt_cpu_f32.c and hkt_cpu_f64.c each define
- * `real` and include them, so their static functions have plain names in each
- * translation unit.  hkt_attention.c and hkt_decode.c hold the type-free parts:
- * the workspace layouts, hkt.h's entry points and the dispatch by dtype.
+ * hkt_real.h's helpers; hkt_bf16_body.h for bfloat16 in float32's; the
+ * windowed kernels' hkt_window_body.h) and compiled once per real type:
+ * hkt_cpu_f32.c and hkt_cpu_f64.c (hkt_window_f32.c and hkt_window_f64.c)
+ * each define `real` and include them, so their static functions have plain
+ * names in each translation unit.  hkt_attention.c, hkt_decode.c and
+ * hkt_window.c hold the type-free parts: the workspace layouts, hkt.h's and
+ * hkt_window.h's entry points and the dispatch by dtype (hkt_kernels_of).
  */
 #ifndef HKT_CPU_H
 #define HKT_CPU_H
 
 #include "hkt.h"
+#include "hkt_window.h"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -40,11 +43,11 @@
 #define WS_HEADER 64
 
 /* The kernels are built once per instruction set, each with vectors as wide
- * as its registers (HKT_VEC_BYTES), and hkt_attention.c picks one set when
- * first called (hkt_isa).  The per-type files (hkt_cpu_f32.c, hkt_cpu_f64.c)
- * are the portable build; hkt_cpu_{f32,f64}_{avx2,avx512}.c define
- * HKT_ISA_AVX2 or HKT_ISA_AVX512 and include them through hkt_isa.h, which
- * turns the instruction set on.  (GCC's target_clones, used before, builds one
+ * as its registers (HKT_VEC_BYTES), and hkt_dispatch.c picks one set when
+ * first called (hkt_isa).  The per-type files (hkt_cpu_f32.c, hkt_cpu_f64.c,
+ * hkt_window_f32.c, hkt_window_f64.c) are the portable build; their *_avx2.c
+ * and *_avx512.c builds define HKT_ISA_AVX2 or HKT_ISA_AVX512 and include them
+ * through hkt_isa.h, which turns the instruction set on.  (GCC's target_clones, used before, builds one
  * source per ISA but with one vector type: 64-byte vectors in the AVX2 clone
  * have no register mode and run far slower.)  HKT_ISA_BUILDS is 0 off x86-64
  * and for compilers other than GCC and clang (whose target pragma and
@@ -231,16 +234,28 @@ typedef struct {
 
 hkt_decode_plan_t hkt_decode_plan(const hkt_decode_params *p);
 
-/* The per-type entry points of each instruction set's build (hkt_cpu_f32.c,
- * hkt_cpu_f64.c and their ISA wrappers), gathered in one table per set. */
+/* The instruction-set dispatch, one table for every kernel family: each
+ * set's build (hkt_cpu_{f32,f64}.c and hkt_window_{f32,f64}.c, and their
+ * *_avx2.c / *_avx512.c builds) gives per real type the entry points below,
+ * and hkt_dispatch.c gathers them in one table per set and picks one
+ * (hkt_isa).  The type-free callers (hkt_attention.c, hkt_decode.c,
+ * hkt_window.c; hkt_varlen.c through hkt_attention.c's entry points) take a
+ * type's row with hkt_kernels_of. */
+typedef struct {
+    void (*forward)(const hkt_params *);
+    void (*backward)(const hkt_params *); /* float32's: also the bfloat16 backward (avx512f only) */
+    void (*decode)(const hkt_decode_params *);
+    void (*window_forward)(const hkt_window_params *);
+    void (*window_backward)(const hkt_window_params *);
+    void (*window_decode)(const hkt_window_decode_params *);
+    /* one thread's workspace of the windowed kernels: the same layout in every set */
+    size_t (*window_thread_bytes)(const hkt_window_params *, int backward);
+    size_t (*window_decode_thread_bytes)(const hkt_window_decode_params *);
+} hkt_real_kernels;
+
 typedef struct {
     const char *name; /* hkt_cpu_kernels(): "avx512f", "avx2", "default" */
-    void (*forward_f32)(const hkt_params *);
-    void (*backward_f32)(const hkt_params *); /* also the bfloat16 backward (avx512f only) */
-    void (*decode_f32)(const hkt_decode_params *);
-    void (*forward_f64)(const hkt_params *);
-    void (*backward_f64)(const hkt_params *);
-    void (*decode_f64)(const hkt_decode_params *);
+    hkt_real_kernels f32, f64;
     void (*forward_bf16)(const hkt_params *); /* NULL: no native bfloat16 */
 } hkt_isa_table;
 
@@ -249,13 +264,22 @@ typedef struct {
  * if the CPU has it; chosen at the first call. */
 const hkt_isa_table *hkt_isa(void);
 
-#define HKT_DECLARE_ISA(isa)                                                                \
-    void hkt_forward_f32_##isa(const hkt_params *p);                                      \
-    void hkt_backward_f32_##isa(const hkt_params *p);                                     \
-    void hkt_decode_f32_##isa(const hkt_decode_params *p);                                \
-    void hkt_forward_f64_##isa(const hkt_params *p);                                      \
-    void hkt_backward_f64_##isa(const hkt_params *p);                                     \
-    void hkt_decode_f64_##isa(const hkt_decode_params *p);
+/* The kernels of dtype (HKT_FLOAT64, else float32's: bfloat16's backward too)
+ * in the set this process runs. */
+static inline const hkt_real_kernels *hkt_kernels_of(int dtype) {
+    return dtype == HKT_FLOAT64 ? &hkt_isa()->f64 : &hkt_isa()->f32;
+}
+
+#define HKT_DECLARE_REAL(t, isa)                                                                             \
+    void hkt_forward_##t##_##isa(const hkt_params *p);                                                     \
+    void hkt_backward_##t##_##isa(const hkt_params *p);                                                    \
+    void hkt_decode_##t##_##isa(const hkt_decode_params *p);                                               \
+    void hkt_window_forward_##t##_##isa(const hkt_window_params *p);                                       \
+    void hkt_window_backward_##t##_##isa(const hkt_window_params *p);                                      \
+    void hkt_window_decode_##t##_##isa(const hkt_window_decode_params *p);                                 \
+    size_t hkt_window_thread_bytes_##t##_##isa(const hkt_window_params *p, int backward);                  \
+    size_t hkt_window_decode_thread_bytes_##t##_##isa(const hkt_window_decode_params *p);
+#define HKT_DECLARE_ISA(isa) HKT_DECLARE_REAL(f32, isa) HKT_DECLARE_REAL(f64, isa)
 HKT_DECLARE_ISA(generic)
 HKT_DECLARE_ISA(avx2)
 HKT_DECLARE_ISA(avx512)
