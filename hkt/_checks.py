@@ -82,12 +82,13 @@ def _check_inputs(q, k, v, w):
     """One pass over the inputs (shapes, strides, devices and float32/float64
     dtypes are the extension's to check, with messages that name the argument).
     Returns (q[0]'s dtype, whether any input requires grad)."""
-    for name, xs in (("q", q), ("k", k)):
-        if not isinstance(xs, (list, tuple)):
-            raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got "
-                            f"{type(xs).__name__}")
-        if len(xs) == 0:
-            raise ValueError(f"{name}: expected at least one level, got an empty sequence")
+    if not (isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) and q and k):
+        for name, xs in (("q", q), ("k", k)):
+            if not isinstance(xs, (list, tuple)):
+                raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got "
+                                f"{type(xs).__name__}")
+            if len(xs) == 0:
+                raise ValueError(f"{name}: expected at least one level, got an empty sequence")
     q0 = q[0]
     if not isinstance(q0, Tensor):
         raise TypeError(f"q[0]: expected a torch.Tensor, got {type(q0).__name__}")
@@ -137,12 +138,13 @@ def _check_scalars(is_causal, dropout_p, scale):
     a float)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {_type_name(is_causal)}")
-    if not _real(dropout_p):
-        raise TypeError(f"dropout_p: expected a float, got {_type_name(dropout_p)}")
-    try:
-        dropout_p = float(dropout_p)
-    except OverflowError:  # an int beyond the float range
-        raise ValueError("dropout_p: must be in [0, 1], got an int beyond the float range") from None
+    if dropout_p.__class__ is not float:  # the common case, a float, without a call
+        if not _real(dropout_p):
+            raise TypeError(f"dropout_p: expected a float, got {_type_name(dropout_p)}")
+        try:
+            dropout_p = float(dropout_p)
+        except OverflowError:  # an int beyond the float range
+            raise ValueError("dropout_p: must be in [0, 1], got an int beyond the float range") from None
     if scale is not None:
         if not _real(scale):
             raise TypeError(f"scale: expected a float or None, got {_type_name(scale)}")

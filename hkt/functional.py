@@ -200,7 +200,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
                                        op_scale(scale, q0), seed)
         return out
     # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
-    seed = eager_seed(dropout_p)
+    seed = eager_seed(dropout_p) if dropout_p > 0 else 0
     if torch.is_grad_enabled() and (grad or (attn_mask is not None and attn_mask.requires_grad)):
         # the op's registered autograd, without the dispatcher (ops/attention.py)
         return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
