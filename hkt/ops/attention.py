@@ -97,20 +97,20 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.L = len(q)
     ctx.is_causal, ctx.dropout_p, ctx.scale = is_causal, dropout_p, scale
-    # an eager call's seed is an int (AttentionFunction), the op's a tensor
-    ctx.seed = seed
-    ctx.save_for_backward(*q, *k, v, w, out, lse, attn_mask)
+    # the op's seed is a tensor, saved as one; an eager call's an int (AttentionFunction)
+    seed_tensor = isinstance(seed, Tensor)
+    ctx.seed = None if seed_tensor else seed
+    ctx.save_for_backward(*q, *k, v, w, out, lse, attn_mask, seed if seed_tensor else None)
 
 
-def _gradients(ctx, dout, q, k, v, w, out, lse, attn_mask, mask_argument=4, into=None):
+def _gradients(ctx, dout, q, k, v, w, out, lse, attn_mask, seed, mask_argument=4, into=None):
     """(dq, dk, dv, dw, dmask) of the forward that ctx saw: in an eager call the
     kernels themselves (into: dq[0], dk[0] and dv for them to write in), else,
     and under create_graph, the differentiable hkt::attention_backward op,
     which torch.compile records.  mask_argument: attn_mask's place among the
-    forward's arguments."""
+    forward's arguments; seed: the op's tensor, or an eager call's int."""
     # a float mask that requires grad gets one; a bool mask never needs one
     mask_grad = attn_mask is not None and attn_mask.is_floating_point() and needs_grad(ctx, mask_argument)
-    seed = ctx.seed
     if getattr(ctx, "eager", False):
         if not torch.is_grad_enabled():  # no dispatch, the scale as the caller gave it
             return _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
@@ -126,7 +126,9 @@ def _forward_op_gradients(ctx, grad_out, grad_lse):
     L = ctx.L
     saved = ctx.saved_tensors
     q, k = list(saved[:L]), list(saved[L:2 * L])
-    dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, *saved[2 * L:])
+    v, w, out, lse, attn_mask, seed = saved[2 * L:]
+    dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask,
+                                       ctx.seed if seed is None else seed)
     return dq, dk, dv, dw, dmask, None, None, None, None
 
 
@@ -191,14 +193,14 @@ def _qkv_gradients(ctx, grad_out, grad_lse):
     # whole only where the kernels write qkv's dtype now (bfloat16 natively: the
     # choice is the backward's own, hkt._kernels.native_bf16 read again)
     if torch.is_grad_enabled() or (qkv.dtype == torch.bfloat16 and not _kernels._native_bf16(q0, v.shape[-1])):
-        dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, _QKV_MASK)
+        dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, ctx.seed, _QKV_MASK)
         B, T = qkv.shape[0], qkv.shape[1]
         dqkv = torch.cat([x.transpose(1, 2).reshape(B, T, -1) for x in (dq[0], dk[0], dv)], dim=-1)
     else:
         # contiguous, whatever layout a saved-tensors hook handed qkv back in: the
         # kernels write the heads of dq, dk, dv with unit feature stride
         dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-        dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, _QKV_MASK,
+        dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, ctx.seed, _QKV_MASK,
                                            into=_qkv_heads(dqkv, *ctx.heads))
     return dq[1:], dk[1:], None, None, dqkv, dw, dmask, None, None, None, None
 
