@@ -12,10 +12,9 @@ from torch import Tensor
 from torch.utils.dlpack import to_dlpack
 
 from . import _C
-from ._checks import compute_dtype
-from ._maths import float_mask_in
+from ._maths import compute_dtype, float_mask_in
 
-__all__ = ["_forward", "_backward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
+__all__ = ["_forward", "_backward", "check_forward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
            "_downsample_backward", "window_kernels", "window_decode_kernel", "dropout_keep_mask", "has_cuda", "cpu_tile"]
 
 has_cuda = bool(_C.has_cuda)
@@ -143,25 +142,59 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
         # the seed is read here, on the host: every replay would drop the same entries
         raise RuntimeError("dropout_p: hkt's dropout cannot be captured in a CUDA graph (each replay would "
                            "repeat the captured dropout mask); capture with dropout_p=0")
-    dtype = compute_dtype(q0.dtype)
-    native = q0.dtype == _BF16 and _native_bf16(q0)
+    # (q0's attributes read once each, compute_dtype inline: a small call's
+    # forward is mostly such reads and calls)
+    in_dtype = q0.dtype
+    bf16 = in_dtype is _BF16
+    dtype = torch.float32 if bf16 else in_dtype  # compute_dtype
+    native = bf16 and _native_bf16(q0)
     # native bfloat16 writes its out in bfloat16 (summed in float32, rounded once in the kernel)
-    out_dtype = q0.dtype if native else dtype
+    out_dtype = in_dtype if native else dtype
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
-    if like_inputs and v.dim() == 4 and v.shape[-1] == q0.shape[-1] and _like(q0):
+    if like_inputs and v.dim() == 4 and _like(q0) and v.shape[-1] == q0.shape[-1]:  # _like: q0 not 0-d
         out = _empty_like_layout(q0, out_dtype)
     else:
         out = _empty((*lead, v.shape[-1] if v.dim() else 0), out_dtype, q0)
-    lse = _empty(lead, dtype, q0) if want_lse or q0.is_cuda else None
+    cuda = q0.is_cuda
+    lse = _empty(lead, dtype, q0) if want_lse or cuda else None
     # native (and float32/float64): q, k, v as they are; w, mask, lse in the compute dtype
-    if q0.dtype == _BF16 and not (native or _cuda_tc(q, v, dropout_p)):
+    if bf16 and not (native or _cuda_tc(q, v, dropout_p)):
         qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
     else:
         qs, ks, vs = _feats(q), _feats(k), _feat(v)
-    _C.forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
-               _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, _threads(),
-               _stream(q0))
-    return (out if out.dtype == q0.dtype else out.to(q0.dtype)), lse
+    _C.forward(qs, ks, vs, _arg(w), to_dlpack(out), None if lse is None else to_dlpack(lse),
+               None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
+               _threads(), _stream(q0) if cuda else None)
+    return (out if out_dtype is in_dtype else out.to(in_dtype)), lse
+
+
+def _described(x: Tensor, dtype: Optional[torch.dtype] = None) -> tuple:
+    """x as check_forward takes an array: (shape, DLPack dtype code, bits), of
+    dtype where given; bfloat16 as float32, in which the checks see it."""
+    dtype = dtype or x.dtype
+    if dtype == _BF16:
+        dtype = torch.float32
+    code = 6 if dtype == torch.bool else 2 if dtype.is_floating_point else 0
+    return tuple(x.shape), code, dtype.itemsize * 8
+
+
+def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
+                  is_causal: bool, dropout_p: float, scale) -> None:
+    """The extension's checks of a forward over these arguments, without
+    running it: for the calls that never reach the kernels (meta tensors, the
+    "sdpa" backend), each array described by its shape and dtype (its device
+    and the other torch-level rules are hkt._checks').  Raises what the
+    forward would, naming the argument.  Under torch.compile it is not
+    called (dynamo cannot trace into the extension): the recorded ops' fake
+    kernels see the shapes there."""
+    if torch.compiler.is_compiling():
+        return
+    q0 = q[0]
+    dtype = compute_dtype(q0.dtype)
+    out = ((*q0.shape[:3], v.shape[-1] if v.dim() else 0), *_described(q0, dtype)[1:])
+    mask = None if attn_mask is None else _described(attn_mask, dtype if attn_mask.is_floating_point() else None)
+    _C.check_forward([_described(x) for x in q], [_described(x) for x in k], _described(v), _described(w),
+                     out, None, mask, is_causal, scale, dropout_p)
 
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
@@ -180,19 +213,20 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     # small call's backward is mostly such reads and calls)
     q0 = q[0]
     in_dtype = q0.dtype
-    dtype = compute_dtype(in_dtype)
-    native = in_dtype == _BF16 and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
+    dtype = torch.float32 if in_dtype is _BF16 else in_dtype  # compute_dtype
+    native = in_dtype is _BF16 and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
     # native bfloat16 on the CPU writes dq, dk and dv in bfloat16 (summed in float32 in the kernel)
     native_out = native and dout.dtype == out.dtype == in_dtype
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into, in_dtype if native_out else dtype)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=q0.device) if mask_grad else None
-    scratch = _scratch(*lse.shape, len(q), dtype, q0.device) if q0.is_cuda else None
+    cuda = q0.is_cuda
+    scratch = _scratch(*lse.shape, len(q), dtype, q0.device) if cuda else None
     qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: native or _cuda_tc(
         q, v, dropout_p, True, mask_grad))
     _C.backward(dos, qs, ks, vs, _arg(w), outs,
                 to_dlpack(lse.contiguous()), _dls(dq), _dls(dk), to_dlpack(dv), to_dlpack(dw),
-                _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed, _threads(), _dl(dmask),
-                _stream(q0), _dl(scratch))
+                None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
+                _threads(), _dl(dmask), _stream(q0) if cuda else None, _dl(scratch))
     dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)

@@ -1,5 +1,5 @@
 """The maths the library computes in plain torch, beside its kernels: the
-conversion of a float mask to the compute dtype, kv heads repeated for
+compute dtype and the conversion of a float mask to it, kv heads repeated for
 grouped-query attention, a level's factor scale * w, and the attention as
 dense (B, H, T, S) matrices (MultiheadHKT's need_weights, the double backward
 of the attention and varlen ops).
@@ -17,8 +17,13 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["float_mask_in", "repeat_kv", "level_factor", "combined_scores", "windowed_scores", "probs_of_scores",
+__all__ = ["compute_dtype", "float_mask_in", "repeat_kv", "level_factor", "combined_scores", "windowed_scores", "probs_of_scores",
            "masked_probs", "dense_attention"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' outputs and sums: float32 or float64 (float32 for bfloat16 inputs)."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
 
 
 def float_mask_in(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -166,7 +166,7 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
                    is_causal: bool, scale: Optional[float]) -> Tensor:
     """HKT attention (no dropout) through F.scaled_dot_product_attention.
     attn_mask is None or 4-D (each dimension 1 or full), bool or floating;
-    arguments already checked (check_arguments)."""
+    arguments already checked (hkt._checks.check_call)."""
     T, D = q[0].shape[2], q[0].shape[3]
     S = k[0].shape[2]
     if scale is None:

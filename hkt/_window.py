@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from ._autograd import _SEED_HIGH
 from ._checks import _kernel_args, check_call, check_windows
 from ._guards import _functorch_active
 from ._maths import repeat_kv
 # (tests and benchmarks name the ops and block_sums here)
+from .ops.attention import SEED_HIGH
 from .ops.window import _key_only, block_sums, window_backward, window_forward  # noqa: F401
 
 __all__ = ["windowed_attention"]
@@ -38,7 +38,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if q[0].device.type not in ("cpu", "meta"):  # meta: the op's fake kernel gives the shapes
         raise ValueError(f"windows: the windowed kernels run on the CPU only, got q[0] on {q[0].device}")
     dtype = q[0].dtype
-    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, dtype)
+    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q[0], k[0])
     if scale is None:
         scale = 1.0 / math.sqrt(q[0].shape[-1])
     scale = float(scale)
@@ -54,6 +54,6 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
         # visible keys' sums are per query head (autograd sums their gradients back)
         k, v = [repeat_kv(x, H) for x in k], repeat_kv(v, H)
     w2 = w.expand(H, L).contiguous() if w.dim() == 1 else w  # autograd sums dw back over the heads
-    seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
+    seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
     out = window_forward(q, k, v, w2, attn_mask, list(_radius(windows)), is_causal, scale, dropout_p, seed)[0]
     return out.to(dtype) if dtype == torch.bfloat16 else out

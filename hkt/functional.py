@@ -5,12 +5,12 @@ import torch
 from torch import Tensor
 
 from . import _kernels, _sdpa, ops
-from ._autograd import _ATTENTION_APPLY, _QKV_APPLY, _SEED_HIGH, _eager_seed, _scale_value
 from ._checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
-from ._checks import (_CALL_FAILED, _check_inputs, _check_mask, _kernel_args, _name_the_argument, _real,
-                      check_arguments, check_call)
+from ._checks import _check_inputs, _kernel_args, _real, check_call
 from ._guards import _functorch_active
 from ._guards import _autocast_inputs, _c_apply, _recording, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
+from .ops._eager import flat_apply
+from .ops.attention import SEED_HIGH, AttentionFunction, QKVAttentionFunction, eager_seed, op_scale
 
 __all__ = ["hkt_attention"]
 
@@ -159,11 +159,7 @@ def hkt_attention(
         from ._window import windowed_attention
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)
-        try:
-            out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
-        except _CALL_FAILED:
-            _name_the_argument(q, k, v, w, attn_mask)  # the error the unwindowed call would give, if one
-            raise
+        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
         if out is not None:
             return out
     try:
@@ -172,42 +168,42 @@ def hkt_attention(
         if _pick_backend(backend, q, dropout_p) == "sdpa":
             return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
         return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
-    except _CALL_FAILED:
+    except (RuntimeError, BufferError):
+        # not a check: a dead torch.func wrapper (a tensor kept from inside a
+        # finished transform) fails in DLPack, before any kernel ran; the call
+        # again on the tensors it wraps (with dropout: a new seed)
         dead = _unwrap_dead(q, k, v, w, attn_mask)
-        if dead is not None:  # failed in DLPack, before any kernel ran (with dropout: a new seed)
-            return hkt_attention(*dead[:4], attn_mask=dead[4], is_causal=is_causal, dropout_p=dropout_p,
-                                 scale=scale, backend=backend)
-        _name_the_argument(q, k, v, w, attn_mask)
-        raise
+        if dead is None:
+            raise
+        return hkt_attention(*dead[:4], attn_mask=dead[4], is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                             backend=backend)
 
 
 def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
-    """The call itself.  Shapes, strides, devices, float32/float64 dtypes, the
-    scale's finiteness and dropout_p's range are the extension's to check."""
+    """The call itself: torch's rules here (hkt._checks: types, devices,
+    bfloat16 upcast before the extension sees it, so a mix must be refused
+    first), the rest (shapes, strides, float32/float64 dtypes, the scale's
+    finiteness, dropout_p's range) the extension's, which names the argument."""
+    _, grad = _check_inputs(q, k, v, w)
     q0 = q[0]
-    if q0.dtype == torch.bfloat16:  # upcast before the extension sees it: mixed dtypes would pass unnoticed
-        _check_inputs(q, k, v, w)
-    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q0.dtype)
+    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q0, k[0])
     if _recording() or q0.is_meta:
         # torch.compile or torch.jit.trace: the registered custom op, which they
         # record; meta tensors (shapes only) take its fake kernel
-        if q0.is_meta:  # no extension call checks them: the same checks, in Python
-            _check_inputs(q, k, v, w)
-            _check_mask(attn_mask, q0.device)
-            check_arguments(q, k, v, w, attn_mask, dropout_p, scale, dropout_allowed=True)
+        if q0.is_meta:  # no kernel runs on them: the extension's checks, asked without running it
+            _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
-        seed = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu") if dropout_p > 0 else torch.zeros(
+        seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device="cpu") if dropout_p > 0 else torch.zeros(
             (), dtype=torch.int64, device=q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
-                                       _scale_value(scale, q0), seed)
+                                       op_scale(scale, q0), seed)
         return out
     # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
-    seed = _eager_seed(dropout_p)
-    if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
-                                    v.requires_grad or w.requires_grad or
-                                    (attn_mask is not None and attn_mask.requires_grad)):
-        return _ATTENTION_APPLY(len(q), len(k), is_causal, dropout_p, scale, seed, attn_mask, *q, *k, v, w)
+    seed = eager_seed(dropout_p) if dropout_p > 0 else 0
+    if torch.is_grad_enabled() and (grad or (attn_mask is not None and attn_mask.requires_grad)):
+        # the op's registered autograd, without the dispatcher (ops/attention.py)
+        return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True,
                              want_lse=False)[0]
 
@@ -226,7 +222,7 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     projection ``qkv`` (B, T, (H + 2 H_kv) hd), whose heads are q[0], k[0] and v.
     In eager calls on the kernels that need gradients, whose kernels write the
     gradients in qkv's dtype (float32, float64, native bfloat16), their
-    gradient is written as one tensor, qkv's (_QKVAttention); anywhere else
+    gradient is written as one tensor, qkv's (ops.attention.QKVAttentionFunction); anywhere else
     hkt_attention itself, the same values."""
     if torch._C._is_any_autocast_enabled():
         # the inputs hkt_attention would compute with (w cast too); q[0], k[0] and v
@@ -236,11 +232,9 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     own_dtype = own_dtype and q[0].dtype == k[0].dtype == v.dtype == qkv.dtype
     if (own_dtype and torch.is_grad_enabled() and qkv.requires_grad
             and not qkv.is_meta and not _recording() and _pick_backend(None, q, dropout_p) == "kernels"):
-        try:
-            mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, qkv.dtype)
-            return _QKV_APPLY(q[0].shape[1], k[0].shape[1], is_causal, dropout_p, None,
-                                       _eager_seed(dropout_p), mask, qkv, w, *q[1:], *k[1:])
-        except _CALL_FAILED:
-            _name_the_argument(q, k, v, w, attn_mask)
-            raise
+        # q, k, v: the module's own heads; its mask and the rest checked as hkt_attention checks them
+        _check_inputs(q, k, v, w)
+        mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, q[0], k[0])
+        return flat_apply(QKVAttentionFunction, q[1:], k[1:], q[0].shape[1], k[0].shape[1], qkv, w, mask,
+                          is_causal, dropout_p, None, eager_seed(dropout_p))
     return hkt_attention(q, k, v, w, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
-from ._checks import _CALL_FAILED, _check_tensor
+from ._checks import _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import decode as decode_op
 from .ops._schema import schema_scale
@@ -118,20 +118,16 @@ def hkt_attention_with_kvcache(
     if torch.is_grad_enabled() and _any_requires_grad(q, k_cache, v_cache, w, k, v):
         raise RuntimeError("hkt_attention_with_kvcache: not differentiable (forward-only decoding kernel), but an "
                            "input requires grad; call it under torch.no_grad() or torch.inference_mode()")
-    try:
-        if torch._C._is_any_autocast_enabled() and isinstance(v_cache, Tensor) and v_cache.is_floating_point():
-            # in the caches' dtype, which the kernel computes in (the caches, written
-            # in place, cannot be cast), as autocast promotes a mixed call to its widest
-            q, k, v, w = _autocast_inputs(q, k, v, w, to=v_cache.dtype)
-        if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
-            return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
-        return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
-    except _CALL_FAILED:
-        # nothing is checked in Python on the way in; when something failed, say
-        # which argument the extension could not see was wrong, if one was
-        _check_decode_inputs(q, k_cache, v_cache, w, k, v)
-        _refuse_meta(q[0], "decoding")
-        raise
+    if torch._C._is_any_autocast_enabled() and isinstance(v_cache, Tensor) and v_cache.is_floating_point():
+        # in the caches' dtype, which the kernel computes in (the caches, written
+        # in place, cannot be cast), as autocast promotes a mixed call to its widest
+        q, k, v, w = _autocast_inputs(q, k, v, w, to=v_cache.dtype)
+    # torch's rules, which the extension cannot name (the rest are its own)
+    _check_decode_inputs(q, k_cache, v_cache, w, k, v)
+    if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
+        return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
+    _refuse_meta(q[0], "decoding")
+    return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
 
 
 def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale) -> Tensor:

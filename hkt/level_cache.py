@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._autograd import _heads
+from .ops.attention import heads as _heads
 from ._window_decode import _rows, append_windowed, attend_windowed_rows, cache_rows
 from .kvcache import hkt_attention_with_kvcache
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._autograd import _heads
+from .ops.attention import heads as _heads
 from ._checks import ShapeError
 from .downsample import causal_downsample
 from .functional import hkt_attention

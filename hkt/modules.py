@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ._autograd import _heads
+from .ops.attention import heads as _heads
 from ._checks import check_windows
 from ._guards import _symbolic
 from ._maths import masked_probs, probs_of_scores, windowed_scores

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
-from ._checks import _CALL_FAILED, _check_inputs, _check_scalars
+from ._checks import _check_inputs, _check_scalars
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import varlen as varlen_op
 from .ops._eager import flat_apply
@@ -119,31 +119,26 @@ def hkt_attention_varlen(
         sequence, H not divisible by H_kv.
     """
     _refuse_trace("hkt_attention_varlen")
-    try:
-        if torch._C._is_any_autocast_enabled():
-            q, k, v, w = _autocast_inputs(q, k, v, w)
-        return _varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
-    except _CALL_FAILED:
-        # what the extension cannot name: not tensors at all, mixed bfloat16
-        _check_inputs(q, k, v, w)
-        _refuse_meta(q[0], "variable-length attention")
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if not isinstance(cu, Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64 offsets, got "
-                                f"{type(cu).__name__}")
-        raise
+    if torch._C._is_any_autocast_enabled():
+        q, k, v, w = _autocast_inputs(q, k, v, w)
+    return _varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
 
 
 def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
-    # every dtype checked here: bfloat16 arrays are upcast before the extension sees
-    # them (w always, q, k, v off the native path), so a mix would pass unnoticed
-    _check_inputs(q, k, v, w)
+    # torch's rules, which the extension cannot name (the rest are its own): every
+    # dtype checked here (bfloat16 arrays are upcast before the extension sees
+    # them: w always, q, k, v off the native path, so a mix would pass
+    # unnoticed), tensors that DLPack can export
+    _, grad = _check_inputs(q, k, v, w)
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if not isinstance(cu, Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64 offsets, got {type(cu).__name__}")
     _, scale = _check_scalars(is_causal, 0.0, scale)
     if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
         return varlen_op.varlen_forward(list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
                                         schema_scale(scale))[0]
-    if torch.is_grad_enabled() and (any(x.requires_grad for x in q) or any(x.requires_grad for x in k) or
-                                    v.requires_grad or w.requires_grad):
+    _refuse_meta(q[0], "variable-length attention")
+    if torch.is_grad_enabled() and grad:
         return flat_apply(varlen_op.VarlenFunction, list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
                           scale)[0]
     return _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)[0]

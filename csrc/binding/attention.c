@@ -256,6 +256,41 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(check_forward_doc,
+"check_forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
+"              dropout_p=0.0)\n--\n\n"
+"forward's checks of its arguments, without the kernels: raises what forward\n"
+"would (naming the argument), else returns None.  Each array is passed as a\n"
+"(shape, dtype code, bits) tuple (DLPack's codes: 2 float, 6 bool) and\n"
+"checked as a C-contiguous CPU array of that shape: for the calls that never\n"
+"reach the kernels (meta tensors, hkt's 'sdpa' backend).");
+
+static PyObject *py_check_forward(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal", "scale", "dropout_p",
+                             NULL};
+    PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None;
+    int causal = 0;
+    double dropout_p = 0.0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOd:check_forward", kwlist, &qs, &ks, &v, &w, &out, &lse,
+                                     &mask, &causal, &scale, &dropout_p))
+        return NULL;
+    described *d = malloc(sizeof *d); /* 20 KiB: not on the caller's stack */
+    if (!d) return PyErr_NoMemory();
+    d->n = 0;
+    held hd;
+    held_start(&hd);
+    hd.desc = d;
+    hkt_params p;
+    const DLTensor *q0, *mt;
+    const int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, 0, NULL, 1, &q0,
+                               &mt);
+    release_all(&hd);
+    free(d);
+    if (rc) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* dq / dk of hkt_attention's backward: shaped like q / k. */
 static int take_grads(held *hd, PyObject *seq, const char *base, const hkt_params *p,
                       const DLTensor *q0, int is_q, grad_dtype *gd, void **ptrs, int64_t (*strides)[3]) {
@@ -438,6 +473,8 @@ done:
 
 PyMethodDef binding_attention_methods[] = {
     {"forward", (PyCFunction)(void (*)(void))py_forward, METH_VARARGS | METH_KEYWORDS, forward_doc},
+    {"check_forward", (PyCFunction)(void (*)(void))py_check_forward, METH_VARARGS | METH_KEYWORDS,
+     check_forward_doc},
     {"backward", (PyCFunction)(void (*)(void))py_backward, METH_VARARGS | METH_KEYWORDS, backward_doc},
     {"dropout_mask", (PyCFunction)(void (*)(void))py_dropout_mask, METH_VARARGS | METH_KEYWORDS, dropout_mask_doc},
     {NULL, NULL, 0, NULL},

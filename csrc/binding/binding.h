@@ -55,7 +55,19 @@ typedef struct {
     /* the CUDA stream the kernels will run on, as DLPack's __dlpack__(stream=)
      * names it for a producer (1: the legacy default stream); 0 = unset */
     unsigned long long dl_stream;
+    /* check_forward's arrays, described by shape and dtype (no data); NULL in
+     * every call that runs kernels */
+    struct described *desc;
 } held;
+
+/* Arrays described, not passed: (shape, dtype code, bits) tuples, each made a
+ * C-contiguous CPU DLTensor without data, whose checks are an array's. */
+#define MAX_DESC_DIMS 8
+typedef struct described {
+    DLTensor t[MAX_HELD];
+    int64_t shape[MAX_HELD][MAX_DESC_DIMS];
+    int n;
+} described;
 
 /* An empty held: the counts only.  Zeroing the whole struct (14 KiB of spans)
  * was a fair part of a small call's binding time. */
@@ -63,6 +75,7 @@ static inline void held_start(held *hd) {
     hd->n = 0;
     hd->nspans = 0;
     hd->dl_stream = 0;
+    hd->desc = NULL;
 }
 
 static inline int64_t stride_of(const DLTensor *t, int d) {

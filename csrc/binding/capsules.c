@@ -134,7 +134,38 @@ static const DLTensor *consume(held *hd, PyObject *cap, const char *name, int ex
     return t;
 }
 
+/* A (shape, dtype code, bits) tuple as a C-contiguous CPU DLTensor without
+ * data, kept in d for the call (check_forward's arrays). */
+static const DLTensor *describe(described *d, PyObject *obj, const char *name) {
+    PyObject *shape;
+    int code, bits;
+    if (!PyArg_ParseTuple(obj, "O!ii", &PyTuple_Type, &shape, &code, &bits)) return NULL;
+    const Py_ssize_t nd = PyTuple_Size(shape);
+    if (nd > MAX_DESC_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s: at most %d dimensions, got %zd", name, MAX_DESC_DIMS, nd);
+        return NULL;
+    }
+    if (d->n >= MAX_HELD) {
+        PyErr_SetString(PyExc_ValueError, "too many arrays in one call");
+        return NULL;
+    }
+    for (Py_ssize_t x = 0; x < nd; x++) {
+        d->shape[d->n][x] = PyLong_AsLongLong(PyTuple_GetItem(shape, x));
+        if (d->shape[d->n][x] == -1 && PyErr_Occurred()) return NULL;
+    }
+    DLTensor *t = &d->t[d->n];
+    memset(t, 0, sizeof *t);
+    t->device.device_type = kDLCPU;
+    t->ndim = (int)nd;
+    t->dtype.code = (uint8_t)code;
+    t->dtype.bits = (uint8_t)bits;
+    t->dtype.lanes = 1;
+    t->shape = d->shape[d->n++];
+    return t;
+}
+
 const DLTensor *import_array(held *hd, PyObject *obj, const char *name) {
+    if (hd->desc && PyTuple_Check(obj)) return describe(hd->desc, obj, name);
     if (PyCapsule_CheckExact(obj)) /* e.g. from torch.utils.dlpack.to_dlpack: the cheapest way in */
         return consume(hd, obj, name, 0);
     if (obj == Py_None || !PyObject_HasAttrString(obj, "__dlpack__")) {

@@ -4,73 +4,53 @@ torch.library.register_autograd takes (setup_context, backward) for the
 dispatcher; an eager call that needs gradients gets the same two functions
 through one generated torch.autograd.Function instead, around the kernel call
 the op's implementation makes: no dispatch, and no schema coercion of the
-arguments, so a bad one reaches the extension, whose message names it.  Arguments are tensors,
-lists of tensors (one leaf each) or anything else (passed through).
+arguments, so a bad one reaches the extension, whose message names it.  The
+op's first arguments may be lists of tensors (each tensor a leaf of its own,
+so that autograd sees it), the others tensors or anything else (passed
+through).
 """
-from typing import Callable, Tuple
+from typing import Callable
 
 import torch
 
 from .._guards import _c_apply
 
-__all__ = ["eager_autograd", "flat_apply"]
+__all__ = ["eager_autograd", "flat_apply", "needs_grad"]
 
 
-def _flatten(args) -> Tuple[list, list]:
-    """(leaves, layout): each list argument's tensors become leaves of their own;
-    layout holds, per argument, its length (a list) or -1 (anything else)."""
-    leaves, layout = [], []
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            leaves.extend(a)
-            layout.append(len(a))
-        else:
-            leaves.append(a)
-            layout.append(-1)
-    return leaves, layout
-
-
-def _unflatten(leaves, layout) -> list:
-    args, i = [], 0
-    for n in layout:
-        if n < 0:
-            args.append(leaves[i])
-            i += 1
-        else:
-            args.append(list(leaves[i:i + n]))
-            i += n
-    return args
-
-
-def eager_autograd(name: str, impl: Callable, setup_context: Callable, backward: Callable, *, lists: bool = True):
+def eager_autograd(name: str, impl: Callable, setup_context: Callable, backward: Callable, *, lists: bool = False,
+                   first_output: bool = False):
     """The torch.autograd.Function ``name`` that runs impl with the op's
     registered setup_context and backward; impl is the op's kernel call, and
     ``ctx.eager`` tells backward that it may call its kernels directly too (the
-    registered path calls the backward op, which torch.compile records).  ``lists``: some arguments are lists of
-    tensors; call it through :func:`flat_apply` then.  Otherwise its apply
-    takes the op's arguments as they are."""
+    registered path calls the backward op, which torch.compile records).
+    ``lists``: the op's first two arguments are lists of tensors (q and k, a
+    tensor per level); call it through :func:`flat_apply` then.  Otherwise its apply takes the op's
+    arguments as they are.  ``first_output``: the Function returns the op's
+    first output alone (the others, such as a log-sum-exp kept for the
+    backward, get no gradient: backward is handed None for them), which spares
+    autograd an output and a gradient of zeros each."""
 
     def run_forward(ctx, *args):
         output = impl(*args)
         setup_context(ctx, args, output)
         ctx.eager = True
-        return output
+        return output[0] if first_output else output
 
-    def run_forward_lists(ctx, layout, *leaves):
-        args = _unflatten(leaves, layout)
+    def run_forward_lists(ctx, lens, *leaves):
+        # lens: the two lists' lengths; their tensors come first among the leaves
+        L, n = lens[0], lens[0] + lens[1]
+        args = [list(leaves[:L]), list(leaves[L:n]), *leaves[n:]]
         output = impl(*args)
         setup_context(ctx, args, output)
-        ctx.layout, ctx.eager = layout, True
-        return output
+        ctx.lens, ctx.eager = lens, True
+        return output[0] if first_output else output
 
     def run_backward_lists(ctx, *grads):
-        out = [None]
-        for n, g in zip(ctx.layout, backward(ctx, *grads)):
-            if n < 0:
-                out.append(g)
-            else:
-                out.extend(g if g is not None else [None] * n)
-        return tuple(out)
+        dq, dk, *rest = backward(ctx, *((grads[0], None) if first_output else grads))
+        L, Lk = ctx.lens
+        # lens' gradient, then one per leaf
+        return (None, *(dq if dq is not None else (None,) * L), *(dk if dk is not None else (None,) * Lk), *rest)
 
     forward, backward_ = (run_forward_lists, run_backward_lists) if lists else (run_forward, backward)
     # made by type(), so that autograd names its graph nodes (grad_fn) after name
@@ -82,8 +62,21 @@ def eager_autograd(name: str, impl: Callable, setup_context: Callable, backward:
     return fn
 
 
-def flat_apply(fn, *args):
-    """fn.apply of an eager_autograd Function with lists: each tensor of a list
-    argument an input of its own, so that autograd sees it."""
-    leaves, layout = _flatten(args)
-    return fn.fast_apply(layout, *leaves)
+def flat_apply(fn, q, k, *args):
+    """fn.apply of an eager_autograd Function with lists: each tensor of q and
+    k an input of its own, so that autograd sees it."""
+    return fn.fast_apply((len(q), len(k)), *q, *k, *args)
+
+
+def needs_grad(ctx, i: int) -> bool:
+    """Whether the op's argument i (a list: any of its tensors) needs a
+    gradient, in the registered autograd (needs_input_grad per argument) and in
+    an eager_autograd Function with lists (per leaf, after lens) alike."""
+    need, lens = ctx.needs_input_grad, getattr(ctx, "lens", None)
+    if lens is None:
+        g = need[i]
+        return any(g) if isinstance(g, (list, tuple)) else bool(g)
+    if i < len(lens):  # a list: its leaves, after lens and the lists before it
+        j = 1 + sum(lens[:i])
+        return any(need[j:j + lens[i]])
+    return bool(need[1 + sum(lens) + i - len(lens)])

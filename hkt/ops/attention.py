@@ -10,25 +10,50 @@ attn_mask reaches the ops at its own size, 4-D, each dimension 1 or the full
 The autograd context keeps q, k, v, w, out and lse (never the attention
 matrix) and the dropout seed, so the backward sees the forward's dropout mask.
 
+An eager call that needs gradients runs the same setup_context and backward
+through AttentionFunction (ops/_eager.py), without the dispatcher; a module's
+packed self-attention projection through QKVAttentionFunction, the same
+pieces around one (B, T, (H + 2 H_kv) hd) tensor whose gradient the kernels
+write whole.
+
 hkt::attention_backward has an autograd formula too (double backward, e.g.
 gradient penalties, Hessian-vector products, gradgradcheck): it recomputes the
 attention in plain PyTorch (hkt._maths) from the saved inputs and
 differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
 :func:`_double_backward`.
 """
+import math
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from .. import _kernels
-from .._checks import compute_dtype
-from .._maths import dense_attention
-from ._schema import OP_OPTIONS
+from .._maths import compute_dtype, dense_attention
+from ._eager import eager_autograd, needs_grad
+from ._schema import OP_OPTIONS, schema_scale
 
-__all__ = ["attention_forward", "attention_backward"]
+__all__ = ["attention_forward", "attention_backward", "AttentionFunction", "QKVAttentionFunction", "eager_seed",
+           "heads", "op_scale", "SEED_HIGH"]
 
 _SEED_MASK = (1 << 64) - 1
+SEED_HIGH = 2**62
+
+
+def op_scale(scale, q0: Tensor) -> float:
+    """The score scale as the dense ops' schemas take it, a float: 1/sqrt(D)
+    for None, as the extension computes it when handed None."""
+    if scale is None:
+        D = q0.shape[-1] if q0.dim() else 0
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    return schema_scale(scale)
+
+
+def eager_seed(dropout_p: float) -> int:
+    """The dropout seed of an eager call, from torch's default generator."""
+    # on the CPU, whatever torch's default device is: the generator the docs name
+    return int(torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device="cpu")) if dropout_p > 0 else 0
+
 
 def _seed_value(seed: Tensor) -> int:
     return int(seed.item()) & _SEED_MASK
@@ -72,7 +97,29 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.L = len(q)
     ctx.is_causal, ctx.dropout_p, ctx.scale = is_causal, dropout_p, scale
-    ctx.save_for_backward(*q, *k, v, w, out, lse, attn_mask, seed)
+    # the op's seed is a tensor, saved as one; an eager call's an int (AttentionFunction)
+    seed_tensor = isinstance(seed, Tensor)
+    ctx.seed = None if seed_tensor else seed
+    ctx.save_for_backward(*q, *k, v, w, out, lse, attn_mask, seed if seed_tensor else None)
+
+
+def _gradients(ctx, dout, q, k, v, w, out, lse, attn_mask, seed, mask_argument=4, into=None):
+    """(dq, dk, dv, dw, dmask) of the forward that ctx saw: in an eager call the
+    kernels themselves (into: dq[0], dk[0] and dv for them to write in), else,
+    and under create_graph, the differentiable hkt::attention_backward op,
+    which torch.compile records.  mask_argument: attn_mask's place among the
+    forward's arguments; seed: the op's tensor, or an eager call's int."""
+    # a float mask that requires grad gets one; a bool mask never needs one
+    mask_grad = attn_mask is not None and attn_mask.is_floating_point() and needs_grad(ctx, mask_argument)
+    if getattr(ctx, "eager", False):
+        if not torch.is_grad_enabled():  # no dispatch, the scale as the caller gave it
+            return _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
+                                      ctx.scale, seed, mask_grad, like_inputs=True, into=into)
+        seed = torch.tensor(seed, dtype=torch.int64, device="cpu")  # create_graph: the op, its seed a tensor
+    L = ctx.L
+    grads = attention_backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
+                               op_scale(ctx.scale, q[0]), seed, mask_grad)
+    return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], (grads[2 * L + 2] if mask_grad else None)
 
 
 def _forward_op_gradients(ctx, grad_out, grad_lse):
@@ -80,16 +127,86 @@ def _forward_op_gradients(ctx, grad_out, grad_lse):
     saved = ctx.saved_tensors
     q, k = list(saved[:L]), list(saved[L:2 * L])
     v, w, out, lse, attn_mask, seed = saved[2 * L:]
-    # a float mask that requires grad gets one; a bool mask never needs one
-    mask_grad = bool(ctx.needs_input_grad[4]) and attn_mask is not None and attn_mask.is_floating_point()
-    grads = attention_backward(grad_out, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
-                               ctx.scale, seed, mask_grad)
-    dq, dk, dv, dw = grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1]
-    dmask = grads[2 * L + 2] if mask_grad else None
+    dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask,
+                                       ctx.seed if seed is None else seed)
     return dq, dk, dv, dw, dmask, None, None, None, None
 
 
 torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients, setup_context=_setup_context)
+
+
+def _eager_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
+    """The op's kernel call in an eager call: out laid out in memory like q[0]
+    (the op's is contiguous, as its fake kernel says), the scale as the caller
+    gave it (None, an int or a float: the extension's to check), seed an int."""
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)
+
+
+# eager calls that need gradients: the registered functions, without the dispatcher
+AttentionFunction = eager_autograd("AttentionFunction", _eager_forward, _setup_context, _forward_op_gradients,
+                                   lists=True, first_output=True)
+
+
+# ---- a module's packed self-attention projection --------------------------------
+
+def heads(x: Tensor, H: int, hd: int) -> Tensor:
+    """(B, n, H * hd) -> (B, H, n, hd): projected features split into heads, the
+    layout hkt_attention takes (MultiheadHKT and its decoding share it)."""
+    return x.reshape(x.shape[0], x.shape[1], H, hd).transpose(1, 2)
+
+
+def _qkv_heads(qkv: Tensor, H: int, H_kv: int):
+    """A packed projection's output (B, T, (H + 2 H_kv) hd) as level 0's q, k and v heads (views)."""
+    hd = qkv.shape[-1] // (H + 2 * H_kv)
+    q, k, v = qkv.split([H * hd, H_kv * hd, H_kv * hd], dim=-1)
+    return heads(q, H, hd), heads(k, H_kv, hd), heads(v, H_kv, hd)
+
+
+_QKV_MASK = 6  # attn_mask's place among _qkv_forward's arguments (the op's: 4)
+
+
+def _qkv_forward(q_coarse, k_coarse, H, H_kv, qkv, w, attn_mask, is_causal, dropout_p, scale, seed):
+    q0, k0, v = _qkv_heads(qkv, H, H_kv)
+    return _eager_forward([q0, *q_coarse], [k0, *k_coarse], v, w, attn_mask, is_causal, dropout_p, scale, seed)
+
+
+def _qkv_setup_context(ctx, inputs, output):
+    q_coarse, k_coarse, H, H_kv, qkv, w, attn_mask, is_causal, dropout_p, scale, seed = inputs
+    out, lse = output
+    ctx.L, ctx.heads = len(q_coarse) + 1, (H, H_kv)
+    ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed = is_causal, dropout_p, scale, seed
+    # qkv itself, not its three views: a saved-tensors hook (offloading, say) sees one tensor
+    ctx.save_for_backward(qkv, *q_coarse, *k_coarse, w, out, lse, attn_mask)
+
+
+def _qkv_gradients(ctx, grad_out, grad_lse):
+    """The gradients of _qkv_forward's arguments: level 0's q, k and v as one
+    tensor shaped like qkv, written by the kernels where they write qkv's dtype
+    (through split, autograd would concatenate three gradients instead: a copy
+    of the projection's whole output, in every training step)."""
+    n = ctx.L - 1
+    saved = ctx.saved_tensors
+    qkv, q_coarse, k_coarse = saved[0], list(saved[1:1 + n]), list(saved[1 + n:1 + 2 * n])
+    w, out, lse, attn_mask = saved[1 + 2 * n:]
+    q0, k0, v = _qkv_heads(qkv, *ctx.heads)
+    q, k = [q0, *q_coarse], [k0, *k_coarse]
+    # whole only where the kernels write qkv's dtype now (bfloat16 natively: the
+    # choice is the backward's own, hkt._kernels.native_bf16 read again)
+    if torch.is_grad_enabled() or (qkv.dtype == torch.bfloat16 and not _kernels._native_bf16(q0, v.shape[-1])):
+        dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, ctx.seed, _QKV_MASK)
+        B, T = qkv.shape[0], qkv.shape[1]
+        dqkv = torch.cat([x.transpose(1, 2).reshape(B, T, -1) for x in (dq[0], dk[0], dv)], dim=-1)
+    else:
+        # contiguous, whatever layout a saved-tensors hook handed qkv back in: the
+        # kernels write the heads of dq, dk, dv with unit feature stride
+        dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+        dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, ctx.seed, _QKV_MASK,
+                                           into=_qkv_heads(dqkv, *ctx.heads))
+    return dq[1:], dk[1:], None, None, dqkv, dw, dmask, None, None, None, None
+
+
+QKVAttentionFunction = eager_autograd("QKVAttentionFunction", _qkv_forward, _qkv_setup_context, _qkv_gradients,
+                                      lists=True, first_output=True)
 
 
 # ---- double backward ------------------------------------------------------------

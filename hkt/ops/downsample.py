@@ -84,5 +84,4 @@ no_derivative("hkt::downsample_backward", "hkt::downsample_backward: no derivati
               "create_graph=True through hkt.causal_downsample differentiates its torch expression")
 
 # eager calls that need gradients: the same functions, without the dispatcher
-DownsampleFunction = eager_autograd("DownsampleFunction", _kernels._downsample_forward, _setup_context, _gradients,
-                                    lists=False)
+DownsampleFunction = eager_autograd("DownsampleFunction", _kernels._downsample_forward, _setup_context, _gradients)

@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from .. import _kernels
-from .._checks import compute_dtype
-from .._maths import dense_attention
+from .._maths import compute_dtype, dense_attention
 from ._eager import eager_autograd
 from ._schema import OP_OPTIONS, no_derivative
 
@@ -95,7 +94,7 @@ def _gradients(ctx, dout, _dlse):
 
 torch.library.register_autograd("hkt::varlen_forward", _gradients, setup_context=_setup_context)
 # eager calls that need gradients: the same functions, without the dispatcher
-VarlenFunction = eager_autograd("VarlenFunction", _kernels._varlen_forward, _setup_context, _gradients)
+VarlenFunction = eager_autograd("VarlenFunction", _kernels._varlen_forward, _setup_context, _gradients, lists=True)
 
 
 no_derivative("hkt::varlen_backward", "hkt::varlen_backward: no derivative of its own; a backward with "

@@ -1,4 +1,5 @@
 """Bad input raises TypeError/ValueError naming the argument; the interpreter survives."""
+import re
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,45 @@ def spoilt_call(case, grad=False):
     if grad:
         args = {key: requiring_grad(val) for key, val in args.items()}
     return [args[key] for key in "qkvw"], kwargs
+
+
+def _meta(x):
+    if isinstance(x, (list, tuple)):
+        return [_meta(y) for y in x]
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_the_calls_that_run_no_kernel_refuse_in_the_kernels_words(case):
+    """backend="sdpa" and meta tensors never reach the kernels: their checks
+    are the extension's own, asked without a kernel run (hkt._C.check_forward),
+    so each bad case is refused there with the kernels' exception and message,
+    word for word."""
+    args, kwargs = spoilt_call(case)
+    with pytest.raises(case[1]) as want:
+        hkt.hkt_attention(*args, **kwargs)
+    message = "^" + re.escape(str(want.value)) + "$"
+    with pytest.raises(type(want.value), match=message):
+        hkt.hkt_attention(*args, backend="sdpa", **kwargs)
+    if case[0] != "device":  # on meta, that case's tensors are all on one device
+        with pytest.raises(type(want.value), match=message):
+            hkt.hkt_attention(*_meta(args), **{key: _meta(val) for key, val in kwargs.items()})
+
+
+def test_check_forward_runs_no_kernel_and_refuses_as_forward_does():
+    """The check-only entry point over described arrays: a valid description
+    passes (None), a bad one is refused with forward's message."""
+    q = [((2, 3, 10, 4), 2, 64), ((2, 3, 5, 4), 2, 64)]
+    k = [((2, 3, 7, 4), 2, 64), ((2, 3, 4, 4), 2, 64)]
+    v, w, out = ((2, 3, 7, 5), 2, 64), ((2,), 2, 64), ((2, 3, 10, 5), 2, 64)
+    assert _C.check_forward(q, k, v, w, out, None) is None
+    with pytest.raises(ValueError, match=re.escape("k[1]: expected shape (2, 3, 4, 4) = (B, H_kv, ceil(S/2), D), "
+                                                   "got (2, 3, 5, 4)")):
+        _C.check_forward(q, [k[0], ((2, 3, 5, 4), 2, 64)], v, w, out, None)
+    with pytest.raises(TypeError, match=re.escape("w: dtype float32 does not match q[0]'s float64")):
+        _C.check_forward(q, k, v, ((2,), 2, 32), out, None)
+    with pytest.raises(TypeError, match=r"^q\[0\]: expected a tensor or array"):  # forward takes no descriptions
+        _C.forward(q, k, v, w, out, None)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

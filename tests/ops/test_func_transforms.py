@@ -197,8 +197,10 @@ def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothin
     import types
     import hkt.functional as F
     from hkt import modules
+    from hkt.ops import attention
     # with torch 2.13, the C apply itself (what makes the unwrapping above hkt's to do)
-    for fast in (F._ATTENTION_APPLY, F._QKV_APPLY, modules._DOWNSAMPLE_APPLY):
+    for fast in (attention.AttentionFunction.fast_apply, attention.QKVAttentionFunction.fast_apply,
+                 modules._DOWNSAMPLE_APPLY):
         assert isinstance(fast, types.BuiltinMethodType)
 
     class WithSetup(torch.autograd.Function):  # its defaults must be bound: Function.apply kept
