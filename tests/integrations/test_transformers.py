@@ -55,7 +55,11 @@ WINDOWED = {
     "qwen2": (dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), [None, 4]),
     "gemma2": (dict(sliding_window=4, layer_types=_MIXED), [4, None]),
     "gemma3": (dict(sliding_window=4, layer_types=_MIXED), [4, None]),
+    # Mistral's way (the config's window, every layer): at conversion only
+    "starcoder2": (dict(sliding_window=4), [4, 4]),
+    "phi3": (dict(sliding_window=4), [4, 4]),
 }
+_WINDOWED_IN_DEPTH = ("mistral", "qwen2", "gemma2", "gemma3")
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -260,7 +264,7 @@ def test_sliding_window_converts_exactly(family, levels, tol):
             assert rel(output(scramble(model), x, mask)[real], want[real]) > 1e-2
 
 
-@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("family", _WINDOWED_IN_DEPTH)
 def test_sliding_window_trains_every_added_parameter(family):
     _trains_every_added_parameter(family, windowed(family))
 
@@ -271,7 +275,7 @@ def _greedy(model, x, mask, use_cache=True):
     return out.sequences, torch.stack(out.logits, 1)
 
 
-@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("family", _WINDOWED_IN_DEPTH)
 def test_sliding_window_generate(family):
     """Greedy generation past the window, left-padded: levels=1 (transformers'
     cache, which keeps the last window of keys of a local layer) and levels=3 at
