@@ -110,12 +110,16 @@ class HKTLevels(Levels):
         (softmax(level_logits), or ones for levels=1) times ``level_scale``."""
         return super().level_weights() * self.level_scale
 
-    def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True):
+    def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True,
+                window: Optional[int] = None):
         """No cached positions: the whole op over the sequence (causal, or
         bidirectional over each row's tokens for an encoder).  Each row is
         first shifted so that its first token is at position 0, so its coarse
         blocks are those of the row alone (left padding would otherwise move their
-        boundaries and average padding into them); right padding is masked."""
+        boundaries and average padding into them); right padding is masked.
+        ``window`` (a causal layer's sliding window): query i sees key j only
+        when i - j < window, as transformers' mask has it (the shift keeps the
+        distances), a mask over every (query, key) pair: dense cost."""
         B, H, T, D = query.shape
         pad, count = _row_layout(real, B, T, query.device)
         shifted = real is not None and bool(pad.any())
@@ -126,6 +130,9 @@ class HKTLevels(Levels):
         mask = None
         if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
             mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
+        if window is not None:
+            near = _window_mask(T, T, window, query.device)[None, None]
+            mask = near if mask is None else mask & near
         qs = [q0] + self.coarse_heads(q0, "q")
         ks = [k0] + self.coarse_heads(k0, "k")
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling)
@@ -146,9 +153,11 @@ class HKTLevels(Levels):
         top = 2 ** (self.levels - 1)
         return self.downsample_kernel * (top - 1) + top
 
-    def decode_cached(self, query, key, value, w, real, scaling, dropout):
+    def decode_cached(self, query, key, value, w, real, scaling, dropout, sliding_window: Optional[int] = None):
         """T new positions after S - T cached ones (HF's cache holds level 0's keys
-        and values, the module's decode state the coarse levels)."""
+        and values, the module's decode state the coarse levels; a layer with a
+        sliding window keeps every key in HF's cache, see :func:`_note_cache`,
+        and its new queries see the keys less than ``sliding_window`` back)."""
         B, H, T, D = query.shape
         S = key.shape[2]
         state = self.decode_state
@@ -187,16 +196,21 @@ class HKTLevels(Levels):
         shifted = bool(pad.any())
         k0 = _take(key, _shift_index(pad, S)) if shifted else key
         v0 = _take(value, _shift_index(pad, S)) if shifted else value
-        if (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+        if (sliding_window is None and _DECODE_KERNEL and query.device.type == "cpu"
+                and query.dtype in (torch.float32, torch.float64)
                 and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
             with torch.no_grad():
                 out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling)
-        else:  # any device, dtype and grad mode: one new token at a time, its keys those up to it
+        else:  # any device, dtype, grad mode or window: one new token at a time, its keys those up to it
             ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
             keys = torch.arange(S, device=query.device)
-            rows = [hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
-                                      attn_mask=(keys <= (t0 + i)[:, None])[:, None, None, :], dropout_p=dropout,
-                                      scale=scaling) for i in range(T)]
+            rows = []
+            for i in range(T):
+                seen = keys <= (t0 + i)[:, None]
+                if sliding_window is not None:
+                    seen = seen & (keys > (t0 + i)[:, None] - sliding_window)
+                rows.append(hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
+                                              attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling))
             out = torch.cat(rows, dim=2)
         state.length, state.coarse_k = S, coarse_k
         state.last_key = key[:, :, -1].detach()
@@ -226,13 +240,28 @@ def _real_tokens(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = 
     return real
 
 
-def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = True) -> Optional[Tensor]:
+def _window_mask(T: int, S: int, window: int, device) -> Tensor:
+    """(T, S) bool: query i (position S - T + i) sees key j when j is not after
+    it and less than ``window`` back, transformers' sliding window (masking_utils:
+    q - kv < sliding_window)."""
+    q = torch.arange(S - T, S, device=device)[:, None]
+    k = torch.arange(S, device=device)[None, :]
+    return (k <= q) & (q - k < window)
+
+
+def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = True, window: Optional[int] = None,
+               pad: Optional[Tensor] = None) -> Optional[Tensor]:
     """Which of the S keys of each row are tokens (not padding), (B, S) bool, from
     the 4-D mask the model built (None: no padding), after checking that it is
     causal (``causal``; else bidirectional) attention over each row's tokens,
+    within the layer's sliding ``window`` if it has one (causal layers only),
     and nothing else: the coarse levels
     average neighbouring tokens, which another mask (packed sequences, sliding
-    windows, bidirectional blocks) would have to cut, and they cannot."""
+    windows, bidirectional blocks) would have to cut, and they cannot.  With a
+    window a key is seen by the query at its own position, so a prefill's tokens
+    are the keys some query sees; a decoding step's queries see only the latest
+    keys, so its tokens are those from each row's first (``pad``, kept by the
+    layer's decoding state; absent, the keys some query sees) on."""
     if mask is None:
         if T != S and T != 1:  # transformers' prefill into a static cache (its later slots empty)
             raise _unsupported("a static cache (cache_implementation='static') with levels > 1",
@@ -249,17 +278,27 @@ def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = Tr
     else:
         raise TypeError(f"attention_mask: dtype must be bool or floating point, got {mask.dtype}")
     visible = visible.expand(B, T, S)
-    real = visible[:, -1]  # the last query (position S - 1) sees every token of its row
     pos = torch.arange(S, device=mask.device)
-    # query i is position S - T + i
-    allowed = pos[None, :] <= pos[S - T:, None] if causal else torch.ones(T, S, dtype=torch.bool, device=mask.device)
-    # every row, padding queries too: packed sequences' mask looks like left padding
-    # from its last row alone
-    if not torch.equal(visible, allowed & real[:, None, :]):
-        raise _unsupported(f"an attention mask other than {'causal' if causal else 'bidirectional'} attention over "
-                           "each row's tokens (packed "
-                           "sequences, sliding windows, bidirectional blocks, a static cache's unfilled slots, a "
-                           "custom 4-D mask)")
+    if window is not None:
+        if T == S or pad is None or pad.shape[0] != B:
+            real = visible.any(dim=1)
+        else:
+            real = pos[None, :] >= pad[:, None].to(mask.device)
+        if not torch.equal(visible, _window_mask(T, S, window, mask.device) & real[:, None, :]):
+            raise _unsupported(f"an attention mask other than causal attention over each row's tokens within the "
+                               f"layer's sliding window ({window} positions)")
+    else:
+        real = visible[:, -1]  # the last query (position S - 1) sees every token of its row
+        # query i is position S - T + i
+        allowed = (pos[None, :] <= pos[S - T:, None] if causal
+                   else torch.ones(T, S, dtype=torch.bool, device=mask.device))
+        # every row, padding queries too: packed sequences' mask looks like left padding
+        # from its last row alone
+        if not torch.equal(visible, allowed & real[:, None, :]):
+            raise _unsupported(f"an attention mask other than {'causal' if causal else 'bidirectional'} attention "
+                               "over each row's tokens (packed "
+                               "sequences, sliding windows, bidirectional blocks, a static cache's unfilled slots, a "
+                               "custom 4-D mask)")
     first = torch.where(real.any(dim=1), real.int().argmax(dim=1), 0)
     count = real.sum(dim=1)
     if not torch.equal(real, (pos >= first[:, None]) & (pos < (first + count)[:, None])):
@@ -295,9 +334,13 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     if not isinstance(levels, HKTLevels):
         raise RuntimeError(f"{type(module).__name__}: has no HKT parameters; run "
                            "hkt.integrations.transformers.convert(model) before attn_implementation='hkt'")
-    for name in ("softcap", "position_bias", "sliding_window", "s_aux", "sinks"):
+    for name in ("softcap", "position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise _unsupported(name)
+    # the layer's sliding window: at levels=1 the model's own mask carries it
+    window = kwargs.get("sliding_window")
+    if window is None:
+        window = _windowed(module)
     if kwargs.get("output_attentions"):
         raise _unsupported("output_attentions=True (the kernels never form the attention weights)")
     causal = kwargs.get("is_causal")
@@ -314,12 +357,19 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     if not causal and S != T:
         raise _unsupported("non-causal attention with keys other than the queries' own (cross-attention, or a "
                            "bidirectional model's cache) with levels > 1", "convert with levels=1")
-    real = _real_tokens(attention_mask, B, T, S, causal)
+    if window is not None and not causal:
+        raise _unsupported("a sliding window on bidirectional attention with levels > 1", "convert with levels=1")
+    if window is None:
+        real = _real_tokens(attention_mask, B, T, S, causal)
+    else:
+        state = levels.decode_state
+        # not cached per mask as _real_tokens does: a decoding step's reading depends on the layer's state
+        real = _read_mask(attention_mask, B, T, S, causal, window, None if state is None else state.pad)
     if S == T:
         keep = causal and (levels.cached_call or bool(kwargs.get("use_cache")))
-        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal)
+        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window)
     else:
-        out = levels.decode_cached(query, key, value, w, real, scaling, dropout)
+        out = levels.decode_cached(query, key, value, w, real, scaling, dropout, window)
     return out.transpose(1, 2), None
 
 
@@ -448,8 +498,29 @@ _CACHE_ARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 def _note_cache(module: nn.Module, args, kwargs) -> None:
     """A converted attention module's forward pre-hook: records whether this
     call has a cache to which a later call appends (then its prefill keeps the
-    coarse levels' decoding state)."""
-    module.hkt.cached_call = any(kwargs.get(name) is not None for name in _CACHE_ARGS)
+    coarse levels' decoding state).  With levels > 1 a layer with a sliding
+    window gets a cache layer that keeps every key (transformers' keeps the
+    last window's only): the coarse levels' decoding reads the keys of the
+    blocks it forms in the row's own layout, which may lie before the window."""
+    caches = [kwargs[name] for name in _CACHE_ARGS if kwargs.get(name) is not None]
+    module.hkt.cached_call = bool(caches)
+    if caches and module.hkt.levels > 1 and _windowed(module) is not None:
+        _keep_every_key(caches[0], getattr(module, "layer_idx", None))
+
+
+def _keep_every_key(cache, index: Optional[int]) -> None:
+    """Replaces a cache's sliding-window layer ``index``, while still empty, by
+    a layer that keeps every key (transformers' mask then covers them all)."""
+    layers = getattr(cache, "layers", None)
+    if index is None or not isinstance(layers, list) or not 0 <= index < len(layers):
+        return
+    if not getattr(layers[index], "is_sliding", False):
+        return
+    if getattr(layers[index], "is_initialized", False):
+        raise _unsupported("a cache that keeps only a sliding window of keys, already filled, with levels > 1",
+                           "start from an empty cache: the model's converted layers then keep every key")
+    from transformers.cache_utils import DynamicLayer
+    layers[index] = DynamicLayer()
 
 
 def _check_options(levels, downsample_kernel, level0_weight) -> None:
@@ -476,12 +547,16 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
     "level0_weight"}`` (saved by ``save_pretrained``; :func:`from_pretrained`
     reads it) and attn_implementation "hkt".  Causal attention (decoders)
     becomes causal HKT; bidirectional attention (encoders, ``is_causal``
-    False) non-causal HKT over each row's tokens.
+    False) non-causal HKT over each row's tokens.  A layer with a sliding
+    window (Mistral's, Qwen2's, Gemma 2/3's local layers) keeps it: every
+    level sees exactly the keys the model's mask lets the layer see, a mask
+    over every (query, key) pair (dense cost); with levels > 1 its cache
+    layer keeps every key.
 
     Raises:
         ValueError for bad options, a model with no such attention module, one
-        already converted, sliding-window attention, soft-capped attention
-        logits, or (levels > 1) cross-attention, each saying what to do instead;
+        already converted, soft-capped attention logits, or (levels > 1)
+        cross-attention, each saying what to do instead;
         NotImplementedError (later) from ``generate`` with a static cache
         and levels > 1, or with assisted decoding (a cropped cache).
     """
@@ -495,12 +570,6 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
         name = f"{type(m).__name__} (layer {getattr(m, 'layer_idx', '?')})"
         if isinstance(getattr(m, "hkt", None), HKTLevels):
             raise ValueError("model: already converted to HKT")
-        if _windowed(m) is not None:
-            raise ValueError(f"model: {name} uses sliding-window attention, which HKT's coarse levels do not "
-                             f"implement yet; to convert it with full attention instead (which changes what "
-                             f"layers with a window compute once a sequence is longer than it), build the model with "
-                             f"the window off in its config (sliding_window=None, or every layer_types entry "
-                             f"'full_attention')")
         if getattr(m, "attn_logit_softcapping", None) is not None:
             raise ValueError(f"model: {name} soft-caps its attention logits (attn_logit_softcapping), which HKT "
                              f"does not implement yet; to convert it without the cap (which changes what the model "

@@ -24,7 +24,7 @@ _TOKENS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
 _SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=128, **_TOKENS)
 _GQA = dict(_SIZES, num_key_value_heads=2)
-_FULL = ["full_attention", "full_attention"]  # the local layers' window off (refused at convert for now)
+_FULL = ["full_attention", "full_attention"]  # the local layers' window off (WINDOWED below turns it on)
 # family: (config class, model class, config options); every one routes its
 # attention through transformers' AttentionInterface
 MATRIX = {
@@ -47,6 +47,19 @@ MATRIX = {
     "roberta": ("RobertaConfig", "RobertaModel", dict(_SIZES, pad_token_id=1, bos_token_id=0)),
 }
 ENCODERS = ("bert", "roberta")
+# the matrix's families with a sliding window of 4 positions, shorter than the test
+# sequences (13 tokens; 9 + 6 generated), and each layer's window
+_MIXED = ["sliding_attention", "full_attention"]
+WINDOWED = {
+    "mistral": (dict(sliding_window=4), [4, 4]),
+    "qwen2": (dict(use_sliding_window=True, sliding_window=4, max_window_layers=1), [None, 4]),
+    "gemma2": (dict(sliding_window=4, layer_types=_MIXED), [4, None]),
+    "gemma3": (dict(sliding_window=4, layer_types=_MIXED), [4, None]),
+    # Mistral's way (the config's window, every layer): at conversion only
+    "starcoder2": (dict(sliding_window=4), [4, 4]),
+    "phi3": (dict(sliding_window=4), [4, 4]),
+}
+_WINDOWED_IN_DEPTH = ("mistral", "qwen2", "gemma2", "gemma3")
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -134,7 +147,11 @@ def test_family_converts_exactly(family, levels, tol):
 
 @pytest.mark.parametrize("family", MATRIX)
 def test_family_trains_every_added_parameter(family):
-    model = ht.convert(build(family), levels=3).train()
+    _trains_every_added_parameter(family, build(family))
+
+
+def _trains_every_added_parameter(family, base):
+    model = ht.convert(base, levels=3).train()
     added = _added(model)
     assert len(added) == 5 * model.config.num_hidden_layers
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -208,18 +225,98 @@ def test_encoder_padding_equals_the_row_alone(family, side):
             assert rel(got[row, real], alone) < 1e-5, row
 
 
-@pytest.mark.parametrize("family,options,what", [
-    ("mistral", dict(sliding_window=8), "sliding-window attention.*sliding_window=None"),
-    ("gemma2", dict(layer_types=None), "sliding-window attention.*layer_types"),
-    ("gemma2", dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=None"),
-    ("gemma3", dict(layer_types=None), "sliding-window attention"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), "sliding-window attention"),
-])
-def test_windows_and_softcapping_are_refused_at_convert(family, options, what):
-    model = build(family, **options)
-    with pytest.raises(ValueError, match=what):
+def test_softcapping_is_refused_at_convert():
+    model = build("gemma2", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=None"):
         ht.convert(model)
     assert not any(isinstance(m, ht.HKTLevels) for m in model.modules())  # nothing half converted
+
+
+def windowed(family: str, seed: int = 0):
+    """The family's tiny model with its sliding window on (WINDOWED), checked
+    to compute something else than the same weights without it on a padded
+    batch, so that a conversion that ignored the window would fail."""
+    options, windows = WINDOWED[family]
+    model = build(family, seed, **options)
+    assert [ht._windowed(m) for m in ht._attention_modules(model)] == windows
+    x, mask = padded(family)
+    real = mask.bool()
+    with torch.no_grad():
+        assert rel(output(build(family, seed), x, mask)[real], output(model, x, mask)[real]) > 1e-2
+    return model
+
+
+@pytest.mark.parametrize("family", WINDOWED)
+@pytest.mark.parametrize("levels,tol", [(1, 2e-5), (3, 2e-4)])
+def test_sliding_window_converts_exactly(family, levels, tol):
+    """Each layer keeps its window: levels=1 is the model's attention with its
+    own mask, levels=3 at conversion sees exactly the keys the model's mask
+    lets the layer see (a padded batch)."""
+    base = windowed(family)
+    x, mask = padded(family)
+    with torch.no_grad():
+        want = output(base, x, mask)
+    model = ht.convert(copy.deepcopy(base), levels=levels)
+    real = mask.bool()
+    with torch.no_grad():
+        assert rel(output(model, x, mask)[real], want[real]) <= tol
+        if levels > 1:
+            assert rel(output(scramble(model), x, mask)[real], want[real]) > 1e-2
+
+
+@pytest.mark.parametrize("family", _WINDOWED_IN_DEPTH)
+def test_sliding_window_trains_every_added_parameter(family):
+    _trains_every_added_parameter(family, windowed(family))
+
+
+def _greedy(model, x, mask, use_cache=True):
+    out = model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, use_cache=use_cache)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("family", _WINDOWED_IN_DEPTH)
+def test_sliding_window_generate(family):
+    """Greedy generation past the window, left-padded: levels=1 (transformers'
+    cache, which keeps the last window of keys of a local layer) and levels=3 at
+    conversion (a cache that keeps every key) give the original's tokens;
+    levels=3 with trained levels gives the same tokens with the cache as without."""
+    base = windowed(family)
+    x, mask = padded(family, T=9)
+    want, want_logits = _greedy(base, x, mask)
+    for levels in (1, 3):
+        seq, logits = _greedy(ht.convert(copy.deepcopy(base), levels=levels), x, mask)
+        assert torch.equal(seq, want), levels
+        assert rel(logits, want_logits) < 1e-4, levels
+    model = scramble(ht.convert(base, levels=3))
+    (seq, logits), (seq_nc, logits_nc) = _greedy(model, x, mask), _greedy(model, x, mask, use_cache=False)
+    assert torch.equal(seq, seq_nc)
+    assert rel(logits, logits_nc) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_cached_chunks_equal_the_whole_sequence(family):
+    """Several tokens per cached step, in a cache built from the config (its
+    local layers' sliding-window layers, replaced while empty)."""
+    model = scramble(ht.convert(windowed(family), levels=3))
+    x = ids(2, 17)
+    with torch.no_grad():
+        want = model(x, use_cache=False).logits
+        got = _stepwise(model, x, [5, 1, 3, 1, 7])
+    assert rel(got, want) < 1e-4
+
+
+def test_a_filled_sliding_window_cache_is_refused():
+    """A cache whose local layers already dropped the keys before their window
+    (filled by the unconverted model): the coarse levels would need them."""
+    base = windowed("mistral")
+    x = ids(1, 10)
+    cache = DynamicCache(config=base.config)
+    with torch.no_grad():
+        base(x[:, :8], cache=cache, use_cache=True)
+        model = ht.convert(copy.deepcopy(base), levels=3)
+        with pytest.raises(NotImplementedError, match="keeps only a sliding window"):
+            model(x[:, 8:9], cache=cache, use_cache=True)
 
 
 def test_registered():
