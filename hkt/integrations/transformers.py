@@ -39,6 +39,7 @@ except ImportError as e:  # the extra is optional: say how to get it
     raise ImportError('hkt.integrations.transformers needs transformers 5: pip install "hkt[transformers]"') from e
 
 import hkt
+from hkt._checks import check_windows
 from hkt.level_cache import HeadLevelCache
 from hkt.levels import Levels
 
@@ -68,11 +69,17 @@ class HKTLevels(Levels):
       score starts as the model's own.
 
     ``levels=1`` has none of them (level 0 is the model's attention unchanged).
+
+    ``windows`` (``Levels.windows``, from ``convert(windows=...)``): level l
+    sees only the keys within its window (docs/contract.md section 1.11), at
+    near-linear cost in the sequence length.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, levels: int, downsample_kernel: int,
-                 level0_weight: float, *, device=None, dtype=None) -> None:
-        super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel, None)
+                 level0_weight: float, *, windows=None, device=None, dtype=None) -> None:
+        # windows: checked by convert (hkt's rule, docs/contract.md section 1.11); None when no level has one
+        super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel,
+                         check_windows(windows, levels, growing=True))
         self.level0_weight = level0_weight
         self.decode_state: Optional[HeadLevelCache] = None
         # whether the module's latest call was handed a cache (_note_cache): not every
@@ -100,7 +107,8 @@ class HKTLevels(Levels):
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"levels={self.levels}, downsample_kernel={self.downsample_kernel}")
+                f"levels={self.levels}, downsample_kernel={self.downsample_kernel}"
+                + ("" if self.windows is None else f", windows={list(self.windows)}"))
 
     def _reference_weight(self) -> Tensor:
         return self.level_scale
@@ -119,7 +127,9 @@ class HKTLevels(Levels):
         boundaries and average padding into them); right padding is masked.
         ``window`` (a causal layer's sliding window): query i sees key j only
         when i - j < window, as transformers' mask has it (the shift keeps the
-        distances), a mask over every (query, key) pair: dense cost."""
+        distances), a mask over every (query, key) pair: dense cost.  The
+        module's ``windows`` (never with ``window``: convert refuses both) go to
+        the windowed kernels with the key-padding mask: near-linear cost."""
         B, H, T, D = query.shape
         pad, count = _row_layout(real, B, T, query.device)
         shifted = real is not None and bool(pad.any())
@@ -135,10 +145,12 @@ class HKTLevels(Levels):
             mask = near if mask is None else mask & near
         qs = [q0] + self.coarse_heads(q0, "q")
         ks = [k0] + self.coarse_heads(k0, "k")
-        out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling)
+        out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
+                                windows=self.windows)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-            self.decode_state = HeadLevelCache(T, pad, key[:, :, -1].detach(), query[:, :, -self.tail_length():],
-                                               ks[1:])
+            # with windows every query is kept: a decoding step recomputes the windowed op over the whole sequence
+            tail = query if self.windows is not None else query[:, :, -self.tail_length():]
+            self.decode_state = HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:])
         if shifted:  # back to the model's layout
             out = _take(out, _shift_index(-pad, T))
         if real is not None:  # padding rows give zeros
@@ -177,6 +189,13 @@ class HKTLevels(Levels):
         if not bool((pad + count == S).all()):
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        if self.windows is not None:
+            # the windowed kernels place query i at position i: the new rows are the last T of the
+            # op over every position so far (near-linear in S per step), as the uncached forward computes them
+            q_all = torch.cat([state.q_tail, query], dim=2)
+            out = self.prefill(q_all, key, value, w, real, scaling, dropout, False)[:, :, -T:]
+            state.length, state.last_key, state.q_tail = S, key[:, :, -1].detach(), q_all
+            return out
         L, K = self.levels, self.downsample_kernel
         top = 2 ** (L - 1)
         t0 = count - T  # each row's position (tokens only) of the first new query
@@ -532,7 +551,8 @@ def _check_options(levels, downsample_kernel, level0_weight) -> None:
         raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight!r}")
 
 
-def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, level0_weight: float = 0.5) -> nn.Module:
+def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, level0_weight: float = 0.5,
+            windows: Optional[List[Optional[int]]] = None) -> nn.Module:
     """Turns a loaded transformers model into an HKT model, in place, and returns it.
 
     Its attention modules are those whose forward calls transformers'
@@ -553,14 +573,30 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
     over every (query, key) pair (dense cost); with levels > 1 its cache
     layer keeps every key.
 
+    ``windows`` (None, or one entry per level: None or W_l tokens, a
+    positive multiple of 2^l, growing with the level; docs/contract.md
+    section 1.11) gives every converted layer per-level windows: level l sees
+    only the keys whose level-l block is less than W_l / 2^l blocks from the
+    query's, at near-linear cost in the sequence length on the CPU (the
+    windowed kernels run there only).  Stored in ``config.hkt["windows"]``.
+    It needs levels >= 2 (with one level a window is a plain sliding window
+    that hides every key beyond it) and a model without sliding-window
+    layers of its own.  A decoding step with the cache recomputes the
+    windowed op over the whole sequence (near-linear in its length).
+
     Raises:
-        ValueError for bad options, a model with no such attention module, one
-        already converted, soft-capped attention logits, or (levels > 1)
-        cross-attention, each saying what to do instead;
+        ValueError for bad options (``windows[l]`` named), a model with no
+        such attention module, one already converted, soft-capped attention
+        logits, (levels > 1) cross-attention, or windows on a model with
+        sliding-window layers, each saying what to do instead;
         NotImplementedError (later) from ``generate`` with a static cache
         and levels > 1, or with assisted decoding (a cropped cache).
     """
     _check_options(levels, downsample_kernel, level0_weight)
+    windows = check_windows(windows, levels, growing=True)
+    if windows is not None and levels == 1:
+        raise ValueError("windows: needs levels >= 2 (with one level a window is a plain sliding window that hides "
+                         "every key beyond it); convert with levels >= 2, the top level without a window")
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"model: no attention module of transformers' AttentionInterface kind found in "
@@ -577,14 +613,21 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
         if levels > 1 and getattr(m, "is_cross_attention", False):
             raise ValueError(f"model: {name} is cross-attention, whose keys come from another sequence: HKT's "
                              "coarse levels are for self-attention; convert with levels=1")
+        if windows is not None and _windowed(m) is not None:
+            raise ValueError(f"windows: {name} has a sliding window of its own ({_windowed(m)} positions), which "
+                             "per-level windows would replace; convert it without windows, or build it without "
+                             "its sliding window")
         shapes.append(_head_shape(m))
     for m, (H, Hk, D) in zip(modules, shapes):
         ref = next(m.parameters())
         trains = any(p.requires_grad for p in m.parameters())
-        m.hkt = HKTLevels(H, Hk, D, levels, downsample_kernel, level0_weight, device=ref.device, dtype=ref.dtype)
+        m.hkt = HKTLevels(H, Hk, D, levels, downsample_kernel, level0_weight, windows=windows, device=ref.device,
+                          dtype=ref.dtype)
         m.hkt.requires_grad_(trains)
         m.register_forward_pre_hook(_note_cache, with_kwargs=True)
     model.config.hkt = {"levels": levels, "downsample_kernel": downsample_kernel, "level0_weight": level0_weight}
+    if windows is not None:  # only then: a conversion without windows keeps the config it always had
+        model.config.hkt["windows"] = list(windows)
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
         raise ValueError(f"model: {type(model).__name__} does not take a registered attention implementation")

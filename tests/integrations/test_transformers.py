@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers",
                                    reason="transformers is not installed (pip install 'hkt[transformers]')")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+import hkt  # noqa: E402
 import hkt.integrations.transformers as ht  # noqa: E402
 
 VOCAB = 96
@@ -150,8 +151,8 @@ def test_family_trains_every_added_parameter(family):
     _trains_every_added_parameter(family, build(family))
 
 
-def _trains_every_added_parameter(family, base):
-    model = ht.convert(base, levels=3).train()
+def _trains_every_added_parameter(family, base, **options):
+    model = ht.convert(base, levels=3, **options).train()
     added = _added(model)
     assert len(added) == 5 * model.config.num_hidden_layers
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -585,3 +586,114 @@ def test_gradient_checkpointing():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if ".hkt." in n})
     for name, g in grads[0].items():
         assert torch.allclose(grads[1][name], g, rtol=1e-5, atol=1e-7), name
+
+
+# per-level windows (convert(windows=...)) shorter than the test sequences (24 tokens)
+WINDOWS = [4, 8, None]
+
+
+def _windows_pair(family, seed=0):
+    """The family's tiny model converted with levels=3 and with the same levels
+    and WINDOWS, the same trained (scrambled) parameters in both."""
+    base = build(family, seed)
+    plain = scramble(ht.convert(copy.deepcopy(base), levels=3))
+    return plain, scramble(ht.convert(base, levels=3, windows=WINDOWS))
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_windows_compute_the_definition(family, monkeypatch):
+    """A padded batch of 24 tokens through every layer with windows equals the
+    same model whose attention calls run hkt.reference (the dense definition
+    of docs/contract.md section 1.11) instead of the windowed kernels, and
+    differs from the conversion without windows."""
+    plain, model = _windows_pair(family)
+    assert model.config.hkt["windows"] == WINDOWS
+    x, mask = padded(family, T=24)
+    real = mask.bool()
+    with torch.no_grad():
+        got = output(model, x, mask)
+        assert rel(got[real], output(plain, x, mask)[real]) > 1e-2
+        seen = []
+
+        def dense(q, k, v, w, **kw):
+            seen.append(kw.get("windows"))
+            return hkt.reference.hkt_attention_reference(q, k, v, w, **kw)
+        monkeypatch.setattr(hkt, "hkt_attention", dense)
+        want = output(model, x, mask)
+    assert seen == [tuple(WINDOWS)] * model.config.num_hidden_layers
+    assert rel(got[real], want[real]) < 1e-4
+
+
+def test_windows_left_padding_equals_the_row_alone():
+    model = _windows_pair("llama")[1]
+    x, mask = padded("llama", T=24)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(x, attention_mask=mask, position_ids=positions).logits
+        for row in range(x.shape[0]):
+            real = mask[row].bool()
+            assert rel(logits[row, real], model(x[row:row + 1, real]).logits[0]) < 1e-4, row
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_windows_encoder_padding_equals_the_row_alone(side):
+    model = _windows_pair("bert")[1]
+    x, mask = padded("bert", T=24)
+    if side == "left":
+        x, mask = x.flip(1), mask.flip(1)
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        got = model(x, attention_mask=mask, position_ids=positions).last_hidden_state
+        for row in range(x.shape[0]):
+            real = mask[row].bool()
+            assert rel(got[row, real], output(model, x[row:row + 1, real])[0]) < 1e-5, row
+
+
+def test_windows_generate_with_cache_equals_without():
+    """Greedy decoding past every window (a left-padded batch of 24, 8 new
+    tokens): the same tokens and logits with the cache as without it, and
+    several tokens per cached step equal the whole sequence."""
+    model = _windows_pair("llama")[1]
+    x, mask = padded("llama", T=24)
+    out = [model.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, use_cache=c) for c in (True, False)]
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert rel(torch.stack(out[0].logits, 1), torch.stack(out[1].logits, 1)) < 1e-4
+    x = ids(2, 30)
+    with torch.no_grad():
+        assert rel(_stepwise(model, x, [9, 1, 3, 1, 7, 9]), model(x, use_cache=False).logits) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_windows_train_every_added_parameter(family):
+    _trains_every_added_parameter(family, build(family), windows=WINDOWS)
+
+
+def test_windows_save_and_load(tmp_path):
+    model = _windows_pair("llama")[1]
+    model.save_pretrained(tmp_path)
+    loaded = ht.from_pretrained(type(model), str(tmp_path)).eval()
+    assert loaded.config.hkt == {"levels": 3, "downsample_kernel": 2, "level0_weight": 0.5, "windows": WINDOWS}
+    assert all(m.windows == tuple(WINDOWS) for m in loaded.modules() if isinstance(m, ht.HKTLevels))
+    x, mask = padded("llama", T=24)
+    with torch.no_grad():
+        assert torch.equal(output(model, x, mask), output(loaded, x, mask))
+
+
+def test_windows_errors():
+    """Bad windows are refused at convert, by name, with nothing half converted."""
+    cases = [(dict(windows=[0, 8, None]), ValueError, r"windows\[0\]: expected None or a positive multiple"),
+             (dict(windows=[4, 8, 6]), ValueError, r"windows\[2\]: expected None or a positive multiple of 4"),
+             (dict(windows=[8, 8, None]), ValueError, r"windows\[1\]: the kernels need each window larger"),
+             (dict(windows=[4, None]), ValueError, "windows: expected one entry per level, 3, got 2"),
+             (dict(windows=8), TypeError, "windows: expected None or a list"),
+             (dict(levels=1, windows=[4]), ValueError, "windows: needs levels >= 2")]
+    for options, error, message in cases:
+        model = build("llama")
+        with pytest.raises(error, match=message):
+            ht.convert(model, **dict(dict(levels=3), **options))
+        assert not any(isinstance(m, ht.HKTLevels) for m in model.modules())
+    model = windowed("mistral")
+    with pytest.raises(ValueError, match="windows: MistralAttention .* sliding window of its own"):
+        ht.convert(model, levels=3, windows=WINDOWS)
+    assert not any(isinstance(m, ht.HKTLevels) for m in model.modules())
