@@ -256,6 +256,44 @@ def window_masks(folder):
     return out
 
 
+def converted_long_context():
+    """convert_windows.py's rows, from every CPU folder that has them: a
+    converted Llama-style model's forward against the original on SDPA."""
+    out = []
+    for d in sorted(os.listdir(RESULTS)):
+        path = os.path.join(RESULTS, d, "convert_windows.json")
+        if not os.path.isfile(path):
+            continue
+        a = json.loads(_read(path))
+        m = a["model"]
+
+        def cell(r, name):
+            x = r.get(name) or {}
+            if "seconds" not in x:
+                return "skipped: " + x.get("skipped", "not run")
+            return f"{x['seconds']:.2f} s ({x['cpu_seconds']:.2f} s CPU)"
+        out += ["", f"### {cpu_title(a['machine'])}, {a['threads']} threads", "",
+                f"`benchmarks/convert_windows.py`, `benchmarks/results/{d}/convert_windows.json`: a "
+                f"{m['family'].capitalize()}-style decoder from a config (random weights; hidden {m['hidden_size']}, "
+                f"{m['num_attention_heads']} heads of {m['head_dim']}, {m['num_hidden_layers']} layers, MLP "
+                f"{m['intermediate_size']}, vocab {m['vocab_size']}, {m['dtype']}, B={m['batch']}), its forward "
+                f"without gradients or cache: the original on SDPA, converted with levels={a['levels']}, and "
+                f"converted with levels={a['levels']} and windows {a['windows']}; median of up to 5 calls "
+                f"(1 where a call took over 10 s), the three taking turns, after an untimed one; the machine's load "
+                f"average beside each row; wall time, and the CPU time of both threads:", "",
+                "| T | original, SDPA | converted, dense | converted, windows | SDPA / windows | load |",
+                "|---|---|---|---|---|---|"]
+        for r in a["rows"]:
+            sdpa, win = (r.get(k) or {} for k in ("sdpa", "windows"))
+            ratio = (f"{sdpa['seconds'] / win['seconds']:.2f}x" if "seconds" in sdpa and "seconds" in win else "")
+            out.append(f"| {r['T']} | {cell(r, 'sdpa')} | {cell(r, 'dense')} | {cell(r, 'windows')} | {ratio} | "
+                       f"{r['load_average']:.1f} |")
+        notes = os.path.join(RESULTS, d, "convert_windows.md")
+        if os.path.isfile(notes):
+            out += ["", _read(notes).rstrip()]
+    return ["", "## Long context for a converted model"] + out if out else []
+
+
 def _long_plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
@@ -311,6 +349,7 @@ def performance_page(runs):
         notes = note(folder, "notes.md")
         if notes:
             lines += ["", "### Where the time goes", ""] + notes
+    lines += converted_long_context()
     for title, name in (("Other benchmarks", "other_benchmarks.md"),
                         ("Other builds: the 16-byte kernels, clang", "builds.md"),
                         ("Constants and the measurements behind them", "constants.md"),
