@@ -229,6 +229,7 @@ def hkt_attention_reference(
     dropout_mask: Optional[Tensor] = None,
     return_probs: bool = False,
     windows: Optional[Sequence[Optional[int]]] = None,
+    softcap: Optional[float] = None,
 ):
     """HKT attention exactly as docs/contract.md section 1 defines it.
 
@@ -241,14 +242,20 @@ def hkt_attention_reference(
     ``windows``: one entry per level, None or W_l tokens (docs/contract.md
     section 1.11): the dense definition, any windows (the kernels need them
     growing with the level).
+    ``softcap``: None (or 0.0) for none, else c > 0: the combined score s
+    becomes c * tanh(s / c) before the mask is applied (docs/contract.md
+    section 1.12).
     """
     dropout_p, scale = _checked(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
+    softcap = _checked_softcap(softcap)
     windows = check_windows(windows, len(q))
     if windows is None:
-        P = attention_probs(q, k, w, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        score, seen = combined_scores(list(q), list(k), w, scale), None
     else:
         score, seen = windowed_scores(q, k, w, windows, scale)
-        P = probs_of_scores(score, seen, attn_mask, is_causal)
+    if softcap is not None:
+        score = softcap * torch.tanh(score / softcap)
+    P = probs_of_scores(score, seen, attn_mask, is_causal)
     Pd = P
     if dropout_p > 0:
         if dropout_mask is None:
@@ -263,6 +270,21 @@ def hkt_attention_reference(
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _checked_softcap(softcap) -> Optional[float]:
+    """``softcap`` as a float, or None where there is none (None or 0.0, the
+    FlashAttention convention); anything else must be a finite positive real."""
+    if softcap is None:
+        return None
+    if not _is_real(softcap):
+        raise TypeError(f"softcap: expected None or a real number, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if softcap == 0.0:
+        return None
+    if not (0.0 < softcap < float("inf")):
+        raise ValueError(f"softcap: must be positive and finite (or None/0.0 for none), got {softcap!r}")
+    return softcap
 
 
 def _checked(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
