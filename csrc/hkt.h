@@ -93,6 +93,9 @@ typedef struct {
     double scale;
     double dropout_p;          /* 0 disables dropout */
     uint64_t seed;
+    /* > 0: each combined score s becomes softcap * tanh(s / softcap) before the
+     * mask is applied (docs/contract.md section 1.12); 0: no cap */
+    double softcap;
 
     /* HKT_BFLOAT16 on the CPU only: 1 when the forward's out, or the
      * backward's dq, dk and dv, are bfloat16.  The kernels still sum in
@@ -344,6 +347,7 @@ typedef struct {
     int64_t w_stride[2];
     const int64_t *seqlens;    /* B entries: positions in the cache before this call */
     double scale;
+    double softcap;            /* > 0: scores capped as in hkt_params; 0: no cap */
     void *out;
     int64_t out_stride[3];
     void *workspace;           /* hkt_decode_workspace_bytes(p) bytes, any alignment */

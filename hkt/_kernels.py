@@ -106,6 +106,12 @@ def _scratch(B: int, H: int, T: int, L: int, dtype: torch.dtype, device: torch.d
 native_bf16 = bool(_C.cpu_bf16_preferred())
 
 
+def _capped(softcap) -> bool:
+    """Whether a softcap, as the caller gave it, may be a cap (anything but
+    None and 0: a bad one too, which the extension refuses by name)."""
+    return softcap is not None and not (isinstance(softcap, (int, float)) and softcap == 0)
+
+
 def _native_bf16(q0: Tensor, dv: int = 0, ndim: int = 4) -> bool:
     """Whether bfloat16 q0 runs natively: ndim 4 for hkt_attention's (B, H, T, D),
     3 for the packed calls' (rows, H, D); dv: the backward's value dimension."""
@@ -131,12 +137,14 @@ def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float, backward: bool = 
 
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
              is_causal: bool, dropout_p: float, scale: float, seed: int, like_inputs: bool = False,
-             want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+             want_lse: bool = True, softcap=None) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype).
     like_inputs: out laid out in memory like q[0] (see _like), else contiguous
     (what the custom op's fake kernel says).  want_lse=False, on the CPU: lse
     is None, never allocated (a forward nobody will differentiate: a fair
-    part of a small call's time)."""
+    part of a small call's time).  softcap: as the caller gave it, the
+    extension's to check; bfloat16 with a cap is computed in float32 (the
+    native bfloat16 kernels take no cap)."""
     q0 = q[0]
     if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
         # the seed is read here, on the host: every replay would drop the same entries
@@ -147,7 +155,7 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     in_dtype = q0.dtype
     bf16 = in_dtype is _BF16
     dtype = torch.float32 if bf16 else in_dtype  # compute_dtype
-    native = bf16 and _native_bf16(q0)
+    native = bf16 and not _capped(softcap) and _native_bf16(q0)
     # native bfloat16 writes its out in bfloat16 (summed in float32, rounded once in the kernel)
     out_dtype = in_dtype if native else dtype
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
@@ -164,7 +172,7 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
         qs, ks, vs = _feats(q), _feats(k), _feat(v)
     _C.forward(qs, ks, vs, _arg(w), to_dlpack(out), None if lse is None else to_dlpack(lse),
                None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
-               _threads(), _stream(q0) if cuda else None)
+               _threads(), _stream(q0) if cuda else None, -1, softcap)
     return (out if out_dtype is in_dtype else out.to(in_dtype)), lse
 
 
@@ -179,7 +187,7 @@ def _described(x: Tensor, dtype: Optional[torch.dtype] = None) -> tuple:
 
 
 def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-                  is_causal: bool, dropout_p: float, scale) -> None:
+                  is_causal: bool, dropout_p: float, scale, softcap=None) -> None:
     """The extension's checks of a forward over these arguments, without
     running it: for the calls that never reach the kernels (meta tensors, the
     "sdpa" backend), each array described by its shape and dtype (its device
@@ -194,13 +202,13 @@ def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     out = ((*q0.shape[:3], v.shape[-1] if v.dim() else 0), *_described(q0, dtype)[1:])
     mask = None if attn_mask is None else _described(attn_mask, dtype if attn_mask.is_floating_point() else None)
     _C.check_forward([_described(x) for x in q], [_described(x) for x in k], _described(v), _described(w),
-                     out, None, mask, is_causal, scale, dropout_p)
+                     out, None, mask, is_causal, scale, dropout_p, softcap)
 
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
               lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
               seed: int, mask_grad: bool = False, like_inputs: bool = False,
-              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None
+              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, softcap=None
               ) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor, Optional[Tensor]]:
     """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
     dmask (shaped like the float attn_mask) only with mask_grad, else None.
@@ -214,7 +222,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     q0 = q[0]
     in_dtype = q0.dtype
     dtype = torch.float32 if in_dtype is _BF16 else in_dtype  # compute_dtype
-    native = in_dtype is _BF16 and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
+    native = in_dtype is _BF16 and not _capped(softcap) and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
     # native bfloat16 on the CPU writes dq, dk and dv in bfloat16 (summed in float32 in the kernel)
     native_out = native and dout.dtype == out.dtype == in_dtype
     dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into, in_dtype if native_out else dtype)
@@ -226,7 +234,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     _C.backward(dos, qs, ks, vs, _arg(w), outs,
                 to_dlpack(lse.contiguous()), _dls(dq), _dls(dk), to_dlpack(dv), to_dlpack(dw),
                 None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
-                _threads(), _dl(dmask), _stream(q0) if cuda else None, _dl(scratch))
+                _threads(), _dl(dmask), _stream(q0) if cuda else None, _dl(scratch), softcap)
     dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)

@@ -159,14 +159,19 @@ def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optiona
 
 def dense_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                     is_causal: bool, scale: Optional[float], dropout_p: float = 0.0,
-                    keep: Optional[Tensor] = None) -> Tensor:
+                    keep: Optional[Tensor] = None, softcap: float = 0.0) -> Tensor:
     """hkt_attention without windows through the (B, H, T, S) matrices, for
     arguments already checked: differentiable to any order (the double
     backward of the ops recomputes the forward with it).  ``keep``: the kept
-    entries (B, H, T, S) of dropout_p > 0."""
+    entries (B, H, T, S) of dropout_p > 0; ``softcap`` > 0: the combined
+    scores capped before the mask (docs/contract.md section 1.12)."""
     if scale is not None:
         scale = float(scale)
-    P = masked_probs(list(q), list(k), w, attn_mask, is_causal, scale)
+    if softcap:
+        scores = combined_scores(list(q), list(k), w, scale)
+        P = probs_of_scores(softcap * torch.tanh(scores / softcap), None, attn_mask, is_causal)
+    else:
+        P = masked_probs(list(q), list(k), w, attn_mask, is_causal, scale)
     if dropout_p > 0:
         P = P * keep.to(P.dtype) / (1.0 - dropout_p) if dropout_p < 1 else torch.zeros_like(P)
     return P @ repeat_kv(v, P.shape[1])

@@ -10,6 +10,7 @@ from ._checks import _check_inputs, _kernel_args, _real, check_call
 from ._guards import _functorch_active
 from ._guards import _autocast_inputs, _c_apply, _recording, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
 from .ops._eager import flat_apply
+from .ops._schema import schema_softcap
 from .ops.attention import SEED_HIGH, AttentionFunction, QKVAttentionFunction, eager_seed, op_scale
 
 __all__ = ["hkt_attention"]
@@ -24,7 +25,7 @@ _CUDA_KERNELS_PREFERRED = False
 _BACKENDS = (None, "auto", "kernels", "sdpa")
 
 
-def _pick_backend(backend, q, dropout_p) -> str:
+def _pick_backend(backend, q, dropout_p, softcap=None) -> str:
     """"kernels" or "sdpa" for this call (backend already validated).  Under
     torch.func transforms (vmap, grad, jacrev, ...) the kernels, which take
     plain arrays, cannot run: "sdpa", plain differentiable torch ops, does the
@@ -42,7 +43,8 @@ def _pick_backend(backend, q, dropout_p) -> str:
     if backend == "kernels" or backend == "sdpa":
         return backend
     q0 = q[0] if isinstance(q, (list, tuple)) and len(q) else None
-    if isinstance(q0, Tensor) and q0.is_cuda and not _CUDA_KERNELS_PREFERRED and _real(dropout_p) and dropout_p == 0:
+    if (isinstance(q0, Tensor) and q0.is_cuda and not _CUDA_KERNELS_PREFERRED and _real(dropout_p) and dropout_p == 0
+            and softcap is None):  # a cap: the kernels, which name it where they cannot take it
         return "sdpa"
     return "kernels"
 
@@ -59,6 +61,7 @@ def hkt_attention(
     scale: Optional[float] = None,
     backend: Optional[str] = None,
     windows: Optional[Sequence[Optional[int]]] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     r"""Hierarchical Kernel Transformer attention.
 
@@ -155,6 +158,8 @@ def hkt_attention(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
+    if windows is not None and _kernels._capped(softcap):  # the windowed kernels' cap: not wired yet
+        raise NotImplementedError("softcap: not with windows yet (the windowed kernels take no cap); pass windows=None")
     if windows is not None and isinstance(q, (list, tuple)):  # a window per level (contract 1.11): its own kernels
         from ._window import windowed_attention
         if torch._C._is_any_autocast_enabled():
@@ -165,9 +170,9 @@ def hkt_attention(
     try:
         if torch._C._is_any_autocast_enabled():  # cheap; the device's own check, dearer, only then
             q, k, v, w = _autocast_inputs(q, k, v, w)
-        if _pick_backend(backend, q, dropout_p) == "sdpa":
-            return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
-        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
+        if _pick_backend(backend, q, dropout_p, softcap) == "sdpa":
+            return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
+        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
     except (RuntimeError, BufferError):
         # not a check: a dead torch.func wrapper (a tensor kept from inside a
         # finished transform) fails in DLPack, before any kernel ran; the call
@@ -176,10 +181,10 @@ def hkt_attention(
         if dead is None:
             raise
         return hkt_attention(*dead[:4], attn_mask=dead[4], is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                             backend=backend)
+                             backend=backend, softcap=softcap)
 
 
-def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
+def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None):
     """The call itself: torch's rules here (hkt._checks: types, devices,
     bfloat16 upcast before the extension sees it, so a mix must be refused
     first), the rest (shapes, strides, float32/float64 dtypes, the scale's
@@ -191,28 +196,31 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
         # torch.compile or torch.jit.trace: the registered custom op, which they
         # record; meta tensors (shapes only) take its fake kernel
         if q0.is_meta:  # no kernel runs on them: the extension's checks, asked without running it
-            _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
+            _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
         seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device="cpu") if dropout_p > 0 else torch.zeros(
             (), dtype=torch.int64, device=q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
-                                       op_scale(scale, q0), seed)
+                                       op_scale(scale, q0), seed, schema_softcap(softcap))
         return out
     # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
     seed = eager_seed(dropout_p) if dropout_p > 0 else 0
     if torch.is_grad_enabled() and (grad or (attn_mask is not None and attn_mask.requires_grad)):
         # the op's registered autograd, without the dispatcher (ops/attention.py)
-        return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed)
+        return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap)
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True,
-                             want_lse=False)[0]
+                             want_lse=False, softcap=softcap)[0]
 
 
-def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale):
+def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None):
     """backend="sdpa" (hkt._sdpa): every argument checked in Python first, as
     the extension would for the kernels, then plain differentiable torch ops."""
     attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
-                                             dropout_allowed=False)
+                                             dropout_allowed=False, softcap=softcap)
+    if schema_softcap(softcap):  # checked by the extension: None, 0.0 or a cap
+        raise NotImplementedError("softcap: the 'sdpa' backend takes no cap (SDPA has no score modifier); use "
+                                  "backend='kernels' (backend=None picks them on the CPU)")
     return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
 
 

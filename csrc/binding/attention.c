@@ -43,7 +43,7 @@ static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, cons
 static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyObject *v,
                        PyObject *w, PyObject *out, PyObject *lse, PyObject *mask,
                        int causal, PyObject *scale, double dropout_p, unsigned long long seed,
-                       PyObject *num_threads, int output, const DLTensor **q0_out,
+                       PyObject *softcap, PyObject *num_threads, int output, const DLTensor **q0_out,
                        const DLTensor **mask_out) {
     PyObject *qt = NULL, *kt = NULL;
     int rc = -1;
@@ -125,7 +125,8 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     }
 
     p->causal = causal;
-    if (parse_scale(scale, p->D, &p->scale) || check_dropout(dropout_p) ||
+    if (parse_scale(scale, p->D, &p->scale) || check_dropout(dropout_p) || parse_softcap(softcap, &p->softcap) ||
+        check_softcap_kernels(p->softcap, q0_on_cuda(q0), p->dtype == HKT_BFLOAT16) ||
         parse_threads(num_threads, &p->num_threads))
         goto done;
     p->dropout_p = dropout_p;
@@ -197,7 +198,8 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 
 PyDoc_STRVAR(forward_doc,
 "forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
-"        dropout_p=0.0, seed=0, num_threads=0, stream=None, key_cache_bytes=-1)\n--\n\n"
+"        dropout_p=0.0, seed=0, num_threads=0, stream=None, key_cache_bytes=-1,\n"
+"        softcap=None)\n--\n\n"
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
 "(B, H_kv, ceil(S/2^l), D); v (B, H_kv, S, Dv), H_kv dividing H (query head h\n"
 "reads kv head h / (H / H_kv)); w (L,) or (H, L).  Writes out\n"
@@ -213,7 +215,10 @@ PyDoc_STRVAR(forward_doc,
 "num_threads <= 0 uses OpenMP's default; at most 1024.  key_cache_bytes caps\n"
 "the CPU forward's per-thread transposed-key caches (with the packed copies\n"
 "of strided value rows), all threads together (negative: 64 MiB); past it,\n"
-"keys are transposed tile by tile and strided values read where they lie.\n\n"
+"keys are transposed tile by tile and strided values read where they lie.\n"
+"softcap: None or 0.0 for none, else c > 0: each combined score s becomes\n"
+"c tanh(s / c) before the mask (float32 and float64; bfloat16 and CUDA\n"
+"arrays refuse it).\n\n"
 "CUDA arrays: the kernels are queued on stream, a cudaStream_t as an int\n"
 "(torch.cuda.current_stream().cuda_stream; None or 0: the legacy default\n"
 "stream), and the call returns without waiting for them.  Arrays passed as\n"
@@ -226,17 +231,17 @@ PyDoc_STRVAR(forward_doc,
 
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal",
-                             "scale", "dropout_p", "seed", "num_threads", "stream", "key_cache_bytes", NULL};
+                             "scale", "dropout_p", "seed", "num_threads", "stream", "key_cache_bytes", "softcap", NULL};
     PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *nthreads = NULL;
-    PyObject *stream = Py_None;
+    PyObject *stream = Py_None, *softcap = NULL;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     long long key_cache_bytes = -1;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOOL:forward", kwlist, &qs, &ks, &v, &w,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOOLO:forward", kwlist, &qs, &ks, &v, &w,
                                      &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads,
-                                     &stream, &key_cache_bytes))
+                                     &stream, &key_cache_bytes, &softcap))
         return NULL;
     held hd;
     held_start(&hd);
@@ -244,7 +249,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     const DLTensor *q0, *mt;
     void *stream_handle;
     if (parse_stream(stream, &hd, &stream_handle)) return NULL;
-    int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
+    int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed, softcap,
                          nthreads, 1, &q0, &mt);
     p.stream = stream_handle;
     p.key_cache_bytes = key_cache_bytes;
@@ -258,7 +263,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
 
 PyDoc_STRVAR(check_forward_doc,
 "check_forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
-"              dropout_p=0.0)\n--\n\n"
+"              dropout_p=0.0, softcap=None)\n--\n\n"
 "forward's checks of its arguments, without the kernels: raises what forward\n"
 "would (naming the argument), else returns None.  Each array is passed as a\n"
 "(shape, dtype code, bits) tuple (DLPack's codes: 2 float, 6 bool) and\n"
@@ -267,13 +272,13 @@ PyDoc_STRVAR(check_forward_doc,
 
 static PyObject *py_check_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal", "scale", "dropout_p",
-                             NULL};
-    PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None;
+                             "softcap", NULL};
+    PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *softcap = NULL;
     int causal = 0;
     double dropout_p = 0.0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOd:check_forward", kwlist, &qs, &ks, &v, &w, &out, &lse,
-                                     &mask, &causal, &scale, &dropout_p))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdO:check_forward", kwlist, &qs, &ks, &v, &w, &out,
+                                     &lse, &mask, &causal, &scale, &dropout_p, &softcap))
         return NULL;
     described *d = malloc(sizeof *d); /* 20 KiB: not on the caller's stack */
     if (!d) return PyErr_NoMemory();
@@ -283,8 +288,8 @@ static PyObject *py_check_forward(PyObject *self, PyObject *args, PyObject *kw) 
     hd.desc = d;
     hkt_params p;
     const DLTensor *q0, *mt;
-    const int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, 0, NULL, 1, &q0,
-                               &mt);
+    const int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, 0, softcap, NULL, 1,
+                               &q0, &mt);
     release_all(&hd);
     free(d);
     if (rc) return NULL;
@@ -347,7 +352,7 @@ static int take_scratch(hkt_params *p, held *hd, PyObject *scratch, const DLTens
 PyDoc_STRVAR(backward_doc,
 "backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, attn_mask=None,\n"
 "         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0,\n"
-"         dmask=None, stream=None, scratch=None)\n--\n\n"
+"         dmask=None, stream=None, scratch=None, softcap=None)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
 "(like v) and dw (like w, C-contiguous), with unit stride along features and\n"
@@ -355,7 +360,7 @@ PyDoc_STRVAR(backward_doc,
 "as heads side by side in one buffer do, are fine).  With a float attn_mask,\n"
 "dmask (shaped like it) receives the mask's gradient, summed over its\n"
 "broadcast dimensions.  dropout_p and seed must be\n"
-"the forward's.\n\n"
+"the forward's, and so must softcap.\n\n"
 "bfloat16 q, k, v, dout and out (CPU, where cpu_has_bf16(), D and Dv even) run\n"
 "natively, with lse, w, a float mask, dw and dmask float32, and dq, dk and dv\n"
 "either all float32 or all bfloat16 (summed in float32 in memory the call\n"
@@ -368,17 +373,18 @@ PyDoc_STRVAR(backward_doc,
 static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw",
                              "attn_mask", "is_causal", "scale", "dropout_p", "seed",
-                             "num_threads", "dmask", "stream", "scratch", NULL};
+                             "num_threads", "dmask", "stream", "scratch", "softcap", NULL};
     PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw;
     PyObject *mask = Py_None, *scale = Py_None, *nthreads = NULL, *dmask = Py_None;
-    PyObject *stream = Py_None, *scratch = Py_None;
+    PyObject *stream = Py_None, *scratch = Py_None, *softcap = NULL;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOO:backward", kwlist, &dout, &qs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOOO:backward", kwlist, &dout, &qs,
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
-                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch))
+                                     &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch,
+                                     &softcap))
         return NULL;
     held hd;
     held_start(&hd);
@@ -386,7 +392,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     const DLTensor *q0, *mt, *t;
     void *stream_handle;
     if (parse_stream(stream, &hd, &stream_handle)) return NULL;
-    int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed,
+    int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed, softcap,
                          nthreads, 0, &q0, &mt);
     if (rc) goto done;
     p.stream = stream_handle;

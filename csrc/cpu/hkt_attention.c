@@ -278,6 +278,7 @@ ws_layout hkt_ws_layout(const hkt_params *p, int backward) {
     if (backward) {
         w.dscores = at;        at += BQ * BK;
         w.pdrop = at;          at += BQ * BK;
+        if (p->softcap > 0) { w.capgrad = at; at += BQ * BK; }
         w.dscores_coarse = at; at += levels;
         w.values_t_step = round16(p->Dv * BK);
         w.values_t = at;       at += slots * w.values_t_step;

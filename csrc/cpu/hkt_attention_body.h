@@ -81,13 +81,14 @@ static void load_key_tile(const hkt_params *p, const ws_layout *ws, real *base, 
  * so each level costs one pass over its own grid; up2 duplicates rows and columns.
  * Tiles start at multiples of 64, so a level's first row and column inside a tile
  * are even whenever it has more than one: the parent of (a, c) is (a >> 1, c >> 1).
- * Then masking: invisible entries become -inf, a float mask is added. */
+ * Then the soft cap, if any, and masking: invisible entries become -inf, a float
+ * mask is added. */
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1);
 static void fold_levels(const hkt_params *p, const ws_layout *ws, real *base, int64_t h, int64_t i0, int64_t i1,
                         int64_t j0, int64_t j1, int last);
-static void tile_masks(const hkt_params *p, real *S, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
-                       int64_t j1);
+static void tile_masks(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1);
 
 /* Level l's query rows from row r0 (the tile's first) of head (b, h), and
  * their row stride: the forward task's packed copy (ws->q_tile, filled at the
@@ -115,7 +116,7 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         /* what gemm_diag leaves out, the masks hide */
         gemm_diag(diag, DIAG_SCORES, i1 - i0, j1 - j0, p->D, level_factor(p->scale, weight(p, h, 0)),
                   qr, ld, kt[0], ktld[0], base + ws->scores, BK, 0);
-        tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
+        tile_masks(p, ws, base, b, h, i0, i1, j0, j1);
         return;
     }
     /* level 0 with the fold in its store where it can (gemm_fused) */
@@ -147,7 +148,7 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
         const tile_extra x = {E1, lde, NULL, NULL, 0, 0};
         gemm_fused(EPI_UP, i1 - i0, j1 - j0, p->D, w0, qr, ld, kt[0], ktld[0], base + ws->scores, BK, &x);
     }
-    tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
+    tile_masks(p, ws, base, b, h, i0, i1, j0, j1);
 }
 
 /* The tile's scores from its Gram blocks (in ws->gram, however they were
@@ -155,7 +156,7 @@ static void tile_scores(const hkt_params *p, const ws_layout *ws, real *base, in
 static void tile_fold(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                       int64_t i1, int64_t j0, int64_t j1) {
     fold_levels(p, ws, base, h, i0, i1, j0, j1, 0);
-    tile_masks(p, base + ws->scores, b, h, i0, i1, j0, j1);
+    tile_masks(p, ws, base, b, h, i0, i1, j0, j1);
 }
 
 /* The fold from the coarsest level down to level last: E_last, in ws->folded
@@ -187,10 +188,18 @@ static void fold_levels(const hkt_params *p, const ws_layout *ws, real *base, in
     }
 }
 
-/* Masking of the tile's scores S: invisible entries become -inf, a float mask is added. */
-static void tile_masks(const hkt_params *p, real *S, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j0,
-                       int64_t j1) {
+/* The tile's scores (ws->scores) soft-capped where p asks for it (the cap's
+ * derivative kept in ws->capgrad where the backward has one), then masked:
+ * invisible entries become -inf, a float mask is added. */
+static void tile_masks(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
+                       int64_t i1, int64_t j0, int64_t j1) {
     const int64_t nq = i1 - i0, nk = j1 - j0;
+    real *S = base + ws->scores;
+    /* the cap comes before the mask (contract 1.12): a float mask is added to
+     * the capped score.  Without a cap nothing here runs. */
+    if (p->softcap > 0)
+        for (int64_t r = 0; r < nq; r++)
+            soft_cap(S + r * BK, nk, (real)p->softcap, ws->capgrad ? base + ws->capgrad + r * BK : NULL);
     /* the float mask is added first, so hiding (causal, bool) wins over whatever
      * it holds: a NaN in a hidden entry of a float mask stays hidden */
     const int64_t ms3 = p->mask_stride[3];

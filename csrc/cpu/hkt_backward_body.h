@@ -157,7 +157,18 @@ static void backward_pair(const hkt_params *p, const ws_layout *ws, real *base, 
 
     const real *Pv = tile_dscores(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld);
     const int diag = diagonal_tile(p, i0, j0);
-    if (!(want & (WANT_KV | WANT_Q))) return;
+    if (!(want & (WANT_KV | WANT_Q))) return; /* the mask's gradient: dS of the capped score, as it is */
+    if (p->softcap > 0) {
+        /* dS of the uncapped score, which q, k and w's gradients take: times the
+         * cap's derivative.  A zero dS stays 0 (a hidden entry, whose score may be
+         * NaN or never computed: what gemm_diag leaves out) */
+        const real *cg = base + ws->capgrad;
+        for (int64_t r = 0; r < nq; r++)
+            for (int64_t c = 0; c < nk; c++) {
+                real *ds = dP + r * BK + c;
+                if (*ds != 0) *ds *= cg[r * BK + c];
+            }
+    }
     if (want & WANT_KV) {
 #if HKT_BF16_BACKWARD
         if (BF16_INPUTS(p))

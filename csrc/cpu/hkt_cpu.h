@@ -113,6 +113,7 @@ typedef struct {
     /* backward only */
     int64_t dscores;        /* BQ x BK: dP, then dS */
     int64_t pdrop;          /* BQ x BK: P after dropout */
+    int64_t capgrad;        /* BQ x BK, with a soft cap (else 0): the cap's derivative at each score */
     int64_t dscores_coarse; /* levels: dS summed over 2^l x 2^l blocks */
     int64_t values_t;       /* (Dv, BK): the tile's values transposed */
     int64_t dw_acc;         /* BWD_KEY_TILES x L: dw of the key tiles held */

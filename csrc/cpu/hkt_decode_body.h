@@ -10,6 +10,7 @@
  * own position t = seqlens[b] + i (hkt.h, hkt_decode_params):
  *
  *   score[j] = scale * sum_l w[l] * <q[l][i], k_cache[l][j >> l]>,  j <= t
+ *              (then softcap * tanh(score / softcap) where softcap > 0)
  *   out[i]   = softmax(score) @ v_cache[0 .. t]
  *
  * One query row is a matrix-vector product per level, far too little work for
@@ -123,6 +124,7 @@ static void chunk_task(const hkt_decode_params *p, const hkt_decode_plan_t *pl, 
         const int64_t j1 = j0 + C < t + 1 ? j0 + C : t + 1, n = j1 - j0;
         chunk_scores(p, C, scratch, b, h, hk, i, j0, j1);
         real *s = scratch;
+        if (p->softcap > 0) soft_cap(s, n, (real)p->softcap, NULL); /* contract 1.12; no mask here */
         const real m = row_max(s, n);
         if (m == -INFINITY) continue; /* every score -inf: nothing to add */
         real sum = 0;

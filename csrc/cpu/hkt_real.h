@@ -339,4 +339,20 @@ static inline real row_max(const real *restrict x, int64_t n) {
     return mx;
 }
 
+/* Soft-capping (docs/contract.md section 1.12): s[0..n) becomes c tanh(s / c),
+ * and where grad is not NULL, grad[x] the cap's derivative 1 - tanh(s / c)^2,
+ * which the backward multiplies into dS.  libm's tanh: within an ulp, NaN
+ * stays NaN, and a huge |s| (an infinity too) gives +-c without overflow. */
+static inline void soft_cap(real *restrict s, int64_t n, real c, real *restrict grad) {
+    for (int64_t x = 0; x < n; x++) {
+#if REAL_IS_FLOAT
+        const real t = tanhf(s[x] / c);
+#else
+        const real t = tanh(s[x] / c);
+#endif
+        s[x] = c * t;
+        if (grad) grad[x] = 1 - t * t;
+    }
+}
+
 #endif

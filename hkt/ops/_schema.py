@@ -17,7 +17,7 @@ import os
 
 import torch
 
-__all__ = ["OP_OPTIONS", "schema_scale", "no_derivative"]
+__all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "no_derivative"]
 
 _CUDAGRAPH_SAFE = os.environ.get("HKT_CUDAGRAPH_SAFE", "0") == "1"
 _TAGS = () if _CUDAGRAPH_SAFE or not hasattr(torch.Tag, "cudagraph_unsafe") else (torch.Tag.cudagraph_unsafe,)
@@ -35,6 +35,13 @@ def schema_scale(scale):
         return float(scale)
     except OverflowError:
         return math.inf
+
+
+def schema_softcap(softcap) -> float:
+    """A softcap the extension has checked (hkt._C's parse_softcap: None, 0.0
+    or a finite positive real number) as the schemas take it, a float, 0.0 for
+    none (FlashAttention's convention)."""
+    return 0.0 if softcap is None else float(softcap)
 
 
 def no_derivative(op: str, message: str) -> None:

@@ -4,6 +4,10 @@ for torch.compile, and autograd.
 hkt::attention_forward  -> (out, lse)           lse is the per-row log-sum-exp
 hkt::attention_backward -> dq[0..L) + dk[0..L) + [dv, dw] (+ [dmask] with mask_grad)
 
+Both take softcap last, a float with 0.0 for none (docs/contract.md section
+1.12), defaulted so that calls made before it existed (TorchScript's) still
+match the schema.
+
 attn_mask reaches the ops at its own size, 4-D, each dimension 1 or the full
 (B, H, T, S); a float mask's gradient (mask_grad) comes back in that shape.
 
@@ -31,7 +35,7 @@ from torch import Tensor
 from .. import _kernels
 from .._maths import compute_dtype, dense_attention
 from ._eager import eager_autograd, needs_grad
-from ._schema import OP_OPTIONS, schema_scale
+from ._schema import OP_OPTIONS, schema_scale, schema_softcap
 
 __all__ = ["attention_forward", "attention_backward", "AttentionFunction", "QKVAttentionFunction", "eager_seed",
            "heads", "op_scale", "SEED_HIGH"]
@@ -61,15 +65,16 @@ def _seed_value(seed: Tensor) -> int:
 
 @torch.library.custom_op("hkt::attention_forward", mutates_args=(), **OP_OPTIONS)
 def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-                      is_causal: bool, dropout_p: float, scale: float, seed: Tensor) -> tuple[Tensor, Tensor]:
+                      is_causal: bool, dropout_p: float, scale: float, seed: Tensor,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     # the seed is read (on the host) only when there is dropout: without, it may
     # be a device tensor (functional.py makes it one), never synchronized on
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
-                             _seed_value(seed) if dropout_p > 0 else 0)
+                             _seed_value(seed) if dropout_p > 0 else 0, softcap=softcap)
 
 
 @attention_forward.register_fake
-def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
+def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap=0.0):
     B, H, T, _ = q[0].shape
     out = q[0].new_empty((B, H, T, v.shape[-1]))
     lse = q[0].new_empty((B, H, T), dtype=compute_dtype(q[0].dtype))
@@ -79,24 +84,25 @@ def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
 @torch.library.custom_op("hkt::attention_backward", mutates_args=(), **OP_OPTIONS)
 def attention_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor,
                        lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
-                       seed: Tensor, mask_grad: bool = False) -> List[Tensor]:
+                       seed: Tensor, mask_grad: bool = False, softcap: float = 0.0) -> List[Tensor]:
     dq, dk, dv, dw, dmask = _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale,
-                                               _seed_value(seed) if dropout_p > 0 else 0, mask_grad)
+                                               _seed_value(seed) if dropout_p > 0 else 0, mask_grad, softcap=softcap)
     return dq + dk + [dv, dw] + ([dmask] if mask_grad else [])
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad=False):
+def _(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad=False, softcap=0.0):
     return ([x.new_empty(x.shape) for x in q] + [x.new_empty(x.shape) for x in k]
             + [v.new_empty(v.shape), w.new_empty(w.shape)]
             + ([attn_mask.new_empty(attn_mask.shape)] if mask_grad else []))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed = inputs
+    q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap = inputs
     out, lse = output
     ctx.L = len(q)
-    ctx.is_causal, ctx.dropout_p, ctx.scale = is_causal, dropout_p, scale
+    # softcap: the op's float, or an eager call's as the caller gave it (the extension's to check)
+    ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.softcap = is_causal, dropout_p, scale, softcap
     # the op's seed is a tensor, saved as one; an eager call's an int (AttentionFunction)
     seed_tensor = isinstance(seed, Tensor)
     ctx.seed = None if seed_tensor else seed
@@ -114,11 +120,11 @@ def _gradients(ctx, dout, q, k, v, w, out, lse, attn_mask, seed, mask_argument=4
     if getattr(ctx, "eager", False):
         if not torch.is_grad_enabled():  # no dispatch, the scale as the caller gave it
             return _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
-                                      ctx.scale, seed, mask_grad, like_inputs=True, into=into)
+                                      ctx.scale, seed, mask_grad, like_inputs=True, into=into, softcap=ctx.softcap)
         seed = torch.tensor(seed, dtype=torch.int64, device="cpu")  # create_graph: the op, its seed a tensor
     L = ctx.L
     grads = attention_backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
-                               op_scale(ctx.scale, q[0]), seed, mask_grad)
+                               op_scale(ctx.scale, q[0]), seed, mask_grad, schema_softcap(ctx.softcap))
     return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], (grads[2 * L + 2] if mask_grad else None)
 
 
@@ -129,17 +135,18 @@ def _forward_op_gradients(ctx, grad_out, grad_lse):
     v, w, out, lse, attn_mask, seed = saved[2 * L:]
     dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask,
                                        ctx.seed if seed is None else seed)
-    return dq, dk, dv, dw, dmask, None, None, None, None
+    return dq, dk, dv, dw, dmask, None, None, None, None, None
 
 
 torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients, setup_context=_setup_context)
 
 
-def _eager_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed):
+def _eager_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap=None):
     """The op's kernel call in an eager call: out laid out in memory like q[0]
-    (the op's is contiguous, as its fake kernel says), the scale as the caller
-    gave it (None, an int or a float: the extension's to check), seed an int."""
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True)
+    (the op's is contiguous, as its fake kernel says), the scale and softcap as
+    the caller gave them (the extension's to check), seed an int."""
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True,
+                             softcap=softcap)
 
 
 # eager calls that need gradients: the registered functions, without the dispatcher
@@ -174,7 +181,7 @@ def _qkv_setup_context(ctx, inputs, output):
     q_coarse, k_coarse, H, H_kv, qkv, w, attn_mask, is_causal, dropout_p, scale, seed = inputs
     out, lse = output
     ctx.L, ctx.heads = len(q_coarse) + 1, (H, H_kv)
-    ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed = is_causal, dropout_p, scale, seed
+    ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed, ctx.softcap = is_causal, dropout_p, scale, seed, None
     # qkv itself, not its three views: a saved-tensors hook (offloading, say) sees one tensor
     ctx.save_for_backward(qkv, *q_coarse, *k_coarse, w, out, lse, attn_mask)
 
@@ -212,9 +219,10 @@ QKVAttentionFunction = eager_autograd("QKVAttentionFunction", _qkv_forward, _qkv
 # ---- double backward ------------------------------------------------------------
 
 def _setup_backward_context(ctx, inputs, output):
-    dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad = inputs
+    dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad, softcap = inputs
     ctx.L = len(q)
     ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.mask_grad = is_causal, dropout_p, scale, mask_grad
+    ctx.softcap = softcap
     # out and lse are not kept: the formula recomputes the attention from the inputs
     ctx.save_for_backward(dout, *q, *k, v, w, attn_mask, seed)
 
@@ -281,7 +289,7 @@ def _double_backward(ctx, grads):
         m_ = None
         if attn_mask is not None:
             m_ = _slot(attn_mask, cd, ctx.mask_grad or mask_needs) if float_mask else attn_mask
-        out = dense_attention(q_, k_, v_, w_, m_, ctx.is_causal, ctx.scale, p, keep)
+        out = dense_attention(q_, k_, v_, w_, m_, ctx.is_causal, ctx.scale, p, keep, ctx.softcap)
         # first-order gradients only where a gradient of them came in
         first_all = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
         pairs = [(x, g) for x, g in zip(first_all, ggrads) if g is not None]
@@ -312,9 +320,9 @@ def _double_backward(ctx, grads):
     d_k = [back(g, x) for g, x in zip(res[1 + L:1 + 2 * L], k)]
     d_v, d_w = back(res[1 + 2 * L], v), back(res[2 + 2 * L], w)
     d_mask = back(res[3 + 2 * L], attn_mask) if mask_needs else None
-    res = (d_dout, d_q, d_k, d_v, d_w, None, None, d_mask, None, None, None, None)
-    # the dispatcher drops a trailing argument equal to its default (mask_grad=False)
-    return res + (None,) if ctx.mask_grad else res
+    # one per argument, mask_grad's and softcap's included (the dispatcher takes
+    # the ones of the arguments a call passed, defaults left out, from the front)
+    return (d_dout, d_q, d_k, d_v, d_w, None, None, d_mask, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("hkt::attention_backward", _double_backward,
