@@ -358,7 +358,7 @@ def _written(x: Tensor, name: str):
 
 
 def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: Tensor, cache_seqlens,
-            k: Optional[Sequence[Tensor]], v: Optional[Tensor], scale: Optional[float]) -> Tensor:
+            k: Optional[Sequence[Tensor]], v: Optional[Tensor], scale: Optional[float], softcap=None) -> Tensor:
     """One decoding step (CPU): returns out (B, H, Tn, Dv) in q's dtype.  With k
     and v, the kernel first writes them into k_cache / v_cache in place, so the
     caches go over exactly as they are (a copy would take the writes)."""
@@ -371,7 +371,7 @@ def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: 
         kc, vc = [_written(x, f"k_cache[{l}]") for l, x in enumerate(k_cache)], _written(v_cache, "v_cache")
     _C.decode([_feat(x) for x in q], kc, vc, _feat(w), lens, _dl(out),
               None if k is None else [_feat(x) for x in k], None if v is None else _feat(v), scale,
-              _threads())
+              _threads(), softcap)
     return out
 
 

@@ -16,7 +16,7 @@ from . import _kernels
 from ._checks import _check_tensor
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import decode as decode_op
-from .ops._schema import schema_scale
+from .ops._schema import schema_scale, schema_softcap
 
 __all__ = ["hkt_attention_with_kvcache"]
 
@@ -39,6 +39,7 @@ def hkt_attention_with_kvcache(
     v: Optional[Tensor] = None,
     *,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     r"""HKT attention of Tn new positions against a key/value cache (causal
     decoding), in the style of FlashAttention's ``flash_attn_with_kvcache``.
@@ -74,6 +75,9 @@ def hkt_attention_with_kvcache(
             wins), ``v[:, :, i]`` into slot ``t_i`` of ``v_cache``.  The caches
             must then not overlap each other or any other argument.
         scale: score scale, default 1 / sqrt(D).
+        softcap: None (or 0.0) for none, else c > 0: each score s becomes
+            c * tanh(s / c), as in :func:`hkt.hkt_attention`
+            (docs/contract.md section 1.12).
 
     Returns:
         (B, H, Tn, Dv), in q's dtype.  Slots of the caches after position
@@ -125,19 +129,21 @@ def hkt_attention_with_kvcache(
     # torch's rules, which the extension cannot name (the rest are its own)
     _check_decode_inputs(q, k_cache, v_cache, w, k, v)
     if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
-        return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
+        return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap)
     _refuse_meta(q[0], "decoding")
-    return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale)
+    return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap)
 
 
-def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale) -> Tensor:
+def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap=None) -> Tensor:
     """The call as hkt::decode (read only) or hkt::decode_append (k and v written
     into the caches first) take it: cache_seqlens as a tensor, or None beside
     an int."""
     lens = (cache_seqlens, 0) if isinstance(cache_seqlens, Tensor) else (None, cache_seqlens)
     if k is None and v is None:
-        return decode_op.decode(list(q), list(k_cache), v_cache, w, *lens, schema_scale(scale))
-    return decode_op.decode_append(list(q), list(k_cache), v_cache, w, *lens, list(k), v, schema_scale(scale))
+        return decode_op.decode(list(q), list(k_cache), v_cache, w, *lens, schema_scale(scale),
+                                schema_softcap(softcap))
+    return decode_op.decode_append(list(q), list(k_cache), v_cache, w, *lens, list(k), v, schema_scale(scale),
+                                   schema_softcap(softcap))
 
 
 def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:

@@ -68,6 +68,7 @@ def hkt_attention_varlen(
     *,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
 ) -> Tensor:
     r"""HKT attention over sequences of different lengths packed along one axis,
     as ``flash_attn_varlen_func`` takes them; nothing is padded or computed for
@@ -109,7 +110,9 @@ def hkt_attention_varlen(
     under ``torch.compile`` (fullgraph too) and ``torch.export`` as the
     ``hkt::varlen_forward`` op; not under TorchScript.  No attention
     mask and no dropout.  Under ``torch.autocast`` the inputs
-    are cast as :func:`hkt.hkt_attention` casts them.
+    are cast as :func:`hkt.hkt_attention` casts them.  ``softcap``: None or
+    0.0 only for now (anything else raises ``NotImplementedError``); pad the
+    batch and call :func:`hkt.hkt_attention` with a mask for a capped call.
 
     Raises:
         TypeError / ValueError naming the argument: wrong dtypes, ranks or
@@ -119,6 +122,9 @@ def hkt_attention_varlen(
         sequence, H not divisible by H_kv.
     """
     _refuse_trace("hkt_attention_varlen")
+    if _kernels._capped(softcap):  # the packed kernels' tasks take no cap yet
+        raise NotImplementedError("softcap: hkt_attention_varlen takes no cap yet; pad the sequences and call "
+                                  "hkt.hkt_attention with a key padding mask and softcap")
     if torch._C._is_any_autocast_enabled():
         q, k, v, w = _autocast_inputs(q, k, v, w)
     return _varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale)
