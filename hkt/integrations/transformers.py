@@ -119,7 +119,7 @@ class HKTLevels(Levels):
         return super().level_weights() * self.level_scale
 
     def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True,
-                window: Optional[int] = None):
+                window: Optional[int] = None, softcap: Optional[float] = None):
         """No cached positions: the whole op over the sequence (causal, or
         bidirectional over each row's tokens for an encoder).  Each row is
         first shifted so that its first token is at position 0, so its coarse
@@ -129,7 +129,8 @@ class HKTLevels(Levels):
         when i - j < window, as transformers' mask has it (the shift keeps the
         distances), a mask over every (query, key) pair: dense cost.  The
         module's ``windows`` (never with ``window``: convert refuses both) go to
-        the windowed kernels with the key-padding mask: near-linear cost."""
+        the windowed kernels with the key-padding mask: near-linear cost.
+        ``softcap``: the model's attention-logit cap (Gemma 2's), or None."""
         B, H, T, D = query.shape
         pad, count = _row_layout(real, B, T, query.device)
         shifted = real is not None and bool(pad.any())
@@ -146,7 +147,7 @@ class HKTLevels(Levels):
         qs = [q0] + self.coarse_heads(q0, "q")
         ks = [k0] + self.coarse_heads(k0, "k")
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
-                                windows=self.windows)
+                                windows=self.windows, softcap=softcap)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
             # with windows every query is kept: a decoding step recomputes the windowed op over the whole sequence
             tail = query if self.windows is not None else query[:, :, -self.tail_length():]
@@ -165,7 +166,8 @@ class HKTLevels(Levels):
         top = 2 ** (self.levels - 1)
         return self.downsample_kernel * (top - 1) + top
 
-    def decode_cached(self, query, key, value, w, real, scaling, dropout, sliding_window: Optional[int] = None):
+    def decode_cached(self, query, key, value, w, real, scaling, dropout, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None):
         """T new positions after S - T cached ones (HF's cache holds level 0's keys
         and values, the module's decode state the coarse levels; a layer with a
         sliding window keeps every key in HF's cache, see :func:`_note_cache`,
@@ -193,7 +195,7 @@ class HKTLevels(Levels):
             # the windowed kernels place query i at position i: the new rows are the last T of the
             # op over every position so far (near-linear in S per step), as the uncached forward computes them
             q_all = torch.cat([state.q_tail, query], dim=2)
-            out = self.prefill(q_all, key, value, w, real, scaling, dropout, False)[:, :, -T:]
+            out = self.prefill(q_all, key, value, w, real, scaling, dropout, False, softcap=softcap)[:, :, -T:]
             state.length, state.last_key, state.q_tail = S, key[:, :, -1].detach(), q_all
             return out
         L, K = self.levels, self.downsample_kernel
@@ -219,7 +221,8 @@ class HKTLevels(Levels):
                 and query.dtype in (torch.float32, torch.float64)
                 and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
             with torch.no_grad():
-                out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling)
+                out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling,
+                                                     softcap=softcap)
         else:  # any device, dtype, grad mode or window: one new token at a time, its keys those up to it
             ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
             keys = torch.arange(S, device=query.device)
@@ -229,7 +232,8 @@ class HKTLevels(Levels):
                 if sliding_window is not None:
                     seen = seen & (keys > (t0 + i)[:, None] - sliding_window)
                 rows.append(hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
-                                              attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling))
+                                              attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling,
+                                              softcap=softcap))
             out = torch.cat(rows, dim=2)
         state.length, state.coarse_k = S, coarse_k
         state.last_key = key[:, :, -1].detach()
@@ -353,9 +357,10 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     if not isinstance(levels, HKTLevels):
         raise RuntimeError(f"{type(module).__name__}: has no HKT parameters; run "
                            "hkt.integrations.transformers.convert(model) before attn_implementation='hkt'")
-    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+    for name in ("position_bias", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise _unsupported(name)
+    softcap = kwargs.get("softcap")  # Gemma 2's attn_logit_softcapping: hkt caps the combined score
     # the layer's sliding window: at levels=1 the model's own mask carries it
     window = kwargs.get("sliding_window")
     if window is None:
@@ -372,7 +377,7 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                          f"{levels.num_kv_heads} and {levels.head_dim} from the module")
     w = levels.level_weights().to(query.dtype)
     if levels.levels == 1:  # the model's own attention: any mask it builds
-        return _level0(query, key, value, w, attention_mask, scaling, dropout, causal).transpose(1, 2), None
+        return _level0(query, key, value, w, attention_mask, scaling, dropout, causal, softcap).transpose(1, 2), None
     if not causal and S != T:
         raise _unsupported("non-causal attention with keys other than the queries' own (cross-attention, or a "
                            "bidirectional model's cache) with levels > 1", "convert with levels=1")
@@ -386,21 +391,22 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         real = _read_mask(attention_mask, B, T, S, causal, window, None if state is None else state.pad)
     if S == T:
         keep = causal and (levels.cached_call or bool(kwargs.get("use_cache")))
-        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window)
+        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window, softcap)
     else:
-        out = levels.decode_cached(query, key, value, w, real, scaling, dropout, window)
+        out = levels.decode_cached(query, key, value, w, real, scaling, dropout, window, softcap)
     return out.transpose(1, 2), None
 
 
-def _level0(query, key, value, w, mask, scaling, dropout, causal):
+def _level0(query, key, value, w, mask, scaling, dropout, causal, softcap=None):
     """levels=1: the model's attention, on hkt's kernels, with its own mask."""
     T = query.shape[2]
     if mask is None:  # no padding; causal: T = S, a static cache's first T of S, or one new token
         return hkt.hkt_attention([query], [key], value, w, is_causal=causal and T > 1, dropout_p=dropout,
-                                 scale=scaling)
+                                 scale=scaling, softcap=softcap)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
-    return hkt.hkt_attention([query], [key], value, w, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return hkt.hkt_attention([query], [key], value, w, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                             softcap=softcap)
 
 
 def _row_layout(real: Optional[Tensor], B: int, S: int, device):
@@ -586,9 +592,9 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
 
     Raises:
         ValueError for bad options (``windows[l]`` named), a model with no
-        such attention module, one already converted, soft-capped attention
-        logits, (levels > 1) cross-attention, or windows on a model with
-        sliding-window layers, each saying what to do instead;
+        such attention module, one already converted, (levels > 1)
+        cross-attention, or windows on a model with sliding-window layers,
+        each saying what to do instead;
         NotImplementedError (later) from ``generate`` with a static cache
         and levels > 1, or with assisted decoding (a cropped cache).
     """
@@ -606,10 +612,6 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
         name = f"{type(m).__name__} (layer {getattr(m, 'layer_idx', '?')})"
         if isinstance(getattr(m, "hkt", None), HKTLevels):
             raise ValueError("model: already converted to HKT")
-        if getattr(m, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"model: {name} soft-caps its attention logits (attn_logit_softcapping), which HKT "
-                             f"does not implement yet; to convert it without the cap (which changes what the model "
-                             f"computes), build it with attn_logit_softcapping=None in its config")
         if levels > 1 and getattr(m, "is_cross_attention", False):
             raise ValueError(f"model: {name} is cross-attention, whose keys come from another sequence: HKT's "
                              "coarse levels are for self-attention; convert with levels=1")

@@ -34,8 +34,8 @@ MATRIX = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", _GQA),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_GQA, head_dim=16)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_GQA, head_dim=8)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_GQA, head_dim=8, layer_types=_FULL,
-                                                          attn_logit_softcapping=None)),
+    # with its default attn_logit_softcapping (50.0): hkt caps the combined score as Gemma 2 does
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_GQA, head_dim=8, layer_types=_FULL)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(_GQA, head_dim=8, layer_types=_FULL)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_GQA, sliding_window=None)),  # fused qkv_proj
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _GQA),
@@ -226,11 +226,47 @@ def test_encoder_padding_equals_the_row_alone(family, side):
             assert rel(got[row, real], alone) < 1e-5, row
 
 
-def test_softcapping_is_refused_at_convert():
-    model = build("gemma2", attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match="attn_logit_softcapping=None"):
-        ht.convert(model)
-    assert not any(isinstance(m, ht.HKTLevels) for m in model.modules())  # nothing half converted
+def _gemma2_capped(cap=1.0, **overrides):
+    """Gemma 2 with a cap small enough to change its logits (its default, 50,
+    barely touches the tiny model's scores), checked to."""
+    base = build("gemma2", attn_logit_softcapping=cap, **overrides)
+    x, mask = padded("gemma2")
+    real = mask.bool()
+    with torch.no_grad():
+        uncapped = output(build("gemma2", attn_logit_softcapping=None, **overrides), x, mask)
+        assert rel(output(base, x, mask)[real], uncapped[real]) > 1e-2
+    return base
+
+
+@pytest.mark.parametrize("levels,tol", [(1, 2e-5), (3, 2e-4)])
+@pytest.mark.parametrize("layers", ["full", "mixed"])
+def test_gemma2_soft_capping_converts_exactly(levels, tol, layers):
+    """Gemma 2's attn_logit_softcapping reaches hkt_attention's softcap: at
+    conversion the model computes what it computed, its local layers (a
+    sliding window of 4) on the dense masked path."""
+    extra = {} if layers == "full" else dict(sliding_window=4, layer_types=_MIXED)
+    base = _gemma2_capped(**extra)
+    x, mask = padded("gemma2")
+    real = mask.bool()
+    with torch.no_grad():
+        want = output(base, x, mask)
+        model = ht.convert(copy.deepcopy(base), levels=levels)
+        assert rel(output(model, x, mask)[real], want[real]) <= tol
+
+
+def test_gemma2_soft_capping_trains_every_added_parameter():
+    _trains_every_added_parameter("gemma2", _gemma2_capped())
+
+
+@pytest.mark.parametrize("layers", ["full", "mixed"])
+def test_gemma2_soft_capping_generate_with_cache_equals_without(layers):
+    extra = {} if layers == "full" else dict(sliding_window=4, layer_types=_MIXED)
+    model = scramble(ht.convert(_gemma2_capped(**extra), levels=3))
+    x, mask = padded("gemma2", T=9)
+    out = [model.generate(x, attention_mask=mask, max_new_tokens=6, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, use_cache=c) for c in (True, False)]
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert rel(torch.stack(out[0].logits, 1), torch.stack(out[1].logits, 1)) < 1e-4
 
 
 def windowed(family: str, seed: int = 0):
