@@ -104,6 +104,12 @@ def hkt_attention(
             per-sample gradients, ...) "sdpa", since the kernels cannot run
             there (``"kernels"`` and ``dropout_p > 0`` raise
             ``NotImplementedError`` under them).
+        softcap: None (or 0.0) for none, else c > 0: each combined score s
+            becomes ``c * tanh(s / c)`` before the mask (docs/contract.md
+            section 1.12; Gemma 2's ``attn_logit_softcapping``), gradients
+            through it.  The CPU kernels compute it (bfloat16 in float32);
+            ``backend="sdpa"`` (so also under torch.func transforms), the CUDA
+            kernels and ``windows`` raise ``NotImplementedError`` naming it.
 
     Returns:
         (B, H, T, Dv), laid out in memory like ``q[0]`` when Dv = D and
