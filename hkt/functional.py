@@ -225,8 +225,8 @@ def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None)
     attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
                                              dropout_allowed=False, softcap=softcap)
     if schema_softcap(softcap):  # checked by the extension: None, 0.0 or a cap
-        raise NotImplementedError("softcap: the 'sdpa' backend takes no cap (SDPA has no score modifier); use "
-                                  "backend='kernels' (backend=None picks them on the CPU)")
+        raise NotImplementedError("softcap: the 'sdpa' backend (which torch.func transforms run) takes no cap "
+                                  "(SDPA has no score modifier); use backend='kernels', outside torch.func")
     return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
 
 

@@ -135,7 +135,10 @@ def _forward_op_gradients(ctx, grad_out, grad_lse):
     v, w, out, lse, attn_mask, seed = saved[2 * L:]
     dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask,
                                        ctx.seed if seed is None else seed)
-    return dq, dk, dv, dw, dmask, None, None, None, None, None
+    grads = (dq, dk, dv, dw, dmask, None, None, None, None)
+    # softcap's slot: an eager call passes it always; the dispatcher drops a
+    # trailing argument equal to its default (softcap=0.0) from the op's
+    return grads + (None,) if getattr(ctx, "eager", False) or ctx.softcap else grads
 
 
 torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients, setup_context=_setup_context)
@@ -320,9 +323,10 @@ def _double_backward(ctx, grads):
     d_k = [back(g, x) for g, x in zip(res[1 + L:1 + 2 * L], k)]
     d_v, d_w = back(res[1 + 2 * L], v), back(res[2 + 2 * L], w)
     d_mask = back(res[3 + 2 * L], attn_mask) if mask_needs else None
-    # one per argument, mask_grad's and softcap's included (the dispatcher takes
-    # the ones of the arguments a call passed, defaults left out, from the front)
-    return (d_dout, d_q, d_k, d_v, d_w, None, None, d_mask, None, None, None, None, None, None)
+    res = (d_dout, d_q, d_k, d_v, d_w, None, None, d_mask, None, None, None, None)
+    # the dispatcher drops trailing arguments equal to their defaults (softcap=0.0,
+    # then mask_grad=False): one slot per argument it kept
+    return res + (None,) * (2 if ctx.softcap else 1 if ctx.mask_grad else 0)
 
 
 torch.library.register_autograd("hkt::attention_backward", _double_backward,

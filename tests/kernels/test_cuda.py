@@ -1461,3 +1461,13 @@ def test_emulated_backward_needs_scratch(emulated):
     emulated.forward(q, k, v, w, out, lse)
     with pytest.raises(ValueError, match="scratch: the CUDA backward needs a device array of at least"):
         emulated.backward(torch.randn_like(out), q, k, v, w, out, lse, dq, dk, dv, dw)
+
+
+def test_emulated_kernels_refuse_softcap_by_name(emulated):
+    # the CUDA kernels take no soft cap yet: named, never run without it
+    q, k, v, w, out, lse, (dq, dk, dv, dw) = _small_call()
+    with pytest.raises(NotImplementedError, match="^softcap: the CUDA kernels do not take softcap yet"):
+        emulated.forward(q, k, v, w, out, lse, softcap=1.5)
+    with pytest.raises(NotImplementedError, match="^softcap: the CUDA kernels do not take softcap yet"):
+        emulated.backward(torch.randn_like(out), q, k, v, w, out, lse, dq, dk, dv, dw, softcap=1.5)
+    emulated.forward(q, k, v, w, out, lse, softcap=0.0)  # 0.0: no cap, as without

@@ -309,10 +309,13 @@ def test_opcheck_with_softcap():
     fmask = torch.randn(1, 2, 7, 6, dtype=F64, requires_grad=True)
     torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, None, True, 0.0, 0.5, seed, CAP))
     torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, fmask, False, 0.0, 0.5, seed, CAP))
+    torch.library.opcheck(ops.attention_forward, ([*q], [*k], v, w, fmask, False, 0.0, 0.5, seed, 0.0))
     out, lse = ops.attention_forward([*q], [*k], v, w, None, True, 0.0, 0.5, seed, CAP)
     q, k, v, w = [x.detach() for x in q], [x.detach() for x in k], v.detach(), w.detach()
     torch.library.opcheck(ops.attention_backward, (torch.randn_like(out), [*q], [*k], v, w, out.detach(),
                                                    lse.detach(), None, True, 0.0, 0.5, seed, False, CAP))
+    torch.library.opcheck(ops.attention_backward, (torch.randn_like(out), [*q], [*k], v, w, out.detach(),
+                                                   lse.detach(), fmask.detach(), False, 0.0, 0.5, seed, True, CAP))
     qd = [torch.randn(1, 2, 2, 3, dtype=F64) for _ in range(2)]
     kc = [torch.randn(1, 2, -(-9 >> l), 3, dtype=F64) for l in range(2)]
     vc = torch.randn(1, 2, 9, 4, dtype=F64)
