@@ -341,18 +341,49 @@ static inline real row_max(const real *restrict x, int64_t n) {
 
 /* Soft-capping (docs/contract.md section 1.12): s[0..n) becomes c tanh(s / c),
  * and where grad is not NULL, grad[x] the cap's derivative 1 - tanh(s / c)^2,
- * which the backward multiplies into dS.  libm's tanh: within an ulp, NaN
- * stays NaN, and a huge |s| (an infinity too) gives +-c without overflow. */
-static inline void soft_cap(real *restrict s, int64_t n, real c, real *restrict grad) {
-    for (int64_t x = 0; x < n; x++) {
+ * which the backward multiplies into dS.  NaN stays NaN, and a huge |s| (an
+ * infinity too) gives +-c without overflow.
+ *
+ * float32: libm's tanhf, one call per score, cost more than the rest of a
+ * capped call together, so tanh is formed from exp_nonpos, which vectorises:
+ * with a = |y|, e = exp(-2a) <= 1, tanh a = (1 - e) / (1 + e) and its
+ * derivative 4e / (1 + e)^2 (no 1 - t^2 cancelling near 1); below a = 1/4,
+ * where 1 - e would cancel, tanh's odd series to y^9 (truncation below 2e-8
+ * relative).  A few ulp, as the softmax's own exp.  float64 keeps libm's tanh
+ * (within an ulp): the reference-grade type. */
 #if REAL_IS_FLOAT
-        const real t = tanhf(s[x] / c);
-#else
-        const real t = tanh(s[x] / c);
+static inline __attribute__((always_inline)) float cap_tanh(float y, float *deriv) {
+    const float a = fabsf(y), y2 = y * y;
+    const float e = exp_nonpos(-2.0f * a); /* NaN stays NaN; -inf gives 0 */
+    const float big = (1.0f - e) / (1.0f + e);
+    const float small =
+        a * (1.0f + y2 * (-1.0f / 3 + y2 * (2.0f / 15 + y2 * (-17.0f / 315 + y2 * (62.0f / 2835)))));
+    const int near0 = a < 0.25f;
+    const float t = near0 ? small : big;
+    *deriv = near0 ? 1.0f - t * t : 4.0f * e / ((1.0f + e) * (1.0f + e));
+    return copysignf(t, y);
+}
 #endif
+
+static inline void soft_cap(real *restrict s, int64_t n, real c, real *restrict grad) {
+#if REAL_IS_FLOAT
+    if (grad) {
+#pragma omp simd
+        for (int64_t x = 0; x < n; x++) s[x] = c * cap_tanh(s[x] / c, &grad[x]);
+    } else {
+#pragma omp simd
+        for (int64_t x = 0; x < n; x++) {
+            float d;
+            s[x] = c * cap_tanh(s[x] / c, &d);
+        }
+    }
+#else
+    for (int64_t x = 0; x < n; x++) {
+        const real t = tanh(s[x] / c);
         s[x] = c * t;
         if (grad) grad[x] = 1 - t * t;
     }
+#endif
 }
 
 #endif
