@@ -113,7 +113,8 @@ def hkt_attention_with_kvcache(
         ``cache_seqlens + Tn`` or a coarse cache with fewer than
         ceil(S_max / 2^l) slots, a negative ``cache_seqlens``, H not divisible
         by H_kv, only one of k and v, overlapping written caches, a
-        non-finite scale.
+        non-finite scale, a softcap that is not None, 0.0 or a finite
+        positive number.
 
     Under ``torch.autocast`` the other inputs are cast to the caches' dtype,
     in which the kernel computes.
