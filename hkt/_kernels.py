@@ -132,13 +132,16 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     # native bfloat16 writes its out in bfloat16 (summed in float32, rounded once in the kernel)
     out_dtype = in_dtype if native else dtype
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
-    if (like_inputs and not q0.is_contiguous() and v.dim() == 4 and q0.dim() == 4
-            and v.shape[-1] == q0.shape[-1]):
-        out = _empty_like((q0,), out_dtype, True)[0]
-    else:  # contiguous (q0's own layout, where it is contiguous)
-        out = q0.new_empty((*lead, v.shape[-1] if v.dim() else 0), dtype=out_dtype)
+    # empty_like, cheaper than new_empty; new_empty without dtype=, cheaper than with it
+    if like_inputs and v.dim() == 4 and q0.dim() == 4 and v.shape[-1] == q0.shape[-1]:
+        out = torch.empty_like(q0, dtype=out_dtype) if q0.is_contiguous() else _empty_like((q0,), out_dtype, True)[0]
+    else:
+        shape = (*lead, v.shape[-1] if v.dim() else 0)
+        out = q0.new_empty(shape) if out_dtype is in_dtype else q0.new_empty(shape, dtype=out_dtype)
     cuda = q0.is_cuda
-    lse = q0.new_empty(lead, dtype=dtype) if want_lse or cuda else None
+    lse = None
+    if want_lse or cuda:
+        lse = q0.new_empty(lead) if dtype is in_dtype else q0.new_empty(lead, dtype=dtype)
     # native (and float32/float64): q, k, v as they are; w, mask, lse in the compute dtype
     a = _arrays((*q, *k, v), w, bf16 and not (native or _cuda_tc(q, v, dropout_p)))
     L, n = len(q), len(q) + len(k)
