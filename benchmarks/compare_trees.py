@@ -4,10 +4,10 @@ speed after a restructure of the Python layer?
 compare_builds.py holds two builds of hkt._C to the same bits and speed through
 the raw binding; this one times what a user calls, `hkt.hkt_attention`, so the
 Python layer between the call and the kernel is in the measurement.  Each round
-runs the two held calls (the L=3 forward+backward at T=2048, B=1, H=8, D=64,
-float32, and a small call, T=16, L=2, forward+backward x200) once in a fresh
-interpreter on each tree, alternating which goes first, and prints each round's
-new/old ratio, the median and the spread.
+runs the held calls (the L=3 forward+backward at T=2048, B=1, H=8, D=64,
+float32, and a small call, T=16, L=2, forward+backward x200 and its forward
+under no_grad x200) once in a fresh interpreter on each tree, alternating which
+goes first, and prints each round's new/old ratio, the median and the spread.
 
     python benchmarks/compare_trees.py /tmp/old [--rounds N]
 
@@ -48,8 +48,13 @@ def fwd_bwd(args):
 
 big = sample_inputs(1, 8, 2048, 2048, 64, 64, 3, dtype=torch.float32, requires_grad=True, seed=1)
 small = sample_inputs(1, 2, 16, 16, 16, 16, 2, dtype=torch.float32, requires_grad=True, seed=2)
+def fwd(args):
+    with torch.no_grad():
+        hkt.hkt_attention(*args, is_causal=True)
+
 res = {"T=2048, L=3 fwd+bwd": best(lambda: fwd_bwd(big), 3),
-       "T=16, L=2 fwd+bwd x200": best(lambda: [fwd_bwd(small) for _ in range(200)], 3)}
+       "T=16, L=2 fwd+bwd x200": best(lambda: [fwd_bwd(small) for _ in range(200)], 3),
+       "T=16, L=2 fwd no_grad x200": best(lambda: [fwd(small) for _ in range(200)], 3)}
 print(json.dumps(res))
 """
 

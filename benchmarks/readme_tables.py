@@ -12,7 +12,9 @@ other benchmarks' JSON. From them this writes:
   row per CPU, and one plot (benchmarks/results/cpus.png);
 - docs/performance.md, whole: the method (benchmarks/notes/method.md), per CPU its
   tables, the commit and date it ran at, its plot and notes; the other benchmarks;
-  the measurements behind the kernels' constants (benchmarks/notes/constants.md);
+  restructures of the Python layer held to the same bits and speed
+  (benchmarks/notes/python_layer.md); the measurements behind the kernels'
+  constants (benchmarks/notes/constants.md);
   what was tried and not kept (benchmarks/notes/tried.md).
 """
 import argparse
@@ -352,6 +354,7 @@ def performance_page(runs):
     lines += converted_long_context()
     for title, name in (("Other benchmarks", "other_benchmarks.md"),
                         ("Other builds: the 16-byte kernels, clang", "builds.md"),
+                        ("The Python layer: restructures held to the same bits and speed", "python_layer.md"),
                         ("Constants and the measurements behind them", "constants.md"),
                         ("Tried and not kept", "tried.md")):
         body = note(NOTES, name)

@@ -7,7 +7,7 @@ extension's, whose messages name the argument: the kernels' path meets them in
 the call, and the calls that never reach the kernels (meta tensors, the "sdpa"
 backend, windows) ask for them through check_call
 (hkt._kernels.check_forward, the extension's checks without a kernel run).
-Also the float mask as the kernels take it (_kernel_args).
+Also the mask as the kernels take it (_kernel_mask).
 """
 import numbers
 from typing import Optional
@@ -78,10 +78,12 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
     return x.requires_grad
 
 
-def _check_inputs(q, k, v, w):
-    """One pass over the inputs (shapes, strides, devices and float32/float64
-    dtypes are the extension's to check, with messages that name the argument).
-    Returns (q[0]'s dtype, whether any input requires grad)."""
+def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None):
+    """One pass over the inputs and the scalars (shapes, strides, devices and
+    float32/float64 dtypes, the scalars' ranges, are the extension's to
+    check, with messages that name the argument).  Returns (whether any
+    input requires grad, dropout_p, scale), the scalars as _check_scalars
+    returns them."""
     if not (isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) and q and k):
         for name, xs in (("q", q), ("k", k)):
             if not isinstance(xs, (list, tuple)):
@@ -106,8 +108,13 @@ def _check_inputs(q, k, v, w):
                 and (x.dtype is dtype or not (bf16 or x.dtype is _BF16))):
             grad = grad or x.requires_grad
         else:
-            return dtype, _check_each(q, k, v, w, dtype, q0.device)
-    return dtype, grad
+            grad = _check_each(q, k, v, w, dtype, q0.device)
+            break
+    # the scalars' rules are _check_scalars'; the common types, as they are, skip the call
+    if is_causal.__class__ is not bool or dropout_p.__class__ is not float or not (
+            scale is None or scale.__class__ is float):
+        dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
+    return grad, dropout_p, scale
 
 
 def _check_each(q, k, v, w, dtype, device) -> bool:
@@ -177,9 +184,8 @@ def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_al
     the "sdpa" backend, which has none.  Returns (attn_mask,
     dropout_p, scale): the mask 4-D (a view), the scalars as _check_scalars
     returns them."""
-    _check_inputs(q, k, v, w)
+    _, dropout_p, scale = _check_inputs(q, k, v, w, is_causal, dropout_p, scale)
     _check_mask(attn_mask, q[0].device)
-    dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask, q[0], k[0])
     # the rest is the extension's to check: asked without running the kernels
@@ -233,15 +239,11 @@ def check_windows(windows, L: int, *, growing: bool = False):
     return None if all(W is None for W in out) else tuple(out)
 
 
-def _kernel_args(attn_mask, is_causal, dropout_p, scale, q0: Tensor, k0: Tensor):
-    """The scalar checks and the mask checked (a tensor on q[0]'s device, bool or
-    floating, broadcasting to (B, H, T, S)) and made as the kernels take it (a
-    float mask in the compute dtype, 4-D); returns (attn_mask, dropout_p,
-    scale) as _check_scalars returns them."""
-    dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
-    if attn_mask is not None:
-        _check_mask(attn_mask, q0.device)
-        if attn_mask.is_floating_point():
-            attn_mask = float_mask_in(attn_mask, compute_dtype(q0.dtype))
-        attn_mask = _as_4d(attn_mask, q0, k0)
-    return attn_mask, dropout_p, scale
+def _kernel_mask(attn_mask: Tensor, q0: Tensor, k0: Tensor) -> Tensor:
+    """The mask checked (a tensor on q[0]'s device, bool or floating,
+    broadcasting to (B, H, T, S)) and made as the kernels take it: a float
+    mask in the compute dtype, 4-D."""
+    _check_mask(attn_mask, q0.device)
+    if attn_mask.is_floating_point():
+        attn_mask = float_mask_in(attn_mask, compute_dtype(q0.dtype))
+    return _as_4d(attn_mask, q0, k0)

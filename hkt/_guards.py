@@ -24,11 +24,20 @@ def _recording() -> bool:
 _FUNCTORCH_CHECK_TRACES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 11)
 
 
+def _call_mode() -> str:
+    """How torch runs this call, asked once: "transform" where a torch.func
+    transform (vmap, grad, ...) is active around it, the kernels' plain arrays
+    cannot run there; else "recording" where torch.compile or torch.jit.trace
+    records it (see _recording); else "eager"."""
+    compiling = torch.compiler.is_compiling()
+    if (_FUNCTORCH_CHECK_TRACES or not compiling) and torch._C._are_functorch_transforms_active():
+        return "transform"
+    return "recording" if compiling or torch.jit.is_tracing() else "eager"
+
+
 def _functorch_active() -> bool:
     """Whether a torch.func transform (vmap, grad, ...) is active around this call."""
-    if not _FUNCTORCH_CHECK_TRACES and torch.compiler.is_compiling():
-        return False
-    return torch._C._are_functorch_transforms_active()
+    return _call_mode() == "transform"
 
 
 def _refuse_trace(what: str) -> None:

@@ -4,7 +4,7 @@ Private _forward / _backward take torch tensors, allocate the outputs the
 destination-passing kernels expect, and hand everything over through DLPack.
 """
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -49,25 +49,6 @@ def _dl(x: Optional[Tensor]):
 
 
 _BF16 = torch.bfloat16
-
-
-def _arg(x: Tensor):
-    """An input as the kernels take it: float32 if it is bfloat16 (the kernels
-    compute bfloat16 in float32), unit stride along the feature dimension (any
-    other strides are fine), then through DLPack.  This runs for every array of
-    every call, so the common case (contiguous float32/float64) costs two cheap
-    checks: is_contiguous() first, cheaper than reading stride(-1) and size(-1)
-    (Python attribute lookups and calls are most of a small call's time)."""
-    return _feat(x.float() if x.dtype == _BF16 else x)
-
-
-def _empty(shape, dtype: torch.dtype, like: Tensor) -> Tensor:
-    """An uninitialised contiguous tensor on like's device: like.new_empty when
-    the dtype is like's (cheaper than torch.empty with dtype= and device=:
-    this runs for every output of every call)."""
-    if like.dtype == dtype:
-        return like.new_empty(shape)
-    return torch.empty(shape, dtype=dtype, device=like.device)
 
 
 def _mask_arg(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -136,15 +117,15 @@ def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float, backward: bool = 
 
 
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-             is_causal: bool, dropout_p: float, scale: float, seed: int, like_inputs: bool = False,
-             want_lse: bool = True, softcap=None) -> Tuple[Tensor, Optional[Tensor]]:
+             is_causal: bool, dropout_p: float, scale: float, seed: int, softcap=None, like_inputs: bool = True,
+             want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype).
-    like_inputs: out laid out in memory like q[0] (see _like), else contiguous
-    (what the custom op's fake kernel says).  want_lse=False, on the CPU: lse
-    is None, never allocated (a forward nobody will differentiate: a fair
-    part of a small call's time).  softcap: as the caller gave it, the
-    extension's to check; bfloat16 with a cap is computed in float32 (the
-    native bfloat16 kernels take no cap)."""
+    like_inputs: out laid out in memory like q[0] (see _empty_like), as an
+    eager call's is; False: contiguous (what the custom op's fake kernel
+    says).  want_lse=False, on the CPU: lse is None, never allocated (a
+    forward nobody will differentiate: a fair part of a small call's time).
+    softcap: as the caller gave it, the extension's to check; bfloat16 with a
+    cap is computed in float32 (the native bfloat16 kernels take no cap)."""
     q0 = q[0]
     if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
         # the seed is read here, on the host: every replay would drop the same entries
@@ -159,20 +140,23 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     # native bfloat16 writes its out in bfloat16 (summed in float32, rounded once in the kernel)
     out_dtype = in_dtype if native else dtype
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
-    if like_inputs and v.dim() == 4 and _like(q0) and v.shape[-1] == q0.shape[-1]:  # _like: q0 not 0-d
-        out = _empty_like_layout(q0, out_dtype)
+    # empty_like, cheaper than new_empty; new_empty without dtype=, cheaper than with it
+    if like_inputs and v.dim() == 4 and q0.dim() == 4 and v.shape[-1] == q0.shape[-1]:
+        out = torch.empty_like(q0, dtype=out_dtype) if q0.is_contiguous() else _empty_like((q0,), out_dtype, True)[0]
     else:
-        out = _empty((*lead, v.shape[-1] if v.dim() else 0), out_dtype, q0)
+        shape = (*lead, v.shape[-1] if v.dim() else 0)
+        out = q0.new_empty(shape) if out_dtype is in_dtype else q0.new_empty(shape, dtype=out_dtype)
     cuda = q0.is_cuda
-    lse = _empty(lead, dtype, q0) if want_lse or cuda else None
+    lse = None
+    if want_lse or cuda:
+        lse = q0.new_empty(lead) if dtype is in_dtype else q0.new_empty(lead, dtype=dtype)
     # native (and float32/float64): q, k, v as they are; w, mask, lse in the compute dtype
-    if bf16 and not (native or _cuda_tc(q, v, dropout_p)):
-        qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
-    else:
-        qs, ks, vs = _feats(q), _feats(k), _feat(v)
-    _C.forward(qs, ks, vs, _arg(w), to_dlpack(out), None if lse is None else to_dlpack(lse),
+    a = _arrays((*q, *k, v), w, bf16 and not (native or _cuda_tc(q, v, dropout_p)))
+    L, n = len(q), len(q) + len(k)
+    # the scalars, in the binding's order: one place for one more
+    _C.forward(a[:L], a[L:n], a[n], a[n + 1], to_dlpack(out), None if lse is None else to_dlpack(lse),
                None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
-               _threads(), _stream(q0) if cuda else None, -1, softcap)
+               min(torch.get_num_threads(), _C.max_threads), _stream(q0) if cuda else None, -1, softcap)  # _threads
     return (out if out_dtype is in_dtype else out.to(in_dtype)), lse
 
 
@@ -212,7 +196,7 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
               ) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor, Optional[Tensor]]:
     """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
     dmask (shaped like the float attn_mask) only with mask_grad, else None.
-    like_inputs: dq, dk, dv laid out in memory like q, k, v (see _like), else
+    like_inputs: dq, dk, dv laid out in memory like q, k, v (see _empty_like), else
     contiguous (what the custom op's fake kernel says).  into: arrays (shaped
     like q[0], k[0], v, of the dtype the kernels write gradients in: the
     compute dtype, or bfloat16 natively) that dq[0], dk[0] and dv are written
@@ -221,86 +205,85 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     # small call's backward is mostly such reads and calls)
     q0 = q[0]
     in_dtype = q0.dtype
-    dtype = torch.float32 if in_dtype is _BF16 else in_dtype  # compute_dtype
-    native = in_dtype is _BF16 and not _capped(softcap) and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
+    bf16 = in_dtype is _BF16
+    dtype = torch.float32 if bf16 else in_dtype  # compute_dtype
+    native = bf16 and not _capped(softcap) and _native_bf16(q0, v.shape[-1] if v.dim() else 1)
     # native bfloat16 on the CPU writes dq, dk and dv in bfloat16 (summed in float32 in the kernel)
-    native_out = native and dout.dtype == out.dtype == in_dtype
-    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype, like_inputs, into, in_dtype if native_out else dtype)
+    same = dout.dtype == out.dtype == in_dtype
+    L, n = len(q), len(q) + len(k)
+    gdtype = in_dtype if native and same else dtype
+    if into is None:
+        g = _empty_like((*q, *k, v), gdtype, like_inputs)
+    else:  # the caller's dq[0], dk[0] and dv, in their places
+        g = _empty_like((*q[1:], *k[1:]), gdtype, like_inputs)
+        g = [into[0], *g[:L - 1], into[1], *g[L - 1:], into[2]]
+    dq, dk, dv = g[:L], g[L:n], g[n]
+    dw = torch.empty_like(w, dtype=dtype, memory_format=torch.contiguous_format)
     dmask = torch.empty(attn_mask.shape, dtype=dtype, device=q0.device) if mask_grad else None
     cuda = q0.is_cuda
-    scratch = _scratch(*lse.shape, len(q), dtype, q0.device) if cuda else None
-    qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: native or _cuda_tc(
-        q, v, dropout_p, True, mask_grad))
-    _C.backward(dos, qs, ks, vs, _arg(w), outs,
-                to_dlpack(lse.contiguous()), _dls(dq), _dls(dk), to_dlpack(dv), to_dlpack(dw),
+    scratch = _scratch(*lse.shape, L, dtype, q0.device) if cuda else None
+    # q, k, v, dout and out as they are (float32, float64, or bfloat16 where it
+    # runs natively, with w, a mask, lse and the gradients float32), else all
+    # upcast to float32
+    a = _arrays((*q, *k, v, dout, out), w, not same or (bf16 and not (native or _cuda_tc(
+        q, v, dropout_p, True, mask_grad))))
+    # the scalars, in the binding's order: one place for one more
+    _C.backward(a[n + 1], a[:L], a[L:n], a[n], a[n + 3], a[n + 2], to_dlpack(lse.contiguous()),
+                list(map(to_dlpack, dq)), list(map(to_dlpack, dk)), to_dlpack(dv), to_dlpack(dw),
                 None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
-                _threads(), _dl(dmask), _stream(q0) if cuda else None, _dl(scratch), softcap)
-    dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
+                min(torch.get_num_threads(), _C.max_threads), None if dmask is None else to_dlpack(dmask),
+                _stream(q0) if cuda else None, None if scratch is None else to_dlpack(scratch), softcap)  # _threads
+    if dv.dtype is not in_dtype or dw.dtype is not in_dtype:
+        dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
         dmask = dmask.to(attn_mask.dtype)
     return dq, dk, dv, dw, dmask
 
 
-def _backward_arrays(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, out: Tensor,
-                     native: Callable[[], bool]):
-    """q, k, v, dout and out as a backward's kernels take them: as they are
-    (float32, float64, or bfloat16 where native() says it runs natively, with w,
-    a mask, lse and the gradients float32), else all upcast to float32."""
-    in_dtype = q[0].dtype
-    if dout.dtype == out.dtype == in_dtype and (in_dtype != _BF16 or native()):
-        return _feats(q), _feats(k), _feat(v), _feat(dout), _feat(out)
-    return [_arg(x) for x in q], [_arg(x) for x in k], _arg(v), _arg(dout), _arg(out)
+def _arrays(xs: Sequence[Tensor], w: Tensor, upcast: bool) -> List:
+    """xs, then w, as the kernels read them, through DLPack: bfloat16 upcast
+    to float32 where upcast (the kernels then compute in float32), w always
+    (the kernels take it in the compute dtype); with unit stride along the
+    features (any other strides are fine) and a negated view resolved (see
+    _feat).  A plain loop over every input of a call: a Python call per array
+    is a fair part of a small call's time, so the common case (contiguous,
+    not negated) is inline."""
+    last = len(xs)
+    caps = []
+    for i, x in enumerate((*xs, w)):
+        if x.dtype is _BF16 and (upcast or i == last):
+            x = x.float()
+        caps.append(to_dlpack(x) if x.is_contiguous() and not x.is_neg() else _feat(x))
+    return caps
 
 
-def _grad_buffers(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, dtype: torch.dtype,
-                  like_inputs: bool = False, into: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
-                  qkv_dtype: Optional[torch.dtype] = None):
-    """Uninitialised dq, dk (per level), dv, dw shaped like the inputs, in the
-    compute dtype (dq, dk and dv in qkv_dtype where given), on their device:
-    the backward kernels overwrite them.  With
-    like_inputs, dq, dk and dv lie in memory like their inputs where _like
-    allows (dw is always contiguous).  into: the caller's dq[0], dk[0] and dv,
-    taken in their places."""
-    # empty_like, cheaper than new_empty(shape): eight or more per backward.
-    # Eager calls (like_inputs) with a contiguous input of the compute dtype take
-    # it without arguments (preserve_format, of a contiguous x), cheaper still.  The custom op's outputs stay strictly contiguous_format,
-    # as its fake kernel says (a size-1 dimension's stride included).
-    cf = torch.contiguous_format
-    gdtype = qkv_dtype or dtype
-
-    def buf(x):
-        if like_inputs and x.dtype == gdtype and x.is_contiguous():
-            return torch.empty_like(x)
-        if like_inputs and _like(x):
-            return _empty_like_layout(x, gdtype)
-        return torch.empty_like(x, dtype=gdtype, memory_format=cf)
-    dw = torch.empty_like(w, dtype=dtype, memory_format=cf)
-    if into is not None:
-        return [into[0], *[buf(x) for x in q[1:]]], [into[1], *[buf(x) for x in k[1:]]], into[2], dw
-    return [buf(x) for x in q], [buf(x) for x in k], buf(v), dw
-
-
-def _like(x: Tensor) -> bool:
-    """Whether an output may copy x's layout (torch.preserve_format, which
-    copies a dense layout; see _empty_like_layout for the rest): x's features
-    have unit stride, which the kernels need.  The heads a module splits off its
+def _empty_like(xs: Sequence[Tensor], dtype: torch.dtype, like_inputs: bool) -> List[Tensor]:
+    """Uninitialised arrays shaped like each of xs, in dtype, on its device,
+    for the kernels to overwrite.  like_inputs: each laid out in memory like
+    its x (torch.preserve_format) where x's features have unit stride, which
+    the kernels need, else contiguous.  The heads a module splits off its
     projections, (B, T, H, D) memory seen as (B, H, T, D), are the case that
     matters: gradients and outputs in that layout turn the module's reshapes
     back to (B, T, H * D) into views, where contiguous ones cost a transposing
-    copy each (a sizeable part of a ListOps-size training step)."""
-    return x.dim() > 0 and (x.stride(-1) == 1 or x.size(-1) <= 1)
-
-
-def _empty_like_layout(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """torch.empty_like(x) in dtype, laid out like x (x passed _like), or
-    contiguous where that layout would not have unit feature stride: for an x
+    copy each (a sizeable part of a ListOps-size training step).  For an x
     whose rows overlap (sliding windows from Tensor.unfold), preserve_format
     makes up dense strides in x's stride order, which may put another
-    dimension innermost."""
-    y = torch.empty_like(x, dtype=dtype)
-    if y.stride(-1) == 1 or y.size(-1) <= 1:
-        return y
-    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+    dimension innermost: contiguous then.  Without like_inputs, strictly
+    contiguous_format, as the custom ops' fake kernels say (a size-1
+    dimension's stride included)."""
+    cf = torch.contiguous_format
+    out = []
+    for x in xs:
+        if like_inputs and x.dtype is dtype and x.is_contiguous():
+            y = torch.empty_like(x)  # no arguments: the cheapest, eight or more per backward
+        elif like_inputs and x.dim() > 0 and (x.stride(-1) == 1 or x.size(-1) <= 1):
+            y = torch.empty_like(x, dtype=dtype)
+            if y.stride(-1) != 1 and y.size(-1) > 1:
+                y = torch.empty_like(x, dtype=dtype, memory_format=cf)
+        else:
+            y = torch.empty_like(x, dtype=dtype, memory_format=cf)
+        out.append(y)
+    return out
 
 
 def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dtype: torch.dtype):
@@ -309,11 +292,6 @@ def _in_dtype(dq: List[Tensor], dk: List[Tensor], dv: Tensor, dw: Tensor, in_dty
     if dv.dtype == in_dtype:
         return dq, dk, dv, (dw if dw.dtype == in_dtype else dw.to(in_dtype))
     return [x.to(in_dtype) for x in dq], [x.to(in_dtype) for x in dk], dv.to(in_dtype), dw.to(in_dtype)
-
-
-def _dls(xs: Sequence[Tensor]) -> List:
-    """Arrays (never None) through DLPack, without a Python call each."""
-    return [to_dlpack(x) for x in xs]
 
 
 def dropout_keep_mask(seed: int, dropout_p: float, B: int, H: int, T: int, S: int) -> Tensor:
@@ -334,12 +312,6 @@ def _feat(x: Tensor):
     if x.is_contiguous() or x.stride(-1) == 1 or x.size(-1) <= 1:
         return to_dlpack(x)
     return to_dlpack(x.contiguous())
-
-
-def _feats(xs: Sequence[Tensor]) -> List:
-    """[_feat(x) for x in xs] with the contiguous case inline: a Python call per
-    array is a fair part of a small call's time."""
-    return [to_dlpack(x) if x.is_contiguous() and not x.is_neg() else _feat(x) for x in xs]
 
 
 def _read(x: Tensor):
@@ -387,11 +359,9 @@ def _varlen_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tens
     lead = q0.shape[:2]  # (total_q, H); a wrong rank is the extension's to name
     out = torch.empty((*lead, v.shape[-1] if v.dim() else 0), dtype=q0.dtype if native else dtype, device=q0.device)
     lse = torch.empty((lead[0] * lead[1] if len(lead) == 2 else 0,), dtype=dtype, device=q0.device)
-    if native:
-        qs, ks, vs = _feats(q), _feats(k), _feat(v)
-    else:
-        qs, ks, vs = [_arg(x) for x in q], [_arg(x) for x in k], _arg(v)
-    _C.varlen_forward(qs, ks, vs, _arg(w), _dl(out), _dl(lse),
+    a = _arrays((*q, *k, v), w, not native)
+    L, n = len(q), len(q) + len(k)
+    _C.varlen_forward(a[:L], a[L:n], a[n], a[n + 1], _dl(out), _dl(lse),
                       _read(cu_seqlens_q), _read(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
                       _threads())
     return (out if out.dtype == q0.dtype else out.to(q0.dtype)), lse
@@ -404,12 +374,18 @@ def _varlen_backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: 
     """Returns (dq per level, dk per level, dv, dw) of the packed forward, in the inputs' dtype."""
     in_dtype = q[0].dtype
     dtype = compute_dtype(in_dtype)
-    dq, dk, dv, dw = _grad_buffers(q, k, v, w, dtype)
-    qs, ks, vs, dos, outs = _backward_arrays(dout, q, k, v, out, lambda: _native_bf16(
+    L, n = len(q), len(q) + len(k)
+    g = _empty_like((*q, *k, v), dtype, False)
+    dq, dk, dv = g[:L], g[L:n], g[n]
+    dw = torch.empty_like(w, dtype=dtype, memory_format=torch.contiguous_format)
+    # q, k, v, dout and out as they are where they all run natively, else upcast (see _backward)
+    native = dout.dtype == out.dtype == in_dtype and (in_dtype != _BF16 or _native_bf16(
         q[0], v.shape[-1] if v.dim() else 1, ndim=3))
-    _C.varlen_backward(dos, qs, ks, vs, _arg(w), outs,
-                       _dl(lse), _dls(dq), _dls(dk), _dl(dv), _dl(dw), _read(cu_seqlens_q), _read(cu_seqlens_k),
-                       max_seqlen_q, max_seqlen_k, is_causal, scale, _threads())
+    a = _arrays((*q, *k, v, dout, out), w, not native)
+    _C.varlen_backward(a[n + 1], a[:L], a[L:n], a[n], a[n + 3], a[n + 2],
+                       _dl(lse), list(map(to_dlpack, dq)), list(map(to_dlpack, dk)), _dl(dv), _dl(dw),
+                       _read(cu_seqlens_q), _read(cu_seqlens_k), max_seqlen_q, max_seqlen_k, is_causal, scale,
+                       _threads())
     return _in_dtype(dq, dk, dv, dw, in_dtype)
 
 

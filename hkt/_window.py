@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ._checks import _kernel_args, check_call, check_windows
+from ._checks import _kernel_mask, check_call, check_windows
 from ._guards import _functorch_active
 from ._maths import repeat_kv
 # (tests and benchmarks name the ops and block_sums here)
@@ -31,14 +31,15 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if backend == "sdpa":
         raise ValueError("backend: 'sdpa' does not take windows (the levels that see a pair vary with it, which no "
                          "one SDPA call expresses); use backend=None or 'kernels'")
-    check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, dropout_allowed=True)
+    _, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, dropout_allowed=True)
     if _functorch_active():  # whichever backend was asked for
         raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
                                   "grad, jacrev, ...)")
     if q[0].device.type not in ("cpu", "meta"):  # meta: the op's fake kernel gives the shapes
         raise ValueError(f"windows: the windowed kernels run on the CPU only, got q[0] on {q[0].device}")
     dtype = q[0].dtype
-    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q[0], k[0])
+    if attn_mask is not None:
+        attn_mask = _kernel_mask(attn_mask, q[0], k[0])
     if scale is None:
         scale = 1.0 / math.sqrt(q[0].shape[-1])
     scale = float(scale)

@@ -6,9 +6,8 @@ from torch import Tensor
 
 from . import _kernels, _sdpa, ops
 from ._checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
-from ._checks import _check_inputs, _kernel_args, _real, check_call
-from ._guards import _functorch_active
-from ._guards import _autocast_inputs, _c_apply, _recording, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
+from ._checks import _check_inputs, _kernel_mask, _real, check_call
+from ._guards import _autocast_inputs, _c_apply, _call_mode, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
 from .ops._eager import flat_apply
 from .ops._schema import schema_softcap
 from .ops.attention import SEED_HIGH, AttentionFunction, QKVAttentionFunction, eager_seed, op_scale
@@ -26,11 +25,15 @@ _BACKENDS = (None, "auto", "kernels", "sdpa")
 
 
 def _pick_backend(backend, q, dropout_p, softcap=None) -> str:
-    """"kernels" or "sdpa" for this call (backend already validated).  Under
-    torch.func transforms (vmap, grad, jacrev, ...) the kernels, which take
-    plain arrays, cannot run: "sdpa", plain differentiable torch ops, does the
-    same maths there."""
-    if _functorch_active():
+    """The way this call goes (backend already validated): "sdpa", or hkt's
+    kernels, "kernels" called directly (eager) or "op" through the registered
+    custom op (torch.compile and torch.jit.trace record ops, never the
+    extension's direct calls: a trace of a direct call would replay whatever
+    memory the output had).  Under torch.func transforms (vmap, grad, jacrev,
+    ...) the kernels, which take plain arrays, cannot run: "sdpa", plain
+    differentiable torch ops, does the same maths there."""
+    mode = _call_mode()
+    if mode == "transform":
         if backend == "kernels":
             raise NotImplementedError(
                 "backend: hkt's kernels do not run under torch.func transforms (vmap, grad, jacrev, ...); "
@@ -40,13 +43,13 @@ def _pick_backend(backend, q, dropout_p, softcap=None) -> str:
                 "dropout_p: dropout runs only in hkt's kernels, which do not run under torch.func transforms "
                 "(vmap, grad, jacrev, ...); use dropout_p=0 there (for example the module in eval mode)")
         return "sdpa"
-    if backend == "kernels" or backend == "sdpa":
-        return backend
-    q0 = q[0] if isinstance(q, (list, tuple)) and len(q) else None
+    if backend == "sdpa":
+        return "sdpa"
+    q0 = q[0] if backend != "kernels" and isinstance(q, (list, tuple)) and len(q) else None
     if (isinstance(q0, Tensor) and q0.is_cuda and not _CUDA_KERNELS_PREFERRED and _real(dropout_p) and dropout_p == 0
             and softcap is None):  # a cap: the kernels, which name it where they cannot take it
         return "sdpa"
-    return "kernels"
+    return "op" if mode == "recording" else "kernels"
 
 
 def hkt_attention(
@@ -176,9 +179,10 @@ def hkt_attention(
     try:
         if torch._C._is_any_autocast_enabled():  # cheap; the device's own check, dearer, only then
             q, k, v, w = _autocast_inputs(q, k, v, w)
-        if _pick_backend(backend, q, dropout_p, softcap) == "sdpa":
+        way = _pick_backend(backend, q, dropout_p, softcap)
+        if way == "sdpa":
             return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
-        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
+        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, way == "op", softcap)
     except (RuntimeError, BufferError):
         # not a check: a dead torch.func wrapper (a tensor kept from inside a
         # finished transform) fails in DLPack, before any kernel ran; the call
@@ -190,15 +194,20 @@ def hkt_attention(
                              backend=backend, softcap=softcap)
 
 
-def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None):
-    """The call itself: torch's rules here (hkt._checks: types, devices,
-    bfloat16 upcast before the extension sees it, so a mix must be refused
-    first), the rest (shapes, strides, float32/float64 dtypes, the scale's
-    finiteness, dropout_p's range) the extension's, which names the argument."""
-    _, grad = _check_inputs(q, k, v, w)
+def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, softcap=None):
+    """The call on the kernels: torch's rules here (hkt._checks: types,
+    devices, bfloat16 upcast before the extension sees it, so a mix must be
+    refused first; the scalars' types), the rest (shapes, strides,
+    float32/float64 dtypes, the scale's finiteness, dropout_p's range, the
+    softcap) the extension's, which names the argument.  recording:
+    torch.compile or torch.jit.trace records the call (the registered op).
+    Every scalar goes on, in the same order, to the op, the autograd Function
+    and the kernels."""
+    grad, dropout_p, scale = _check_inputs(q, k, v, w, is_causal, dropout_p, scale)
     q0 = q[0]
-    attn_mask, dropout_p, scale = _kernel_args(attn_mask, is_causal, dropout_p, scale, q0, k[0])
-    if _recording() or q0.is_meta:
+    if attn_mask is not None:
+        attn_mask = _kernel_mask(attn_mask, q0, k[0])
+    if recording or q0.is_meta:
         # torch.compile or torch.jit.trace: the registered custom op, which they
         # record; meta tensors (shapes only) take its fake kernel
         if q0.is_meta:  # no kernel runs on them: the extension's checks, asked without running it
@@ -215,8 +224,8 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None)
     if torch.is_grad_enabled() and (grad or (attn_mask is not None and attn_mask.requires_grad)):
         # the op's registered autograd, without the dispatcher (ops/attention.py)
         return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap)
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True,
-                             want_lse=False, softcap=softcap)[0]
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, want_lse=False,
+                             softcap=softcap)[0]
 
 
 def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None):
@@ -245,10 +254,10 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     own_dtype = qkv.dtype in (torch.float32, torch.float64) or _kernels._native_bf16(q[0], v.shape[-1])
     own_dtype = own_dtype and q[0].dtype == k[0].dtype == v.dtype == qkv.dtype
     if (own_dtype and torch.is_grad_enabled() and qkv.requires_grad
-            and not qkv.is_meta and not _recording() and _pick_backend(None, q, dropout_p) == "kernels"):
+            and not qkv.is_meta and _pick_backend(None, q, dropout_p) == "kernels"):
         # q, k, v: the module's own heads; its mask and the rest checked as hkt_attention checks them
-        _check_inputs(q, k, v, w)
-        mask, dropout_p, _ = _kernel_args(attn_mask, is_causal, dropout_p, None, q[0], k[0])
+        _, dropout_p, _ = _check_inputs(q, k, v, w, is_causal, dropout_p)
+        mask = None if attn_mask is None else _kernel_mask(attn_mask, q[0], k[0])
         return flat_apply(QKVAttentionFunction, q[1:], k[1:], q[0].shape[1], k[0].shape[1], qkv, w, mask,
                           is_causal, dropout_p, None, eager_seed(dropout_p))
     return hkt_attention(q, k, v, w, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from . import _kernels
-from ._checks import _check_inputs, _check_scalars
+from ._checks import _check_inputs
 from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import varlen as varlen_op
 from .ops._eager import flat_apply
@@ -135,11 +135,10 @@ def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
     # dtype checked here (bfloat16 arrays are upcast before the extension sees
     # them: w always, q, k, v off the native path, so a mix would pass
     # unnoticed), tensors that DLPack can export
-    _, grad = _check_inputs(q, k, v, w)
+    grad, _, scale = _check_inputs(q, k, v, w, is_causal, 0.0, scale)
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64 offsets, got {type(cu).__name__}")
-    _, scale = _check_scalars(is_causal, 0.0, scale)
     if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
         return varlen_op.varlen_forward(list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
                                         schema_scale(scale))[0]

@@ -53,9 +53,10 @@ def eager_autograd(name: str, impl: Callable, setup_context: Callable, backward:
         return (None, *(dq if dq is not None else (None,) * L), *(dk if dk is not None else (None,) * Lk), *rest)
 
     forward, backward_ = (run_forward_lists, run_backward_lists) if lists else (run_forward, backward)
-    # made by type(), so that autograd names its graph nodes (grad_fn) after name
+    # made by type(), so that autograd names its graph nodes (grad_fn) after name; its
+    # module the op's, where setup_context is registered (impl may be the kernel call)
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_),
-                                                  "__module__": impl.__module__})
+                                                  "__module__": setup_context.__module__})
     # apply's C entry (no Python layer: a fair part of a small call's time); the
     # callers run it only with no torch.func transform active
     fn.fast_apply = _c_apply(fn)

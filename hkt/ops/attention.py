@@ -70,7 +70,7 @@ def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, at
     # the seed is read (on the host) only when there is dropout: without, it may
     # be a device tensor (functional.py makes it one), never synchronized on
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
-                             _seed_value(seed) if dropout_p > 0 else 0, softcap=softcap)
+                             _seed_value(seed) if dropout_p > 0 else 0, softcap, like_inputs=False)
 
 
 @attention_forward.register_fake
@@ -144,16 +144,12 @@ def _forward_op_gradients(ctx, grad_out, grad_lse):
 torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients, setup_context=_setup_context)
 
 
-def _eager_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap=None):
-    """The op's kernel call in an eager call: out laid out in memory like q[0]
-    (the op's is contiguous, as its fake kernel says), the scale and softcap as
-    the caller gave them (the extension's to check), seed an int."""
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, like_inputs=True,
-                             softcap=softcap)
-
-
-# eager calls that need gradients: the registered functions, without the dispatcher
-AttentionFunction = eager_autograd("AttentionFunction", _eager_forward, _setup_context, _forward_op_gradients,
+# eager calls that need gradients: the registered functions, without the dispatcher,
+# around the op's kernel call as an eager call makes it (hkt._kernels._forward:
+# out laid out in memory like q[0], where the op's is contiguous as its fake
+# kernel says; the scale and softcap as the caller gave them, for the extension
+# to check; seed an int)
+AttentionFunction = eager_autograd("AttentionFunction", _kernels._forward, _setup_context, _forward_op_gradients,
                                    lists=True, first_output=True)
 
 
@@ -177,7 +173,8 @@ _QKV_MASK = 6  # attn_mask's place among _qkv_forward's arguments (the op's: 4)
 
 def _qkv_forward(q_coarse, k_coarse, H, H_kv, qkv, w, attn_mask, is_causal, dropout_p, scale, seed):
     q0, k0, v = _qkv_heads(qkv, H, H_kv)
-    return _eager_forward([q0, *q_coarse], [k0, *k_coarse], v, w, attn_mask, is_causal, dropout_p, scale, seed)
+    return _kernels._forward([q0, *q_coarse], [k0, *k_coarse], v, w, attn_mask, is_causal, dropout_p, scale,
+                             seed)
 
 
 def _qkv_setup_context(ctx, inputs, output):
