@@ -87,6 +87,72 @@ int parse_scale(PyObject *scale, int64_t D, double *out) {
     return 0;
 }
 
+/* softcap (docs/contract.md section 1.12): NULL (not given), None or 0.0 for
+ * none (*out = 0), else a finite positive real number that is not a bool: a
+ * float, an int or any numbers.Real (a NumPy scalar).  The messages are
+ * hkt.reference's, word for word: this is the rule's one home, which the
+ * meta, "sdpa" and windowed paths reach through check_forward. */
+int parse_softcap(PyObject *obj, double *out) {
+    *out = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    int real = !PyBool_Check(obj) && (PyFloat_Check(obj) || PyLong_Check(obj));
+    if (!real && !PyBool_Check(obj)) { /* the rare case: numbers.Real asked only here */
+        PyObject *numbers = PyImport_ImportModule("numbers");
+        PyObject *Real = numbers ? PyObject_GetAttrString(numbers, "Real") : NULL;
+        Py_XDECREF(numbers);
+        if (!Real) return -1;
+        real = PyObject_IsInstance(obj, Real);
+        Py_DECREF(Real);
+        if (real < 0) return -1;
+    }
+    if (!real) {
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "softcap: expected None or a real number, got %.100s",
+                     type_name(obj, tn, sizeof tn));
+        return -1;
+    }
+    PyObject *f = PyNumber_Float(obj);
+    if (!f) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return -1;
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "softcap: must be positive and finite (or None/0.0 for none), got an "
+                        "int beyond the float range");
+        return -1;
+    }
+    const double c = PyFloat_AsDouble(f);
+    if (c == 0.0) {
+        Py_DECREF(f);
+        return 0;
+    }
+    if (!(c > 0.0 && c < INFINITY)) {
+        PyErr_Format(PyExc_ValueError, "softcap: must be positive and finite (or None/0.0 for none), got %R", f);
+        Py_DECREF(f);
+        return -1;
+    }
+    Py_DECREF(f);
+    *out = c;
+    return 0;
+}
+
+/* The kernels that do not take a soft cap yet, refused by name rather than run
+ * without it: the CUDA kernels and the CPU's native bfloat16 ones (hkt's
+ * Python layer computes bfloat16 in float32 when there is a cap, so only a
+ * direct call of the binding meets this). */
+int check_softcap_kernels(double softcap, int on_cuda, int native_bf16) {
+    if (softcap == 0) return 0;
+    if (on_cuda) {
+        PyErr_SetString(PyExc_NotImplementedError, "softcap: the CUDA kernels do not take softcap yet; move the "
+                        "tensors to the CPU, or use backend=None without softcap");
+        return -1;
+    }
+    if (native_bf16) {
+        PyErr_SetString(PyExc_NotImplementedError, "softcap: the native bfloat16 kernels do not take softcap yet; "
+                        "pass float32 (hkt.hkt_attention computes bfloat16 in float32 when softcap is given)");
+        return -1;
+    }
+    return 0;
+}
+
 int check_dropout(double dropout_p) {
     if (dropout_p >= 0.0 && dropout_p <= 1.0) return 0;
     /* as Python writes it (repr: 1.0000001, not %g's 1) */

@@ -157,6 +157,8 @@ int check_kv_heads(const char *name, int64_t H, int64_t H_kv);
 int check_count(const char *name, const char *what, int64_t a, int64_t b, int64_t c, int64_t d);
 int parse_scale(PyObject *scale, int64_t D, double *out);
 int check_dropout(double dropout_p);
+int parse_softcap(PyObject *softcap, double *out);
+int check_softcap_kernels(double softcap, int on_cuda, int native_bf16);
 int parse_stream(PyObject *obj, held *hd, void **handle);
 void after_fork_in_child(void);
 int parse_threads(PyObject *obj, int *out);
