@@ -15,7 +15,8 @@ from . import _C
 from ._maths import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "check_forward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
-           "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "dropout_keep_mask", "has_cuda", "cpu_tile"]
+           "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "dropout_keep_mask",
+           "has_cuda", "cpu_tile"]
 
 has_cuda = bool(_C.has_cuda)
 # the CPU kernels' query and key tile size, as the extension was built with it

@@ -169,7 +169,8 @@ def _gradients(ctx, dout, _dlse):
     dmask = grads[2 * L + 2] if ctx.mask_grad else None
     # one gradient per argument autograd saw: the dispatcher drops a trailing one equal to its default
     # (softcap=0.0), which setup_context still sees filled in
-    return (grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], dmask) + (None,) * (len(ctx.needs_input_grad) - 5)
+    rest = (None,) * (len(ctx.needs_input_grad) - 5)
+    return (grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], dmask) + rest
 
 
 torch.library.register_autograd("hkt::window_forward", _gradients, setup_context=_setup_context)

@@ -17,7 +17,7 @@ from hkt._window import block_sums, window_backward, window_forward, windowed_at
 from hkt._window_decode import attend_windowed, attend_windowed_rows
 from hkt.reference import hkt_attention_reference as reference
 
-from window_cases import TOL, leaves, names
+from window_cases import TOL, assert_op_matches, leaves, names
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,11 +100,7 @@ def test_dropout_with_the_cap(causal):
     keep = dropout_keep_mask(1234, p, B, H, T, S)
     want = reference(q, k, v, w, is_causal=causal, scale=0.4, dropout_p=p, dropout_mask=keep, windows=[4, 8, None],
                      softcap=0.8)
-    torch.testing.assert_close(got, want, **TOL)
-    dout = torch.randn_like(got)
-    for name, a, b in zip(names(3)[1:], torch.autograd.grad(got, [*q, *k, v, w], dout),
-                          torch.autograd.grad(want, [*q, *k, v, w], dout)):
-        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")
+    assert_op_matches(got, want, q, k, v, w)
 
 
 def test_float32_within_its_tolerance():
