@@ -457,11 +457,11 @@ static void win_flush(const hkt_window_params *p, win_work *wk, int l, int64_t b
     const int64_t D = p->D, Tl = win_blocks(p->T, l), Sl = win_blocks(p->S, l);
     const win_range r = wk->r[l];
     if (p->softcap > 0) { /* the units' gradients, of capped scores, through the cap onto A's */
-        const real cap = (real)p->softcap, *Al = wk->A[l], *EU = wk->EU[l];
+        const real inv = 1 / (real)p->softcap, *U = wk->U[l], *EU = wk->EU[l];
         real *El = wk->E[l];
         for (int64_t c = 0; c < r.end - r.base; c++) {
             if (EU[c] == 0) continue; /* no unit took this block: a NaN score's derivative stays out */
-            const real t = REAL_TANH(Al[c] / cap);
+            const real t = U[c] * inv; /* tanh(A / cap), from the capped score rather than a second tanh */
             El[c] += EU[c] * (1 - t * t);
         }
     }
