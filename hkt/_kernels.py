@@ -439,5 +439,9 @@ def window_kernels(*args, **kwargs) -> None:
 
 def window_softcap(softcap) -> float:
     """softcap as the windowed kernels take it, checked by the extension
-    (hkt._C.window_softcap): 0.0 for None or 0.0, else a positive finite float."""
+    (hkt._C.window_softcap): 0.0 for None or 0.0, else a positive finite float.
+    Under torch.compile it is not called (dynamo cannot trace into the
+    extension): the value goes on as it is, and the kernels' call checks it."""
+    if torch.compiler.is_compiling():
+        return 0.0 if softcap is None else softcap
     return _C.window_softcap(softcap)

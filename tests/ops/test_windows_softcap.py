@@ -211,6 +211,18 @@ def test_window_ops_with_the_cap_pass_opcheck():
                                                 plain is not None and plain.is_floating_point(), 1.5))
 
 
+def test_compile_fullgraph_takes_the_cap():
+    q, k, v, w = leaves(1, 2, 33, 33, 4, 3, 3, seed=12)
+    dout = torch.randn(1, 2, 33, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def fn(q, k, v, w):
+        return capped(q, k, v, w, windows=[4, 8, None], softcap=1.5, is_causal=True)
+    eager = outputs(fn, q, k, v, w, dout)
+    torch._dynamo.reset()
+    compiled = outputs(torch.compile(fn, fullgraph=True), q, k, v, w, dout)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
 @pytest.mark.parametrize("softcap, error, message", [
     (True, TypeError, "softcap: expected None or a real number, got bool"),
     ("1.0", TypeError, "softcap: expected None or a real number, got str"),
