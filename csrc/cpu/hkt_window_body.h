@@ -3,9 +3,10 @@
  * Not a header of declarations: the kernels' body, included once by
  * hkt_window_f32.c and once by hkt_window_f64.c (and so per instruction set,
  * as the dense kernels' bodies are), each defining `real`, REAL_IS_FLOAT and
- * REAL_EXP / REAL_LOG / REAL_NEXTAFTER / REAL_TANH first.  Every function is static, named
- * win_*, the entry points win_forward, win_backward and win_decode; exps of
- * x <= 0 are hkt_real.h's exp_nonpos, in a form the compiler vectorises.
+ * REAL_EXP / REAL_LOG / REAL_NEXTAFTER / REAL_TANH first.  Every function is
+ * static, named win_*, the entry points win_forward, win_backward and
+ * win_decode; exps of x <= 0 are hkt_real.h's exp_nonpos, in a form the
+ * compiler vectorises.
  *
  * Per (batch, head) the queries run in order.  For level l the keys it sees
  * from query block a = i >> l are the level-l blocks [base, end) (the window
