@@ -27,6 +27,11 @@
  * dvs[l] (like vs[l]: the gradient of each block sum; the caller spreads
  * dvs[l] onto the 2^l value rows of each block) and dw (H, L).
  *
+ * Soft-capping (section 1.12): with softcap = c > 0 a unit's combined score s
+ * becomes c tanh(s / c) before a float mask is added; the keys that share s
+ * share the capped score, so the sharing holds.  The backward takes each
+ * unit's score gradient through the cap, d/ds = 1 - tanh(s / c)^2.
+ *
  * Masks and dropout (section 1.11 of the contract).  A mask that does not
  * vary with the query, given as per-level counts (below), keeps the sharing:
  * a block's visible keys still share one probability.  A general mask
@@ -60,6 +65,7 @@ typedef struct {
     int dtype;                             /* HKT_FLOAT32 or HKT_FLOAT64 */
     int is_causal;                         /* key j visible to query i only when j <= i */
     double scale;
+    double softcap;                        /* 0: none; c > 0: a unit's score s is c tanh(s / c), before the mask */
     int64_t radius[HKT_MAX_LEVELS];        /* W_l / 2^l, in level-l blocks; 0: no window */
     const void *q[HKT_MAX_LEVELS];
     const void *k[HKT_MAX_LEVELS];
@@ -121,6 +127,7 @@ typedef struct {
     int L;
     int dtype;                             /* HKT_FLOAT32 or HKT_FLOAT64 */
     double scale;
+    double softcap;                        /* 0: none; c > 0: each score s is c tanh(s / c) */
     int64_t radius[HKT_MAX_LEVELS];        /* W_l / 2^l; 0: no window */
     const void *q[HKT_MAX_LEVELS];
     const void *k[HKT_MAX_LEVELS];

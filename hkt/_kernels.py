@@ -15,7 +15,8 @@ from . import _C
 from ._maths import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "check_forward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
-           "_downsample_backward", "window_kernels", "window_decode_kernel", "dropout_keep_mask", "has_cuda", "cpu_tile"]
+           "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "dropout_keep_mask",
+           "has_cuda", "cpu_tile"]
 
 has_cuda = bool(_C.has_cuda)
 # the CPU kernels' query and key tile size, as the extension was built with it
@@ -418,3 +419,13 @@ def window_kernels(*args, **kwargs) -> None:
     """The windowed kernels, forward or backward (hkt._C.window; hkt/_window.py
     forms their block sums and spreads their gradients)."""
     _C.window(*args, **kwargs)
+
+
+def window_softcap(softcap) -> float:
+    """softcap as the windowed kernels take it, checked by the extension
+    (hkt._C.window_softcap): 0.0 for None or 0.0, else a positive finite float.
+    Under torch.compile it is not called (dynamo cannot trace into the
+    extension): the value goes on as it is, and the kernels' call checks it."""
+    if torch.compiler.is_compiling():
+        return 0.0 if softcap is None else softcap
+    return _C.window_softcap(softcap)

@@ -9,6 +9,7 @@ import torch
 
 from ._checks import _kernel_mask, check_call, check_windows
 from ._guards import _functorch_active
+from ._kernels import window_softcap
 from ._maths import repeat_kv
 # (tests and benchmarks name the ops and block_sums here)
 from .ops.attention import SEED_HIGH
@@ -21,13 +22,15 @@ def _radius(windows):
     return tuple(0 if W is None else W >> l for l, W in enumerate(windows))
 
 
-def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend):
+def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend, softcap=None):
     """hkt_attention with windows: its arguments checked as hkt_attention checks
     them, what the windowed kernels cannot take refused by name; None when no
-    level has a window (the caller then makes today's call)."""
+    level has a window (the caller then makes today's call).  softcap: None
+    (or 0.0) for none, else c > 0 (docs/contract.md section 1.12)."""
     windows = check_windows(windows, len(q), growing=True)
     if windows is None:  # no level has a window: today's call, unchanged
         return None
+    softcap = window_softcap(softcap)  # the extension's check; 0.0: none
     if backend == "sdpa":
         raise ValueError("backend: 'sdpa' does not take windows (the levels that see a pair vary with it, which no "
                          "one SDPA call expresses); use backend=None or 'kernels'")
@@ -56,5 +59,6 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
         k, v = [repeat_kv(x, H) for x in k], repeat_kv(v, H)
     w2 = w.expand(H, L).contiguous() if w.dim() == 1 else w  # autograd sums dw back over the heads
     seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
-    out = window_forward(q, k, v, w2, attn_mask, list(_radius(windows)), is_causal, scale, dropout_p, seed)[0]
+    out = window_forward(q, k, v, w2, attn_mask, list(_radius(windows)), is_causal, scale, dropout_p, seed,
+                         softcap)[0]
     return out.to(dtype) if dtype == torch.bfloat16 else out

@@ -105,10 +105,11 @@ def _units(a: int, b: int, m: int, v_sums: List[Tensor]) -> Tuple[List[int], Lis
 
 
 def attend_windowed(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List[Tensor], w: Tensor, t: int,
-                    windows: Sequence[Optional[int]], scale: Optional[float] = None) -> Tensor:
+                    windows: Sequence[Optional[int]], scale: Optional[float] = None, softcap: float = 0.0) -> Tensor:
     """Row t of the causal windowed hkt_attention, (B, H, 1, Dv): q[l] (B, H, 1, D)
     the level-l query of position t's block, k_cache[l] the level-l keys,
-    v_sums[l] the level-l block sums of the values (v_sums[0]: the values)."""
+    v_sums[l] the level-l block sums of the values (v_sums[0]: the values).
+    softcap: 0.0 for none, else c > 0 (docs/contract.md section 1.12)."""
     L = len(q)
     B, H, _, D = q[0].shape
     Hk, Dv = k_cache[0].shape[1], v_sums[0].shape[-1]
@@ -134,6 +135,8 @@ def attend_windowed(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List
         counts.extend(n)
         sums.extend(s)
     score = torch.cat(scores, dim=-1)  # (B, H_kv, G, units)
+    if softcap > 0:  # a unit's keys share its combined score, so its capped one too
+        score = softcap * torch.tanh(score / softcap)
     count = torch.tensor(counts, dtype=score.dtype, device=score.device)
     values = torch.cat(sums, dim=2)  # (B, H_kv, units, Dv)
     top = score.amax(dim=-1, keepdim=True)
@@ -174,17 +177,17 @@ def _put(x: Tensor, lo: int, hi: int, rows: Tensor) -> None:
 
 
 def attend_windowed_rows(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List[Tensor], w: Tensor, t0: int,
-                         windows: Sequence[Optional[int]]) -> Tensor:
+                         windows: Sequence[Optional[int]], softcap: float = 0.0) -> Tensor:
     """Rows t0 .. t0 + n - 1 of the causal windowed hkt_attention, (B, H, n, Dv),
     the cache holding their keys and block sums (append_windowed): the C kernel
     (csrc/cpu/hkt_window_decode_body.h) for float32 and float64 CPU tensors, else
-    attend_windowed a row at a time."""
+    attend_windowed a row at a time.  softcap: 0.0 for none, else c > 0."""
     L, (B, H, n, D) = len(q), q[0].shape
     if q[0].device.type != "cpu" or q[0].dtype not in (torch.float32, torch.float64):
-        return torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], k_cache, v_sums, w, t0 + i, windows)
-                          for i in range(n)], dim=2)
+        return torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], k_cache, v_sums, w, t0 + i, windows,
+                                          softcap=softcap) for i in range(n)], dim=2)
     out = q[0].new_empty(B, H, n, v_sums[0].shape[-1])
     w2 = w.to(q[0].dtype).expand(H, L).contiguous() if w.dim() == 1 else w.to(q[0].dtype).contiguous()
     window_decode_kernel([x.contiguous() for x in q], list(k_cache), list(v_sums), w2, out, t0, _radius(windows),
-                         D ** -0.5, _threads())
+                         D ** -0.5, _threads(), softcap=softcap)
     return out

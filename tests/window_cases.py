@@ -39,6 +39,16 @@ def assert_matches(q, k, v, w, windows, causal, scale=None, tol=TOL, **extra):
     return got
 
 
+def assert_op_matches(got, want, q, k, v, w):
+    """An output of the kernels' op against the reference's, and the gradients
+    of both over the leaves for one random output gradient."""
+    torch.testing.assert_close(got, want, **TOL)
+    dout = torch.randn_like(got)
+    for name, a, b in zip(names(len(q))[1:], torch.autograd.grad(got, [*q, *k, v, w], dout),
+                          torch.autograd.grad(want, [*q, *k, v, w], dout)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name}: {m}")
+
+
 def module_matches_reference(m, x, monkeypatch, **kw):
     """A module's output, returned weights and every parameter's gradient for
     m(x, x, x, need_weights=True, **kw), against the same with the reference

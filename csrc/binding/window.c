@@ -146,7 +146,7 @@ static int win_extras(hkt_window_params *p, held *hd, const DLTensor *q0, PyObje
 PyDoc_STRVAR(window_doc,
 "window(q, k, vs, w, out, lse, radius, is_causal=False, scale=1.0, num_threads=0,\n"
 "       dout=None, dq=None, dk=None, dvs=None, dw=None, attn_mask=None, dropout_p=0.0,\n"
-"       seed=0, counts=None, dmask=None)\n--\n\n"
+"       seed=0, counts=None, dmask=None, softcap=None)\n--\n\n"
 "Windowed HKT attention (csrc/hkt_window.h).  q, k, vs: L C-contiguous arrays\n"
 "(B, H, ceil(T/2^l), D), (B, H_kv, ceil(S/2^l), D), (B, H_kv, ceil(S/2^l), Dv),\n"
 "vs[0] = v and vs[l] its level-l block sums; w (H, L); out (B, H, T, Dv), lse\n"
@@ -158,22 +158,24 @@ PyDoc_STRVAR(window_doc,
 "key one by one.  counts: None or L arrays (B, H_kv, ceil(S/2^l)), each block's\n"
 "visible keys (a key-only mask; vs then the visible keys' sums), not with\n"
 "attn_mask.  dmask (backward, float attn_mask): (B, H, T, S) C-contiguous, the\n"
-"score gradient of every entry.  float32 or float64, on the CPU.");
+"score gradient of every entry.  softcap: None or 0.0 for none, else c > 0:\n"
+"each combined score s becomes c * tanh(s / c) before the mask (the backward\n"
+"takes the forward's).  float32 or float64, on the CPU.");
 
 static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "vs", "w", "out", "lse", "radius", "is_causal", "scale", "num_threads",
                              "dout", "dq", "dk", "dvs", "dw", "attn_mask", "dropout_p", "seed", "counts", "dmask",
-                             NULL};
+                             "softcap", NULL};
     PyObject *qs, *ks, *vss, *w, *out, *lse, *radius, *nthreads = NULL;
     PyObject *dout = Py_None, *dqs = Py_None, *dks = Py_None, *dvss = Py_None, *dw = Py_None;
-    PyObject *mask = Py_None, *counts = Py_None, *dmask = Py_None;
+    PyObject *mask = Py_None, *counts = Py_None, *dmask = Py_None, *softcap = NULL;
     int causal = 0;
     double scale = 1.0, dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO|pdOOOOOOOdKOO:window", kwlist, &qs, &ks, &vss, &w, &out,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOO|pdOOOOOOOdKOOO:window", kwlist, &qs, &ks, &vss, &w, &out,
                                      &lse, &radius, &causal, &scale, &nthreads, &dout, &dqs, &dks, &dvss, &dw,
-                                     &mask, &dropout_p, &seed, &counts, &dmask))
+                                     &mask, &dropout_p, &seed, &counts, &dmask, &softcap))
         return NULL;
     const int backward = dout != Py_None;
     hkt_window_params p;
@@ -186,7 +188,7 @@ static PyObject *py_window(PyObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "scale: must be finite");
         return NULL;
     }
-    if (check_dropout(dropout_p)) return NULL;
+    if (check_dropout(dropout_p) || parse_softcap(softcap, &p.softcap)) return NULL;
     if (parse_threads(nthreads, &p.num_threads)) return NULL;
     held hd;
     held_start(&hd);
@@ -285,23 +287,23 @@ static int win_cache_levels(hkt_window_decode_params *p, held *hd, PyObject *kt,
 }
 
 PyDoc_STRVAR(window_decode_doc,
-"window_decode(q, k, vs, w, out, t0, radius, scale=1.0, num_threads=0)\n--\n\n"
+"window_decode(q, k, vs, w, out, t0, radius, scale=1.0, num_threads=0, softcap=None)\n--\n\n"
 "Decoding with windows (csrc/hkt_window.h): the causal rows of positions t0 ..\n"
 "t0 + n - 1 against a cache that already holds their keys and block sums.  q: L\n"
 "arrays (B, H, n, D), row i the level-l query of position t0 + i's block; k: L\n"
 "arrays (B, H_kv, rows_l, D); vs: L arrays (B, H_kv, rows_l, Dv), vs[0] the values,\n"
 "vs[l] the complete level-l blocks' sums; level-l block c in row c % rows_l (a\n"
-"ring, or every block); w (H, L); out (B, H, n, Dv), written.  C-contiguous\n"
-"float32 or float64 CPU arrays.");
+"ring, or every block); w (H, L); out (B, H, n, Dv), written.  softcap as\n"
+"window's.  C-contiguous float32 or float64 CPU arrays.");
 
 static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"q", "k", "vs", "w", "out", "t0", "radius", "scale", "num_threads", NULL};
-    PyObject *qs, *ks, *vss, *w, *out, *radius, *nthreads = NULL;
+    static char *kwlist[] = {"q", "k", "vs", "w", "out", "t0", "radius", "scale", "num_threads", "softcap", NULL};
+    PyObject *qs, *ks, *vss, *w, *out, *radius, *nthreads = NULL, *softcap = NULL;
     long long t0;
     double scale = 1.0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOLO|dO:window_decode", kwlist, &qs, &ks, &vss, &w, &out, &t0,
-                                     &radius, &scale, &nthreads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOLO|dOO:window_decode", kwlist, &qs, &ks, &vss, &w, &out, &t0,
+                                     &radius, &scale, &nthreads, &softcap))
         return NULL;
     hkt_window_decode_params p;
     memset(&p, 0, sizeof p);
@@ -311,6 +313,7 @@ static PyObject *py_window_decode(PyObject *self, PyObject *args, PyObject *kw) 
         PyErr_SetString(PyExc_ValueError, "scale: must be finite");
         return NULL;
     }
+    if (parse_softcap(softcap, &p.softcap)) return NULL;
     if (t0 < 0 || t0 > ((long long)1 << 48)) { /* positions' sums and counts stay far inside int64 */
         PyErr_Format(PyExc_ValueError, "t0: must be in [0, 2^48], got %lld", t0);
         return NULL;
@@ -352,7 +355,21 @@ done:
     return win_finish(rc, mem, &hd, qt, kt, rt, vt);
 }
 
+PyDoc_STRVAR(window_softcap_doc,
+"window_softcap(softcap)\n--\n\n"
+"softcap as window and window_decode take it: 0.0 for None or 0.0, else the\n"
+"positive finite float; raises what they would (TypeError, ValueError).  For\n"
+"the Python layer, whose ops carry it as a float.");
+
+static PyObject *py_window_softcap(PyObject *self, PyObject *softcap) {
+    double c;
+    (void)self;
+    if (parse_softcap(softcap, &c)) return NULL;
+    return PyFloat_FromDouble(c);
+}
+
 PyMethodDef binding_window_methods[] = {
+    {"window_softcap", py_window_softcap, METH_O, window_softcap_doc},
     {"window", (PyCFunction)(void (*)(void))py_window, METH_VARARGS | METH_KEYWORDS, window_doc},
     {"window_decode", (PyCFunction)(void (*)(void))py_window_decode, METH_VARARGS | METH_KEYWORDS,
      window_decode_doc},

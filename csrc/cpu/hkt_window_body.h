@@ -3,9 +3,10 @@
  * Not a header of declarations: the kernels' body, included once by
  * hkt_window_f32.c and once by hkt_window_f64.c (and so per instruction set,
  * as the dense kernels' bodies are), each defining `real`, REAL_IS_FLOAT and
- * REAL_EXP / REAL_LOG / REAL_NEXTAFTER first.  Every function is static, named
- * win_*, the entry points win_forward, win_backward and win_decode; exps of
- * x <= 0 are hkt_real.h's exp_nonpos, in a form the compiler vectorises.
+ * REAL_EXP / REAL_LOG / REAL_NEXTAFTER / REAL_TANH first.  Every function is
+ * static, named win_*, the entry points win_forward, win_backward and
+ * win_decode; exps of x <= 0 are hkt_real.h's exp_nonpos, in a form the
+ * compiler vectorises.
  *
  * Per (batch, head) the queries run in order.  For level l the keys it sees
  * from query block a = i >> l are the level-l blocks [base, end) (the window
@@ -21,6 +22,11 @@
  * Level m's part depends on the query only through i >> (m-1): it is reduced
  * once per level-(m-1) block to a partial softmax (max, sum, weighted values)
  * that each query of the block merges with its own.
+ *
+ * With a soft cap c the units are scored U_m = c tanh(A_m / c) (a copy: A_m
+ * still feeds the levels below), and the backward adds their gradients to EU_m,
+ * taken through the cap into E_m when level m's block ends.  Without one U_m
+ * is A_m and EU_m is E_m, the same arrays, so nothing else changes.
  *
  * The backward adds each unit's score gradient to E_m (indexed like A_m); when
  * a level-l query block ends, E_l gives dq[l][a], dk[l] and dw[l] through G's
@@ -117,6 +123,8 @@ typedef struct {
     real M[HKT_MAX_LEVELS], Z[HKT_MAX_LEVELS]; /* per level: a partial's max and sum */
     real c[HKT_MAX_LEVELS], Y[HKT_MAX_LEVELS]; /* backward: a block's largest lse, its weighted sum of <dout, out> */
     int shared[HKT_MAX_LEVELS];         /* backward: level m's units visited once per level-(m-1) block */
+    /* per level: the units' scores and where their gradients go (A and E, or with a soft cap their own) */
+    real *U[HKT_MAX_LEVELS], *EU[HKT_MAX_LEVELS];
 } win_work;
 
 static size_t win_thread_bytes(const hkt_window_params *p, int backward) {
@@ -129,6 +137,8 @@ static size_t win_thread_bytes(const hkt_window_params *p, int backward) {
     units = (units + 15) / 16 * 16;
     const size_t dv = ((size_t)p->Dv + 15) / 16 * 16;
     const size_t keyed = win_per_key(p) ? (WIN_GROUP + 1) * 3 * WIN_KEYS + WIN_GROUP * (size_t)p->L * (dv + 2) : 0;
+    if (p->softcap > 0) /* U, and in the backward EU, of their own */
+        for (int l = 0; l < p->L; l++) reals += (backward ? 2 : 1) * (((size_t)win_level_cap(p, l) + 15) / 16 * 16);
     return (reals + units + (1 + 2 * (size_t)p->L) * dv + WIN_TILE * (size_t)p->D + keyed) * sizeof(real) + 64;
 }
 
@@ -169,6 +179,20 @@ static void win_carve(const hkt_window_params *p, int backward, char *mem, win_w
     x += slots * (size_t)p->L * dv;
     wk->QM = x;
     wk->QZ = x + slots * (size_t)p->L;
+    x += 2 * slots * (size_t)p->L;
+    /* after all the rest: without a cap the layout is the uncapped kernels' own */
+    for (int l = 0; l < p->L; l++) {
+        wk->U[l] = wk->A[l];
+        wk->EU[l] = wk->E[l];
+        if (p->softcap <= 0) continue;
+        const size_t n = ((size_t)win_level_cap(p, l) + 15) / 16 * 16;
+        wk->U[l] = x;
+        x += n;
+        if (backward) {
+            wk->EU[l] = x;
+            x += n;
+        }
+    }
 }
 
 static inline real win_dot(const real *a, const real *b, int64_t n) {
@@ -232,6 +256,12 @@ static void win_level_scores(const hkt_window_params *p, win_work *wk, int l, in
     } else {
         for (int64_t c = r.base; c < r.end; c++) A[c - r.base] = f * G[c - r.base];
     }
+    if (p->softcap > 0) {
+        const real cap = (real)p->softcap, *Al = wk->A[l];
+        real *U = wk->U[l];
+        for (int64_t c = 0; c < r.end - r.base; c++) U[c] = cap * REAL_TANH(Al[c] / cap);
+        if (wk->EU[l] != wk->E[l]) memset(wk->EU[l], 0, (size_t)(r.end - r.base) * sizeof(real));
+    }
     if (wk->E[l]) memset(wk->E[l], 0, (size_t)(r.end - r.base) * sizeof(real));
 }
 
@@ -240,7 +270,7 @@ static inline void win_add_run(const hkt_window_params *p, win_work *wk, int lev
     if (n <= 0) return;
     win_run *r = &wk->runs[wk->nruns++];
     const int64_t full = (int64_t)1 << lev, tail = p->S - ((idx + n - 1) << lev);
-    r->s = wk->A[m] + ec;
+    r->s = wk->U[m] + ec;
     r->ec = ec;
     r->idx = idx;
     r->n = n;
@@ -427,6 +457,15 @@ static void win_flush(const hkt_window_params *p, win_work *wk, int l, int64_t b
                        int64_t a, real f, real *dwl) {
     const int64_t D = p->D, Tl = win_blocks(p->T, l), Sl = win_blocks(p->S, l);
     const win_range r = wk->r[l];
+    if (p->softcap > 0) { /* the units' gradients, of capped scores, through the cap onto A's */
+        const real inv = 1 / (real)p->softcap, *U = wk->U[l], *EU = wk->EU[l];
+        real *El = wk->E[l];
+        for (int64_t c = 0; c < r.end - r.base; c++) {
+            if (EU[c] == 0) continue; /* no unit took this block: a NaN score's derivative stays out */
+            const real t = U[c] * inv; /* tanh(A / cap), from the capped score rather than a second tanh */
+            El[c] += EU[c] * (1 - t * t);
+        }
+    }
     const real *E = wk->E[l], *G = wk->G[l];
     const real *qa = (const real *)p->q[l] + ((b * p->H + h) * Tl + a) * D;
     const real *kl = (const real *)p->k[l] + (b * p->H_kv + hk) * Sl * D;
@@ -504,7 +543,7 @@ static void win_unit_grads(const hkt_window_params *p, win_work *wk, int64_t b, 
         for (int64_t u = 0; u < n; u++) P[u] = exp_nonpos(r->s[u] - c);
         const real *V = win_vrow(p, p->vs, r->lev, b, hk, r->idx);
         real *dV = (real *)win_vrow(p, (const void *const *)p->dvs, r->lev, b, hk, r->idx);
-        real *E = wk->E[r->m] + r->ec;
+        real *E = wk->EU[r->m] + r->ec;
         const real kD = r->keys * Dg;
         const real *cn = win_count_row(p, r->lev, b, hk, r->idx);
         int hidden = 0;

@@ -9,7 +9,8 @@
  * pieces at its edges), their scores (each seeing level's dots with the
  * blocks it holds, over the contiguous range of them the run covers, summed
  * in level order), then one softmax in which a unit counts its keys and adds
- * its values' sum.  Level-l block c lies in row c % cap[l] of k[l] and vs[l].
+ * its values' sum (with a soft cap, of the unit's capped score).  Level-l
+ * block c lies in row c % cap[l] of k[l] and vs[l].
  */
 
 /* how many units a row of position t can have, at most: per level m, its
@@ -128,6 +129,10 @@ static void win_decode_row(const hkt_window_decode_params *p, win_decode_row_wor
     cuts[ncut] = t + 1;
     rw->nu = rw->nedge = 0;
     for (int c = 0; c < ncut; c++) win_decode_run(p, rw, b0, hk, qv, f, start, cuts[c], cuts[c + 1]);
+    if (p->softcap > 0) { /* a unit's keys share its score, so its capped score too */
+        const real cap = (real)p->softcap;
+        for (int64_t u = 0; u < rw->nu; u++) rw->s[u] = cap * REAL_TANH(rw->s[u] / cap);
+    }
     real mx = -INFINITY;
     int nan = 0;
     for (int64_t u = 0; u < rw->nu; u++) {

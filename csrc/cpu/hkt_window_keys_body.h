@@ -279,7 +279,7 @@ static void win_grads_group(const hkt_window_params *p, win_work *wk, int64_t b,
     const int drop = p->dropout_p > 0;
     for (int x = 0; na && x < wk->nruns; x++) {
         const win_run *r = &wk->runs[x];
-        real *E = wk->E[r->m] + r->ec;
+        real *E = wk->EU[r->m] + r->ec;
         int64_t J0;
         const int64_t J1 = win_run_keys(p, r, &J0);
         for (int64_t j0 = J0; j0 < J1; j0 += WIN_KEYS) {

@@ -91,12 +91,13 @@ def _seed_of(seed: Tensor) -> int:
 # kernel instead of a C function they cannot trace.  w arrives as (H, L), a
 # mask 4-D in the compute dtype; the block sums of v are remade in the
 # backward (O(S Dv), the same bits) rather than kept.  The dropout seed is a
-# tensor, so that a compiled graph draws a new one each call.
+# tensor, so that a compiled graph draws a new one each call.  softcap: 0.0
+# for none (docs/contract.md section 1.12), else c > 0, the binding's to check.
 
 @torch.library.custom_op("hkt::window_forward", mutates_args=(), **OP_OPTIONS)
 def window_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                    radius: List[int], is_causal: bool, scale: float, dropout_p: float,
-                   seed: Tensor) -> Tuple[Tensor, Tensor]:
+                   seed: Tensor, softcap: float = 0.0) -> Tuple[Tensor, Tensor]:
     # the op runs below autograd, but its inputs still say they require grad, which DLPack refuses
     q, k, v, w = [x.detach() for x in q], [x.detach() for x in k], v.detach(), w.detach()
     mask = attn_mask.detach() if attn_mask is not None else None
@@ -105,12 +106,12 @@ def window_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_
     lse = q[0].new_empty(B, H, T)
     vs, counts, mask = _kernel_values(v, mask, dropout_p, len(q))
     window_kernels(q, k, vs, w, out, lse, tuple(radius), is_causal, scale, _threads(), attn_mask=mask,
-                   dropout_p=dropout_p, seed=_seed_of(seed), counts=counts)
+                   dropout_p=dropout_p, seed=_seed_of(seed), counts=counts, softcap=softcap)
     return out, lse
 
 
 @window_forward.register_fake
-def _(q, k, v, w, attn_mask, radius, is_causal, scale, dropout_p, seed):
+def _(q, k, v, w, attn_mask, radius, is_causal, scale, dropout_p, seed, softcap=0.0):
     B, H, T, _ = q[0].shape
     return q[0].new_empty(B, H, T, v.shape[-1]), q[0].new_empty(B, H, T)
 
@@ -118,7 +119,8 @@ def _(q, k, v, w, attn_mask, radius, is_causal, scale, dropout_p, seed):
 @torch.library.custom_op("hkt::window_backward", mutates_args=(), **OP_OPTIONS)
 def window_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor,
                     attn_mask: Optional[Tensor], out: Tensor, lse: Tensor, radius: List[int], is_causal: bool,
-                    scale: float, dropout_p: float, seed: Tensor, mask_grad: bool) -> List[Tensor]:
+                    scale: float, dropout_p: float, seed: Tensor, mask_grad: bool,
+                    softcap: float = 0.0) -> List[Tensor]:
     """dq..., dk..., dv, dw and the float mask's gradient (summed over the
     dimensions it broadcasts along; an empty tensor unless mask_grad)."""
     q, k, v, w = [x.detach() for x in q], [x.detach() for x in k], v.detach(), w.detach()
@@ -132,7 +134,7 @@ def window_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w
     full = out.new_empty(*out.shape[:3], v.shape[2]) if mask_grad else None
     window_kernels(q, k, vs, w, out, lse, tuple(radius), is_causal, scale, _threads(), dout=dout.contiguous(),
                    dq=dq, dk=dk, dvs=dvs, dw=dw, attn_mask=kmask, dropout_p=dropout_p, seed=_seed_of(seed),
-                   counts=counts, dmask=full)
+                   counts=counts, dmask=full, softcap=softcap)
     dv = spread_block_grads(dvs, v.shape[2])
     if counts is not None:  # the sums were of the visible keys only
         dv = torch.where(_key_keep(mask, v), dv, torch.zeros((), dtype=dv.dtype))
@@ -144,14 +146,15 @@ def window_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w
 
 
 @window_backward.register_fake
-def _(dout, q, k, v, w, attn_mask, out, lse, radius, is_causal, scale, dropout_p, seed, mask_grad):
+def _(dout, q, k, v, w, attn_mask, out, lse, radius, is_causal, scale, dropout_p, seed, mask_grad, softcap=0.0):
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else out.new_empty(0)
     return [x.new_empty(x.shape) for x in (*q, *k, v, w)] + [dmask]
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, attn_mask, radius, is_causal, scale, dropout_p, seed = inputs
+    q, k, v, w, attn_mask, radius, is_causal, scale, dropout_p, seed, softcap = inputs
     ctx.L, ctx.radius, ctx.is_causal, ctx.scale, ctx.dropout_p = len(q), radius, is_causal, scale, dropout_p
+    ctx.softcap = softcap
     ctx.has_mask = attn_mask is not None
     ctx.mask_grad = attn_mask is not None and attn_mask.is_floating_point() and attn_mask.requires_grad
     ctx.save_for_backward(*q, *k, v, w, *output, seed, *((attn_mask,) if ctx.has_mask else ()))
@@ -162,9 +165,12 @@ def _gradients(ctx, dout, _dlse):
     q, k, (v, w, out, lse, seed) = list(saved[:L]), list(saved[L:2 * L]), saved[2 * L:2 * L + 5]
     mask = saved[2 * L + 5] if ctx.has_mask else None
     grads = window_backward(dout, q, k, v, w, mask, out, lse, ctx.radius, ctx.is_causal, ctx.scale, ctx.dropout_p,
-                            seed, ctx.mask_grad)
+                            seed, ctx.mask_grad, ctx.softcap)
     dmask = grads[2 * L + 2] if ctx.mask_grad else None
-    return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], dmask, None, None, None, None, None
+    # one gradient per argument autograd saw: the dispatcher drops a trailing one equal to its default
+    # (softcap=0.0), which setup_context still sees filled in
+    rest = (None,) * (len(ctx.needs_input_grad) - 5)
+    return (grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], dmask) + rest
 
 
 torch.library.register_autograd("hkt::window_forward", _gradients, setup_context=_setup_context)
