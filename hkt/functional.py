@@ -167,13 +167,11 @@ def hkt_attention(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
-    if windows is not None and _kernels._capped(softcap):  # the windowed kernels' cap: not wired yet
-        raise NotImplementedError("softcap: not with windows yet (the windowed kernels take no cap); pass windows=None")
     if windows is not None and isinstance(q, (list, tuple)):  # a window per level (contract 1.11): its own kernels
         from ._window import windowed_attention
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)
-        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend)
+        out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend, softcap)
         if out is not None:
             return out
     try:

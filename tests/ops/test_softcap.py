@@ -249,12 +249,23 @@ def test_func_transforms_refuse_a_cap_by_name():
         torch.func.vmap(lambda v: hkt.hkt_attention(q, k, v, w, softcap=CAP))(v.unsqueeze(0))
 
 
-def test_windows_refuse_a_cap_by_name():
-    q, k, v, w = loud(B=1, H=2, T=16, S=16, L=2)
-    with pytest.raises(NotImplementedError, match="^softcap: .*windows"):
-        hkt.hkt_attention(q, k, v, w, windows=[4, 8], softcap=CAP)
-    # no cap: the windows as before
-    hkt.hkt_attention(q, k, v, w, windows=[4, 8], softcap=0.0)
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows_take_a_cap_through_hkt_attention(causal):
+    # hkt_attention's windowed branch hands the cap to the windowed kernels:
+    # forward and every gradient equal the reference's, and the cap matters
+    q, k, v, w = loud(B=1, H=2, T=40, S=40, L=3)
+    q, k, v, w, _ = leaves(q, k, v, w)
+    windows = [4, 8, None]
+    out, grads = outputs_and_grads(hkt.hkt_attention, q, k, v, w, None, is_causal=causal, windows=windows,
+                                   softcap=CAP)
+    ref, ref_grads = outputs_and_grads(reference, q, k, v, w, None, is_causal=causal, windows=windows, softcap=CAP)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    uncapped = hkt.hkt_attention(q, k, v, w, is_causal=causal, windows=windows)
+    assert (out - uncapped).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="^softcap: must be positive"):
+        hkt.hkt_attention(q, k, v, w, windows=windows, softcap=-1.0)
 
 
 def test_varlen_refuses_a_cap_by_name():
