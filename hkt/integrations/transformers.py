@@ -40,7 +40,7 @@ except ImportError as e:  # the extra is optional: say how to get it
 
 import hkt
 from hkt._checks import check_windows
-from hkt.level_cache import HeadLevelCache
+from hkt.level_cache import HeadLevelCache, WindowRings
 from hkt.levels import Levels
 
 __all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
@@ -148,14 +148,27 @@ class HKTLevels(Levels):
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
                                 windows=self.windows)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-            # with windows every query is kept: a decoding step recomputes the windowed op over the whole sequence
-            tail = query if self.windows is not None else query[:, :, -self.tail_length():]
-            self.decode_state = HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:])
+            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, ks, v0)
         if shifted:  # back to the model's layout
             out = _take(out, _shift_index(-pad, T))
         if real is not None:  # padding rows give zeros
             out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
+
+    def _decode_state(self, query, key, w, dropout, pad, count, ks, v0) -> HeadLevelCache:
+        """What a prefill of T positions keeps for the decoding steps that follow:
+        the latest queries the next blocks are downsampled from, and the coarse
+        keys; with windows, where the steps can run the windowed decoding kernel
+        (:func:`_kernel_decodes`), the levels' rings (:class:`hkt.level_cache.WindowRings`,
+        filled from ``ks`` and ``v0``, each row's tokens first), else every query
+        so far: such a step recomputes the windowed op over the whole sequence."""
+        T = query.shape[2]
+        rings = None
+        if self.windows is not None and _kernel_decodes(query, w, dropout):
+            with torch.no_grad():
+                rings = WindowRings(self.windows, ks, v0, count)
+        tail = query if self.windows is not None and rings is None else query[:, :, -self.tail_length():]
+        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:] if self.windows is None else [], rings)
 
     def tail_length(self) -> int:
         """How many of the latest full-resolution queries a decoding step can need
@@ -189,6 +202,12 @@ class HKTLevels(Levels):
         if not bool((pad + count == S).all()):
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        if state.rings is not None:
+            if not _kernel_decodes(query, w, dropout):
+                raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
+                                   "with windows (that prompt kept the windowed decoding's rings, not every query)",
+                                   "run the prompt and the steps in the same grad mode")
+            return self._decode_rings(query, key, value, w, pad, count, scaling)
         if self.windows is not None:
             # the windowed kernels place query i at position i: the new rows are the last T of the
             # op over every position so far (near-linear in S per step), as the uncached forward computes them
@@ -196,28 +215,12 @@ class HKTLevels(Levels):
             out = self.prefill(q_all, key, value, w, real, scaling, dropout, False)[:, :, -T:]
             state.length, state.last_key, state.q_tail = S, key[:, :, -1].detach(), q_all
             return out
-        L, K = self.levels, self.downsample_kernel
-        top = 2 ** (L - 1)
-        t0 = count - T  # each row's position (tokens only) of the first new query
-        # the window each row's new blocks are computed from, from an aligned start, so
-        # its blocks are the row's own; its rows before the start are all the blocks need
-        start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
-        n = T + self.tail_length()
-        window = _shift_index(pad + start, n)  # positions in the model's layout
-        q_all = torch.cat([state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
-        q_win = _take(q_all, window - (S - q_all.shape[2]))
-        k_win = _take(key, window)
-        new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
-        qs = [query]  # level l: the new positions' blocks, found in the window's level l
-        qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
-               for l, qc in enumerate(self.coarse_heads(q_win, "q"), 1)]
-        coarse_k = _write_blocks(state.coarse_k, self.coarse_heads(k_win, "k"), start, new_rows, S)
+        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+        coarse_k = _write_blocks(state.coarse_k, k_win, start, new_rows, S)
         shifted = bool(pad.any())
         k0 = _take(key, _shift_index(pad, S)) if shifted else key
         v0 = _take(value, _shift_index(pad, S)) if shifted else value
-        if (sliding_window is None and _DECODE_KERNEL and query.device.type == "cpu"
-                and query.dtype in (torch.float32, torch.float64)
-                and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
+        if sliding_window is None and _kernel_decodes(query, w, dropout):
             with torch.no_grad():
                 out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling)
         else:  # any device, dtype, grad mode or window: one new token at a time, its keys those up to it
@@ -235,6 +238,54 @@ class HKTLevels(Levels):
         state.last_key = key[:, :, -1].detach()
         state.q_tail = q_all[:, :, -self.tail_length():]
         return out
+
+    def _new_blocks(self, query, key, pad, count):
+        """The coarse levels of T new positions after S - T cached ones:
+        (t0 (B,) each row's position, tokens only, of its first new query;
+        start (B,) where the window of positions its new blocks are computed from
+        begins; the new positions (B, T); every query the state and the call
+        hold; qs, the new positions' query of each level; and the window's
+        coarse keys, level l's block p at slot p - start / 2^l)."""
+        B, H, T, D = query.shape
+        S = key.shape[2]
+        L, K = self.levels, self.downsample_kernel
+        top = 2 ** (L - 1)
+        t0 = count - T
+        # the window each row's new blocks are computed from, from an aligned start, so
+        # its blocks are the row's own; its rows before the start are all the blocks need
+        start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
+        window = _shift_index(pad + start, T + self.tail_length())  # positions in the model's layout
+        q_all = torch.cat([self.decode_state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
+        q_win = _take(q_all, window - (S - q_all.shape[2]))
+        new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
+        qs = [query]  # level l: the new positions' blocks, found in the window's level l
+        qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
+               for l, qc in enumerate(self.coarse_heads(q_win, "q"), 1)]
+        return t0, start, new_rows, q_all, qs, self.coarse_heads(_take(key, window), "k")
+
+    @torch.no_grad()
+    def _decode_rings(self, query, key, value, w, pad, count, scaling):
+        """T new positions through the windowed decoding kernel, the levels'
+        state in the rings the prefill filled: each level's keys of the blocks
+        the new positions begin, and the new values, written there, then the
+        new rows read from them (hkt._window_decode), at a cost bounded by the
+        windows (the top level's, where it has none, by S / 2^(L-1))."""
+        state, T, S = self.decode_state, query.shape[2], key.shape[2]
+        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+        ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
+                                    for l, kc in enumerate(k_win, 1)]
+        out = state.rings.step(qs, ks, value[:, :, S - T:], t0, w.detach(), scaling)
+        state.length, state.last_key = S, key[:, :, -1].detach()
+        state.q_tail = q_all[:, :, -self.tail_length():]
+        return out
+
+
+def _kernel_decodes(query: Tensor, w: Tensor, dropout: float) -> bool:
+    """Whether a decoding step runs hkt's CPU decoding kernels (float32 and
+    float64, no gradient wanted, no dropout: they have no backward), else
+    hkt_attention one way or another."""
+    return (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+            and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0)
 
 
 def _unsupported(what: str, instead: str = "") -> NotImplementedError:
