@@ -19,8 +19,10 @@ level's query (key) sequence, per channel, with trainable taps
 with its own trainable (head_dim x head_dim) matrix (:meth:`hkt.Levels.coarse_heads`,
 each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
-:func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
-:func:`hkt.hkt_attention` one new token at a time.
+:func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad; with
+windows the windowed decoding kernel over the rings of
+:class:`hkt.level_cache.WindowRings`) or :func:`hkt.hkt_attention` one new
+token at a time (with windows, over the whole sequence).
 """
 import functools
 import inspect
@@ -194,8 +196,10 @@ class HKTLevels(Levels):
         if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
             raise _unsupported(
                 "a cache that changed between steps other than by appending or beam search's reordering (assisted "
-                "or speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
-                "per step", "generate without an assistant model")
+                "or speculative decoding's cropping, a cache from another call), since each layer keeps HKT's "
+                "coarse levels (their blocks; with windows, their rings) outside transformers' cache, a step at a "
+                "time, and cannot crop them", "generate without an assistant model (no assistant_model or "
+                "prompt_lookup_num_tokens), or convert with levels=1")
         pad, count = _row_layout(real, B, S, query.device)
         if not torch.equal(pad, state.pad):
             raise _unsupported("padding that changes during decoding")
@@ -334,8 +338,11 @@ def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = Tr
     layer's decoding state; absent, the keys some query sees) on."""
     if mask is None:
         if T != S and T != 1:  # transformers' prefill into a static cache (its later slots empty)
-            raise _unsupported("a static cache (cache_implementation='static') with levels > 1",
-                               "use the default dynamic cache")
+            raise _unsupported("a static cache (cache_implementation='static') with levels > 1, since every call "
+                               "gets all of its slots, the unfilled ones after the new tokens too, where HKT's "
+                               "coarse levels need each row's keys up to its newest token",
+                               "use the default dynamic cache (generate without cache_implementation), or convert "
+                               "with levels=1")
         return None
     if mask.dim() != 4 or mask.shape[-2:] != (T, S) or mask.shape[0] not in (1, B):
         raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, {T}, {S}), got shape {tuple(mask.shape)}")
@@ -632,8 +639,10 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
     windowed kernels run there only).  Stored in ``config.hkt["windows"]``.
     It needs levels >= 2 (with one level a window is a plain sliding window
     that hides every key beyond it) and a model without sliding-window
-    layers of its own.  A decoding step with the cache recomputes the
-    windowed op over the whole sequence (near-linear in its length).
+    layers of its own.  A decoding step with the cache runs the windowed
+    decoding kernel over rings filled at the prompt (CPU, float32/float64,
+    no gradients; a cost bounded by the windows), elsewhere it recomputes
+    the windowed op over the whole sequence (near-linear in its length).
 
     Raises:
         ValueError for bad options (``windows[l]`` named), a model with no
