@@ -116,13 +116,13 @@ def main():
     write(info, rows, "convert_windows.json")
 
 
-def write(info, rows, name):
+def write(info, rows, name, threads=THREADS):
     """benchmarks/results/<cpu>/name: the machine, the model, its levels and windows, and the rows."""
     out = results_dir(info)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, name), "w") as f:
         json.dump({"machine": info, "model": dict(SHAPE, family="llama", dtype="float32", batch=1),
-                   "levels": LEVELS, "windows": WINDOWS, "threads": THREADS, "rows": rows}, f, indent=1)
+                   "levels": LEVELS, "windows": WINDOWS, "threads": threads, "rows": rows}, f, indent=1)
         f.write("\n")
     print(f"wrote {os.path.relpath(os.path.join(out, name))}")
 

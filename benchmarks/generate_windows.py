@@ -13,13 +13,14 @@ after a prompt of S = 512 to 8192 tokens, three ways:
 
     python benchmarks/generate_windows.py                 # S = 512, 2048, 8192
     python benchmarks/generate_windows.py --sizes 512 2048
+    python benchmarks/generate_windows.py --threads 1    # on a shared machine
 
 The model is benchmarks/convert_windows.py's (hidden 256, 4 heads of 64, 2
-layers, MLP 512, vocab 256, float32), 2 threads, no gradient.  After the
+layers, MLP 512, vocab 256, float32), 2 threads (--threads), no gradient.  After the
 prompt (untimed) come --steps cached steps of fixed random tokens (fewer for
 ``recompute`` at S >= 4096, whose steps take long); each figure is the median
 of a kind's steps, the whole model's call (projections, MLP, transformers'
-cache append included), wall time and the CPU time of both threads (the
+cache append included), wall time and the CPU time of its threads (the
 first step, untimed, left out).  The ring and recompute steps' logits are checked
 to agree.  The machine's load average is recorded with every row.  Writes
 benchmarks/results/<cpu>/generate_windows.json.
@@ -64,8 +65,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=THREADS,
+                    help="1 on a machine others share: two threads that wait on each other there time the waits")
     args = ap.parse_args()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     info = machine_info()
     print(describe_machine(info))
     max_len = max(args.sizes) + args.steps + 1
@@ -96,7 +99,7 @@ def main():
             ratio = row["recompute"]["ms_per_token"] / row["ring"]["ms_per_token"]
             print(f"{S:6d} " + " ".join(f"{row[k]['ms_per_token']:15.2f}" for k in KINDS)
                   + f" {ratio:15.1f} {row['load_average']:5.2f}", flush=True)
-    write(info, rows, "generate_windows.json")
+    write(info, rows, "generate_windows.json", args.threads)
 
 if __name__ == "__main__":
     main()

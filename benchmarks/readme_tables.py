@@ -308,7 +308,8 @@ def converted_decoding(d):
            f"the whole model's call) after a prompt of S tokens, median of the steps: on the rings (the windowed "
            f"decoding kernel, CPU float32/float64 without gradients), recomputing the windowed op over the sequence "
            f"(the path of bfloat16, CUDA and grad mode), and the original on SDPA with its own cache; the "
-           f"machine's load average beside each row; wall time, and the CPU time of both threads:", "",
+           f"machine's load average beside each row; {a['threads']} thread{'s' if a['threads'] > 1 else ''}, wall time "
+           f"and CPU time:", "",
            "| S | rings | recomputing | original, SDPA | recomputing / rings | load |", "|---|---|---|---|---|---|"]
     for r in a["rows"]:
         cells = [f"{r[k]['ms_per_token']:.1f} ms ({r[k]['cpu_ms_per_token']:.1f} ms CPU)"
