@@ -18,8 +18,9 @@ after a prompt of S = 512 to 8192 tokens, three ways:
 The model is benchmarks/convert_windows.py's (hidden 256, 4 heads of 64, 2
 layers, MLP 512, vocab 256, float32), 2 threads (--threads), no gradient.  After the
 prompt (untimed) come --steps cached steps of fixed random tokens (fewer for
-``recompute`` at S >= 4096, whose steps take long); each figure is the median
-of a kind's steps, the whole model's call (projections, MLP, transformers'
+``recompute`` at S >= 4096, whose steps take long); each figure is the mean
+of a kind's steps (a ring step that begins no coarse block costs less than
+one that does), the whole model's call (projections, MLP, transformers'
 cache append included), wall time and the CPU time of its threads (the
 first step, untimed, left out).  The ring and recompute steps' logits are checked
 to agree.  The machine's load average is recorded with every row.  Writes
@@ -85,8 +86,8 @@ def main():
             for kind in KINDS:
                 n = args.steps if kind != "recompute" or S < 4096 else max(4, args.steps // 8)
                 times, logits[kind] = steps(models[kind], prompt, tokens[:, :n], kind)
-                row[kind] = {"ms_per_token": 1e3 * statistics.median(t for t, _ in times[1:]),
-                             "cpu_ms_per_token": 1e3 * statistics.median(c for _, c in times[1:]), "steps": n,
+                row[kind] = {"ms_per_token": 1e3 * statistics.mean(t for t, _ in times[1:]),
+                             "cpu_ms_per_token": 1e3 * statistics.mean(c for _, c in times[1:]), "steps": n,
                              "ms": [1e3 * t for t, _ in times]}
             n = logits["recompute"].shape[1]
             err = ((logits["ring"][:, :n] - logits["recompute"]).abs().max()

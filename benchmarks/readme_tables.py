@@ -305,7 +305,7 @@ def converted_decoding(d):
     out = ["", "#### Decoding with the cache", "",
            f"`benchmarks/generate_windows.py`, `benchmarks/results/{d}/generate_windows.json`: the same model "
            f"converted with levels={a['levels']} and windows {a['windows']}, one cached step (one new token, B=1, "
-           f"the whole model's call) after a prompt of S tokens, median of the steps: on the rings (the windowed "
+           f"the whole model's call) after a prompt of S tokens, mean of the steps: on the rings (the windowed "
            f"decoding kernel, CPU float32/float64 without gradients), recomputing the windowed op over the sequence "
            f"(the path of bfloat16, CUDA and grad mode), and the original on SDPA with its own cache; the "
            f"machine's load average beside each row; {a['threads']} thread{'s' if a['threads'] > 1 else ''}, wall time "

@@ -395,13 +395,14 @@ class WindowRings:
     and writes O(window) rows (hkt._window_decode).  A level with a window
     keeps a ring of ``cache_rows`` rows; a level without one every block, in
     an array grown by doubling (the length of a generation is not known in
-    advance)."""
+    advance).  ``q_blocks``: per level l >= 1, (B, H, 1, D), the query of
+    each row's latest block, which a step that begins no block reuses."""
 
-    def __init__(self, windows, k: List[Tensor], v: Tensor, counts: Tensor) -> None:
+    def __init__(self, windows, k: List[Tensor], v: Tensor, counts: Tensor, q_blocks: List[Tensor]) -> None:
         """Filled from a prompt: k[l] (B, H_kv, ceil(T / 2^l), D) the level-l
         keys, v (B, H_kv, T, Dv) the values, row b's tokens its first
         ``counts[b]`` positions."""
-        self.windows = tuple(windows)
+        self.windows, self.q_blocks = tuple(windows), q_blocks
         # an unbounded max_len: a ring wherever a level has a window; the levels without get their own size
         rows, self.chunk = cache_rows(self.windows, 1 << 48)
         T = v.shape[2]
@@ -447,6 +448,7 @@ class WindowRings:
     def reorder(self, index: Tensor) -> None:
         index = index.to(self.k[0].device)
         self.k, self.sums = [x[index] for x in self.k], [x[index] for x in self.sums]
+        self.q_blocks = [x[index] for x in self.q_blocks]
 
 
 class HeadLevelCache:

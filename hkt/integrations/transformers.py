@@ -150,14 +150,14 @@ class HKTLevels(Levels):
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
                                 windows=self.windows)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, ks, v0)
+            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0)
         if shifted:  # back to the model's layout
             out = _take(out, _shift_index(-pad, T))
         if real is not None:  # padding rows give zeros
             out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
 
-    def _decode_state(self, query, key, w, dropout, pad, count, ks, v0) -> HeadLevelCache:
+    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0) -> HeadLevelCache:
         """What a prefill of T positions keeps for the decoding steps that follow:
         the latest queries the next blocks are downsampled from, and the coarse
         keys; with windows, where the steps can run the windowed decoding kernel
@@ -167,8 +167,10 @@ class HKTLevels(Levels):
         T = query.shape[2]
         rings = None
         if self.windows is not None and _kernel_decodes(query, w, dropout):
-            with torch.no_grad():
-                rings = WindowRings(self.windows, ks, v0, count)
+            with torch.no_grad():  # qs: each row's last token's block at each level
+                last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
+                q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
+                rings = WindowRings(self.windows, ks, v0, count, q_blocks)
         tail = query if self.windows is not None and rings is None else query[:, :, -self.tail_length():]
         return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:] if self.windows is None else [], rings)
 
@@ -274,11 +276,20 @@ class HKTLevels(Levels):
         the new positions begin, and the new values, written there, then the
         new rows read from them (hkt._window_decode), at a cost bounded by the
         windows (the top level's, where it has none, by S / 2^(L-1))."""
-        state, T, S = self.decode_state, query.shape[2], key.shape[2]
-        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
-        ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
-                                    for l, kc in enumerate(k_win, 1)]
-        out = state.rings.step(qs, ks, value[:, :, S - T:], t0, w.detach(), scaling)
+        state, rings, T, S = self.decode_state, self.decode_state.rings, query.shape[2], key.shape[2]
+        t0 = count - T
+        if T == 1 and not bool(((t0 & 1) == 0).any()):
+            # every row at an odd position: each level's block is the one before's (t >> l = (t - 1) >> l),
+            # its query kept, and no block begins, so no coarse key is written (append_windowed) or read:
+            # level 0's key stands in for them.  Half the steps skip the downsampling of the window
+            q_all = torch.cat([state.q_tail, query], dim=2)
+            qs, ks = [query] + rings.q_blocks, [key[:, :, S - 1:]] * self.levels
+        else:
+            t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+            ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
+                                        for l, kc in enumerate(k_win, 1)]
+            rings.q_blocks = [x[:, :, -1:] for x in qs[1:]]
+        out = rings.step(qs, ks, value[:, :, S - T:], t0, w.detach(), scaling)
         state.length, state.last_key = S, key[:, :, -1].detach()
         state.q_tail = q_all[:, :, -self.tail_length():]
         return out

@@ -57,23 +57,31 @@ def _generate(model, x, mask, n=24, **kw):
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
-@pytest.mark.parametrize("windows", RING_WINDOWS)
-def test_ring_generate_equals_without_cache(windows, monkeypatch):
-    """Greedy decoding of a left-padded batch 24 tokens past the prompt: the
-    same tokens and logits with the cache as without it, each cached step
-    on the ring kernel (hkt_attention runs at the prompt only, once a
-    layer), with rings whose size does not grow with the sequence."""
+@pytest.mark.parametrize("windows,left_padded", [(RING_WINDOWS[0], True), (RING_WINDOWS[1], True),
+                                                  (RING_WINDOWS[0], False)])
+def test_ring_generate_equals_without_cache(windows, left_padded, monkeypatch):
+    """Greedy decoding of a batch 24 tokens past the prompt: the same tokens
+    and logits with the cache as without it, each cached step on the ring
+    kernel (hkt_attention runs at the prompt only, once a layer), with rings
+    whose size does not grow with the sequence.  Without padding the rows
+    share their positions, and the steps at odd ones reuse the coarse
+    queries (no new block's levels computed)."""
     model = _model(windows)
     layers = model.config.num_hidden_layers
-    x, mask = padded("llama", T=24)
+    x, mask = padded("llama", T=24) if left_padded else (ids(2, 24), None)
     want, want_logits = _generate(model, x, mask, use_cache=False)
     spy = _Spy(monkeypatch)
+    new_blocks = ht.HKTLevels._new_blocks
+    calls = []
+    monkeypatch.setattr(ht.HKTLevels, "_new_blocks", lambda *a: calls.append(1) or new_blocks(*a))
     got, logits = _generate(model, x, mask)
     assert torch.equal(got, want)
     assert rel(logits, want_logits) < 1e-4
     assert spy.attention == layers
-    # one call per row and step: the rows of the left-padded batch are at different positions
-    assert spy.kernel == 23 * layers * x.shape[0]
+    # one call per row and step where the rows of the left-padded batch are at different positions
+    assert spy.kernel == 23 * layers * (x.shape[0] if left_padded else 1)
+    # the 23 steps at positions 24 .. 46: every one has a row at an even position, or 12 do
+    assert len(calls) == (23 if left_padded else 12) * layers
     sizes = [[k.shape for k, W in zip(s.rings.k, windows) if W is not None] for s in _states(model)]
     _generate(model, x, mask, n=40)
     assert sizes == [[k.shape for k, W in zip(s.rings.k, windows) if W is not None] for s in _states(model)]
@@ -95,15 +103,16 @@ def test_ring_chunks_equal_the_whole_sequence(windows, monkeypatch):
         monkeypatch.undo()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_ring_beam_search(family):
+@pytest.mark.parametrize("family,pad", [("llama", 3), ("qwen2", 0), ("llama", 0)])
+def test_ring_beam_search(family, pad):
     """num_beams=3 with the cache gives the beams without it: every layer's
-    rings are reordered with transformers' cache (and the paths do move
-    between beams)."""
+    rings, and the coarse queries the steps at odd positions reuse (rows
+    without padding), are reordered with transformers' cache (and the paths
+    do move between beams)."""
     model = _model([2, 4, 8], family)
     x = ids(2, 20)
     mask = torch.ones_like(x)
-    x[1, :3], mask[1, :3] = 0, 0
+    x[1, :pad], mask[1, :pad] = 0, 0
     seq, order = _beams(model, x, mask)
     assert _reordered(order)
     assert torch.equal(seq, _beams(model, x, mask, use_cache=False)[0])
