@@ -113,13 +113,18 @@ def main():
             ratio = (row["sdpa"]["seconds"] / row["windows"]["seconds"]
                      if "seconds" in row["sdpa"] and "seconds" in row["windows"] else float("nan"))
             print(f"{T:6d} " + " ".join(cells) + f" {ratio:13.2f} {row['load_average']:5.2f}", flush=True)
+    write(info, rows, "convert_windows.json")
+
+
+def write(info, rows, name, threads=THREADS):
+    """benchmarks/results/<cpu>/name: the machine, the model, its levels and windows, and the rows."""
     out = results_dir(info)
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "convert_windows.json"), "w") as f:
+    with open(os.path.join(out, name), "w") as f:
         json.dump({"machine": info, "model": dict(SHAPE, family="llama", dtype="float32", batch=1),
-                   "levels": LEVELS, "windows": WINDOWS, "threads": THREADS, "rows": rows}, f, indent=1)
+                   "levels": LEVELS, "windows": WINDOWS, "threads": threads, "rows": rows}, f, indent=1)
         f.write("\n")
-    print(f"wrote {os.path.relpath(os.path.join(out, 'convert_windows.json'))}")
+    print(f"wrote {os.path.relpath(os.path.join(out, name))}")
 
 
 if __name__ == "__main__":

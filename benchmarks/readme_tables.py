@@ -293,7 +293,35 @@ def converted_long_context():
         notes = os.path.join(RESULTS, d, "convert_windows.md")
         if os.path.isfile(notes):
             out += ["", _read(notes).rstrip()]
+        out += converted_decoding(d)
     return ["", "## Long context for a converted model"] + out if out else []
+
+
+def converted_decoding(d):
+    """generate_windows.py's rows in CPU folder d: a converted windowed model's
+    cached steps on the rings against recomputing, and the original's."""
+    path = os.path.join(RESULTS, d, "generate_windows.json")
+    if not os.path.isfile(path):
+        return []
+    a = json.loads(_read(path))
+    out = ["", "#### Decoding with the cache", "",
+           f"`benchmarks/generate_windows.py`, `benchmarks/results/{d}/generate_windows.json`: the same model "
+           f"converted with levels={a['levels']} and windows {a['windows']}, one cached step (one new token, B=1, "
+           f"the whole model's call) after a prompt of S tokens, mean of the steps: on the rings (the windowed "
+           f"decoding kernel, CPU float32/float64 without gradients), recomputing the windowed op over the sequence "
+           f"(the path of bfloat16, CUDA and grad mode), and the original on SDPA with its own cache; the "
+           f"machine's load average beside each row; {a['threads']} thread{'s' if a['threads'] > 1 else ''}, wall time "
+           f"and CPU time:", "",
+           "| S | rings | recomputing | original, SDPA | recomputing / rings | load |", "|---|---|---|---|---|---|"]
+    for r in a["rows"]:
+        cells = [f"{r[k]['ms_per_token']:.1f} ms ({r[k]['cpu_ms_per_token']:.1f} ms CPU)"
+                 for k in ("ring", "recompute", "sdpa")]
+        ratio = r["recompute"]["ms_per_token"] / r["ring"]["ms_per_token"]
+        out.append(f"| {r['S']} | " + " | ".join(cells) + f" | {ratio:.1f}x | {r['load_average']:.1f} |")
+    notes = os.path.join(RESULTS, d, "generate_windows.md")
+    if os.path.isfile(notes):
+        out += ["", _read(notes).rstrip()]
+    return out
 
 
 def _long_plot(rows, path):

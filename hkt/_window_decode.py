@@ -32,7 +32,8 @@ from ._kernels import _threads, window_decode_kernel
 from ._window import _radius
 from ._maths import level_factor
 
-__all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows"]
+__all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows", "decode_windowed",
+           "fill_windowed"]
 
 
 def cache_rows(windows: Sequence[Optional[int]], max_len: int) -> Tuple[List[int], int]:
@@ -167,6 +168,24 @@ def append_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], k: Sequence
         _put(v_sums[l], lo, hi, halves[:, :, 0::2] + halves[:, :, 1::2])
 
 
+def fill_windowed(k_cache: Sequence[Tensor], v_sums: Sequence[Tensor], k: Sequence[Tensor], v: Tensor) -> None:
+    """Writes positions 0 .. n - 1 of a sequence into an empty cache at once,
+    what append_windowed would have left after writing them in rounds: k[l]
+    (B, H_kv, ceil(n / 2^l), D) the level-l keys of every block, v (B, H_kv,
+    n, Dv) the values; each ring keeps its latest rows.  The block sums are
+    each the sum of its two halves, in append_windowed's order."""
+    sums = v
+    for l, (ring, keys) in enumerate(zip(k_cache, k)):
+        if l > 0:  # the complete level-l blocks
+            m = sums.shape[2] // 2 * 2
+            sums = sums[:, :, 0:m:2] + sums[:, :, 1:m:2]
+        for x, y in ((ring, keys), (v_sums[l], sums)):
+            hi = y.shape[2]
+            lo = max(0, hi - x.shape[2])
+            if hi > lo:
+                _put(x, lo, hi, y[:, :, lo:hi])
+
+
 def _put(x: Tensor, lo: int, hi: int, rows: Tensor) -> None:
     """Blocks lo .. hi - 1 of x (a ring, as _index reads it) set to rows."""
     n = x.shape[2]
@@ -177,17 +196,36 @@ def _put(x: Tensor, lo: int, hi: int, rows: Tensor) -> None:
 
 
 def attend_windowed_rows(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_sums: List[Tensor], w: Tensor, t0: int,
-                         windows: Sequence[Optional[int]], softcap: float = 0.0) -> Tensor:
+                         windows: Sequence[Optional[int]], scale: Optional[float] = None,
+                         softcap: float = 0.0) -> Tensor:
     """Rows t0 .. t0 + n - 1 of the causal windowed hkt_attention, (B, H, n, Dv),
     the cache holding their keys and block sums (append_windowed): the C kernel
     (csrc/cpu/hkt_window_decode_body.h) for float32 and float64 CPU tensors, else
-    attend_windowed a row at a time.  softcap: 0.0 for none, else c > 0."""
+    attend_windowed a row at a time.  ``scale``: of the scores (None: D^-0.5);
+    softcap: 0.0 for none, else c > 0."""
     L, (B, H, n, D) = len(q), q[0].shape
     if q[0].device.type != "cpu" or q[0].dtype not in (torch.float32, torch.float64):
-        return torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], k_cache, v_sums, w, t0 + i, windows,
-                                          softcap=softcap) for i in range(n)], dim=2)
+        return torch.cat([attend_windowed([x[:, :, i:i + 1] for x in q], k_cache, v_sums, w, t0 + i, windows, scale,
+                                          softcap) for i in range(n)], dim=2)
     out = q[0].new_empty(B, H, n, v_sums[0].shape[-1])
     w2 = w.to(q[0].dtype).expand(H, L).contiguous() if w.dim() == 1 else w.to(q[0].dtype).contiguous()
     window_decode_kernel([x.contiguous() for x in q], list(k_cache), list(v_sums), w2, out, t0, _radius(windows),
-                         D ** -0.5, _threads(), softcap=softcap)
+                         D ** -0.5 if scale is None else scale, _threads(), softcap=softcap)
     return out
+
+
+def decode_windowed(k_cache: Sequence[Tensor], v_sums: List[Tensor], q: Sequence[Tensor], k: Sequence[Tensor],
+                    v: Tensor, w: Tensor, t0: int, windows: Sequence[Optional[int]], chunk: int,
+                    scale: Optional[float] = None, softcap: float = 0.0) -> Tensor:
+    """Rows t0 .. t0 + n - 1 of the causal windowed hkt_attention, (B, H, n, Dv),
+    their keys and values written into the cache first (append_windowed, then
+    attend_windowed_rows), in rounds of at most ``chunk`` positions
+    (cache_rows): a round reads ring rows that a larger one would overwrite."""
+    n = v.shape[2]
+    outs = []
+    for i in range(0, n, chunk):
+        part = slice(i, i + chunk)
+        append_windowed(k_cache, v_sums, [x[:, :, part] for x in k], v[:, :, part], t0 + i)
+        outs.append(attend_windowed_rows([x[:, :, part] for x in q], k_cache, v_sums, w, t0 + i, windows, scale,
+                                         softcap))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .ops.attention import heads as _heads
-from ._window_decode import _rows, append_windowed, attend_windowed_rows, cache_rows
+from ._window_decode import _rows, cache_rows, decode_windowed, fill_windowed
 from .kvcache import hkt_attention_with_kvcache
 
-__all__ = ["LevelCache", "DecodeCache", "HeadLevelCache"]
+__all__ = ["LevelCache", "DecodeCache", "HeadLevelCache", "WindowRings"]
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -300,12 +300,7 @@ class LevelCache:
         chunk = cache_rows(module.windows, self.max_len)[1]  # what the rings have room for between reads
         if v.shape[2] > chunk:  # a later round overwrites ring rows that the first reads: no retry once it starts
             self._torn = True
-        outs = []
-        for i in range(0, v.shape[2], chunk):
-            append_windowed(self.k, sums, [x[:, :, i:i + chunk] for x in ks], v[:, :, i:i + chunk], t0 + i)
-            outs.append(attend_windowed_rows([x[:, :, i:i + chunk] for x in qs], self.k, sums, w, t0 + i,
-                                             module.windows))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return decode_windowed(self.k, sums, qs, ks, v, w, t0, module.windows, chunk)
 
     def _decode_one(self, module, x: Tensor) -> Tensor:
         """decode for one new token per sequence (generation's step), in as few
@@ -392,6 +387,72 @@ class LevelCache:
         return module.out_proj(out.transpose(1, 2).reshape(B, n, module.embed_dim))
 
 
+class WindowRings:
+    """The windowed levels' decoding state of a converted attention module
+    (``HeadLevelCache.rings``): per level its keys and value sums (level 0:
+    the values) as :class:`LevelCache` keeps them with ``windows``, each row
+    of the batch in its own positions (padding removed), so that a step reads
+    and writes O(window) rows (hkt._window_decode).  A level with a window
+    keeps a ring of ``cache_rows`` rows; a level without one every block, in
+    an array grown by doubling (the length of a generation is not known in
+    advance).  ``q_blocks``: per level l >= 1, (B, H, 1, D), the query of
+    each row's latest block, which a step that begins no block reuses."""
+
+    def __init__(self, windows, k: List[Tensor], v: Tensor, counts: Tensor, q_blocks: List[Tensor]) -> None:
+        """Filled from a prompt: k[l] (B, H_kv, ceil(T / 2^l), D) the level-l
+        keys, v (B, H_kv, T, Dv) the values, row b's tokens its first
+        ``counts[b]`` positions."""
+        self.windows, self.q_blocks = tuple(windows), q_blocks
+        # an unbounded max_len: a ring wherever a level has a window; the levels without get their own size
+        rows, self.chunk = cache_rows(self.windows, 1 << 48)
+        T = v.shape[2]
+        B, Hk, _, D = k[0].shape
+        rows = [r if W is not None else -(-T >> l) for l, (r, W) in enumerate(zip(rows, self.windows))]
+        self.k = [k[0].new_zeros(B, Hk, rows[l], D) for l in range(len(k))]
+        self.sums = [v.new_zeros(B, Hk, rows[l], v.shape[3]) for l in range(len(k))]
+        counts = [int(c) for c in counts]
+        if all(c == T for c in counts):
+            fill_windowed(self.k, self.sums, k, v)
+        else:  # each row's own length
+            for b, c in enumerate(counts):
+                fill_windowed([x[b:b + 1] for x in self.k], [x[b:b + 1] for x in self.sums],
+                              [x[b:b + 1, :, :-(-c >> l)] for l, x in enumerate(k)], v[b:b + 1, :, :c])
+
+    def _grow(self, n: int) -> None:
+        """Room for positions up to n - 1 in every level without a window."""
+        for l, W in enumerate(self.windows):
+            need = -(-n >> l)
+            if W is None and self.k[l].shape[2] < need:
+                for x in (self.k, self.sums):
+                    grow = max(need, 2 * x[l].shape[2]) - x[l].shape[2]
+                    x[l] = torch.cat([x[l], x[l].new_zeros(*x[l].shape[:2], grow, x[l].shape[3])], dim=2)
+
+    def step(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, t0: Tensor, w: Tensor,
+             scale: Optional[float], softcap: float = 0.0) -> Tensor:
+        """The rows of n new positions per row, (B, H, n, Dv), their keys and
+        values written first: qs[l], ks[l] (B, heads, n, D) the level-l query
+        and key of each new position's block, v (B, H_kv, n, Dv), t0 (B,)
+        each row's position of its first.  One call for the batch where every
+        row is at the same position, else one per row; in rounds of at most
+        ``chunk`` positions, so that no ring overwrites a row a round reads.
+        softcap: the scores' cap (0.0: none; a converted Gemma 2's)."""
+        n = v.shape[2]
+        starts = [int(t) for t in t0]
+        self._grow(max(starts) + n)
+        if len(set(starts)) == 1:
+            return decode_windowed(self.k, self.sums, qs, ks, v, w, starts[0], self.windows, self.chunk, scale,
+                                   softcap)
+        return torch.cat([decode_windowed([x[b:b + 1] for x in self.k], [x[b:b + 1] for x in self.sums],
+                                          [x[b:b + 1] for x in qs], [x[b:b + 1] for x in ks], v[b:b + 1], w, t,
+                                          self.windows, self.chunk, scale, softcap)
+                          for b, t in enumerate(starts)], dim=0)
+
+    def reorder(self, index: Tensor) -> None:
+        index = index.to(self.k[0].device)
+        self.k, self.sums = [x[index] for x in self.k], [x[index] for x in self.sums]
+        self.q_blocks = [x[index] for x in self.q_blocks]
+
+
 class HeadLevelCache:
     """The decoding state of levels made from projected heads
     (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
@@ -400,16 +461,24 @@ class HeadLevelCache:
     coarse keys of every block so far, per row in its own positions (padding
     removed: slot p of level l is the row's block p), the latest full-resolution
     queries the next blocks' queries are downsampled from, and what checks that
-    the next call continues this cache (its length, its padding, its last key)."""
+    the next call continues this cache (its length, its padding, its last key).
+    With windows, ``rings`` (a :class:`WindowRings`) holds the levels' keys
+    and value sums instead of ``coarse_k``; None where the layer recomputes
+    the windowed op over the whole sequence at each step (``q_tail`` then
+    every query so far)."""
 
-    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor]):
+    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor],
+                 rings: Optional[WindowRings] = None):
         self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
+        self.rings = rings
 
     def reorder(self, index: Tensor) -> None:
         """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
         index = index.to(self.pad.device)
         self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
         self.coarse_k = [c[index] for c in self.coarse_k]
+        if self.rings is not None:
+            self.rings.reorder(index)
 
 
 # the name 0.2.0 gave the class (hkt.kvcache.DecodeCache)

@@ -19,8 +19,10 @@ level's query (key) sequence, per channel, with trainable taps
 with its own trainable (head_dim x head_dim) matrix (:meth:`hkt.Levels.coarse_heads`,
 each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
-:func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad) or
-:func:`hkt.hkt_attention` one new token at a time.
+:func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad; with
+windows the windowed decoding kernel over the rings of
+:class:`hkt.level_cache.WindowRings`) or :func:`hkt.hkt_attention` one new
+token at a time (with windows, over the whole sequence).
 """
 import functools
 import inspect
@@ -40,7 +42,7 @@ except ImportError as e:  # the extra is optional: say how to get it
 
 import hkt
 from hkt._checks import check_windows
-from hkt.level_cache import HeadLevelCache
+from hkt.level_cache import HeadLevelCache, WindowRings
 from hkt.levels import Levels
 
 __all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
@@ -149,14 +151,29 @@ class HKTLevels(Levels):
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
                                 windows=self.windows, softcap=softcap)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-            # with windows every query is kept: a decoding step recomputes the windowed op over the whole sequence
-            tail = query if self.windows is not None else query[:, :, -self.tail_length():]
-            self.decode_state = HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:])
+            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0)
         if shifted:  # back to the model's layout
             out = _take(out, _shift_index(-pad, T))
         if real is not None:  # padding rows give zeros
             out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
+
+    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0) -> HeadLevelCache:
+        """What a prefill of T positions keeps for the decoding steps that follow:
+        the latest queries the next blocks are downsampled from, and the coarse
+        keys; with windows, where the steps can run the windowed decoding kernel
+        (:func:`_kernel_decodes`), the levels' rings (:class:`hkt.level_cache.WindowRings`,
+        filled from ``ks`` and ``v0``, each row's tokens first), else every query
+        so far: such a step recomputes the windowed op over the whole sequence."""
+        T = query.shape[2]
+        rings = None
+        if self.windows is not None and _kernel_decodes(query, w, dropout):
+            with torch.no_grad():  # qs: each row's last token's block at each level
+                last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
+                q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
+                rings = WindowRings(self.windows, ks, v0, count, q_blocks)
+        tail = query if self.windows is not None and rings is None else query[:, :, -self.tail_length():]
+        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:] if self.windows is None else [], rings)
 
     def tail_length(self) -> int:
         """How many of the latest full-resolution queries a decoding step can need
@@ -183,14 +200,22 @@ class HKTLevels(Levels):
         if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
             raise _unsupported(
                 "a cache that changed between steps other than by appending or beam search's reordering (assisted "
-                "or speculative decoding's cropping, a cache from another call), since HKT's coarse levels are kept "
-                "per step", "generate without an assistant model")
+                "or speculative decoding's cropping, a cache from another call), since each layer keeps HKT's "
+                "coarse levels (their blocks; with windows, their rings) outside transformers' cache, a step at a "
+                "time, and cannot crop them", "generate without an assistant model (no assistant_model or "
+                "prompt_lookup_num_tokens), or convert with levels=1")
         pad, count = _row_layout(real, B, S, query.device)
         if not torch.equal(pad, state.pad):
             raise _unsupported("padding that changes during decoding")
         if not bool((pad + count == S).all()):
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        if state.rings is not None:
+            if not _kernel_decodes(query, w, dropout):
+                raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
+                                   "with windows (that prompt kept the windowed decoding's rings, not every query)",
+                                   "run the prompt and the steps in the same grad mode")
+            return self._decode_rings(query, key, value, w, pad, count, scaling, softcap)
         if self.windows is not None:
             # the windowed kernels place query i at position i: the new rows are the last T of the
             # op over every position so far (near-linear in S per step), as the uncached forward computes them
@@ -198,28 +223,12 @@ class HKTLevels(Levels):
             out = self.prefill(q_all, key, value, w, real, scaling, dropout, False, softcap=softcap)[:, :, -T:]
             state.length, state.last_key, state.q_tail = S, key[:, :, -1].detach(), q_all
             return out
-        L, K = self.levels, self.downsample_kernel
-        top = 2 ** (L - 1)
-        t0 = count - T  # each row's position (tokens only) of the first new query
-        # the window each row's new blocks are computed from, from an aligned start, so
-        # its blocks are the row's own; its rows before the start are all the blocks need
-        start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
-        n = T + self.tail_length()
-        window = _shift_index(pad + start, n)  # positions in the model's layout
-        q_all = torch.cat([state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
-        q_win = _take(q_all, window - (S - q_all.shape[2]))
-        k_win = _take(key, window)
-        new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
-        qs = [query]  # level l: the new positions' blocks, found in the window's level l
-        qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
-               for l, qc in enumerate(self.coarse_heads(q_win, "q"), 1)]
-        coarse_k = _write_blocks(state.coarse_k, self.coarse_heads(k_win, "k"), start, new_rows, S)
+        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+        coarse_k = _write_blocks(state.coarse_k, k_win, start, new_rows, S)
         shifted = bool(pad.any())
         k0 = _take(key, _shift_index(pad, S)) if shifted else key
         v0 = _take(value, _shift_index(pad, S)) if shifted else value
-        if (sliding_window is None and _DECODE_KERNEL and query.device.type == "cpu"
-                and query.dtype in (torch.float32, torch.float64)
-                and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0):
+        if sliding_window is None and _kernel_decodes(query, w, dropout):
             with torch.no_grad():
                 out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling,
                                                      softcap=softcap)
@@ -239,6 +248,63 @@ class HKTLevels(Levels):
         state.last_key = key[:, :, -1].detach()
         state.q_tail = q_all[:, :, -self.tail_length():]
         return out
+
+    def _new_blocks(self, query, key, pad, count):
+        """The coarse levels of T new positions after S - T cached ones:
+        (t0 (B,) each row's position, tokens only, of its first new query;
+        start (B,) where the window of positions its new blocks are computed from
+        begins; the new positions (B, T); every query the state and the call
+        hold; qs, the new positions' query of each level; and the window's
+        coarse keys, level l's block p at slot p - start / 2^l)."""
+        B, H, T, D = query.shape
+        S = key.shape[2]
+        L, K = self.levels, self.downsample_kernel
+        top = 2 ** (L - 1)
+        t0 = count - T
+        # the window each row's new blocks are computed from, from an aligned start, so
+        # its blocks are the row's own; its rows before the start are all the blocks need
+        start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
+        window = _shift_index(pad + start, T + self.tail_length())  # positions in the model's layout
+        q_all = torch.cat([self.decode_state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
+        q_win = _take(q_all, window - (S - q_all.shape[2]))
+        new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
+        qs = [query]  # level l: the new positions' blocks, found in the window's level l
+        qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
+               for l, qc in enumerate(self.coarse_heads(q_win, "q"), 1)]
+        return t0, start, new_rows, q_all, qs, self.coarse_heads(_take(key, window), "k")
+
+    @torch.no_grad()
+    def _decode_rings(self, query, key, value, w, pad, count, scaling, softcap=None):
+        """T new positions through the windowed decoding kernel, the levels'
+        state in the rings the prefill filled: each level's keys of the blocks
+        the new positions begin, and the new values, written there, then the
+        new rows read from them (hkt._window_decode), at a cost bounded by the
+        windows (the top level's, where it has none, by S / 2^(L-1))."""
+        state, rings, T, S = self.decode_state, self.decode_state.rings, query.shape[2], key.shape[2]
+        t0 = count - T
+        if T == 1 and not bool(((t0 & 1) == 0).any()):
+            # every row at an odd position: each level's block is the one before's (t >> l = (t - 1) >> l),
+            # its query kept, and no block begins, so no coarse key is written (append_windowed) or read:
+            # level 0's key stands in for them.  Half the steps skip the downsampling of the window
+            q_all = torch.cat([state.q_tail, query], dim=2)
+            qs, ks = [query] + rings.q_blocks, [key[:, :, S - 1:]] * self.levels
+        else:
+            t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+            ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
+                                        for l, kc in enumerate(k_win, 1)]
+            rings.q_blocks = [x[:, :, -1:] for x in qs[1:]]
+        out = rings.step(qs, ks, value[:, :, S - T:], t0, w.detach(), scaling, softcap or 0.0)
+        state.length, state.last_key = S, key[:, :, -1].detach()
+        state.q_tail = q_all[:, :, -self.tail_length():]
+        return out
+
+
+def _kernel_decodes(query: Tensor, w: Tensor, dropout: float) -> bool:
+    """Whether a decoding step runs hkt's CPU decoding kernels (float32 and
+    float64, no gradient wanted, no dropout: they have no backward), else
+    hkt_attention one way or another."""
+    return (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+            and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0)
 
 
 def _unsupported(what: str, instead: str = "") -> NotImplementedError:
@@ -287,8 +353,11 @@ def _read_mask(mask: Optional[Tensor], B: int, T: int, S: int, causal: bool = Tr
     layer's decoding state; absent, the keys some query sees) on."""
     if mask is None:
         if T != S and T != 1:  # transformers' prefill into a static cache (its later slots empty)
-            raise _unsupported("a static cache (cache_implementation='static') with levels > 1",
-                               "use the default dynamic cache")
+            raise _unsupported("a static cache (cache_implementation='static') with levels > 1, since every call "
+                               "gets all of its slots, the unfilled ones after the new tokens too, where HKT's "
+                               "coarse levels need each row's keys up to its newest token",
+                               "use the default dynamic cache (generate without cache_implementation), or convert "
+                               "with levels=1")
         return None
     if mask.dim() != 4 or mask.shape[-2:] != (T, S) or mask.shape[0] not in (1, B):
         raise ValueError(f"attention_mask: expected a 4-D mask (B, 1, {T}, {S}), got shape {tuple(mask.shape)}")
@@ -587,8 +656,10 @@ def convert(model: nn.Module, levels: int = 3, downsample_kernel: int = 2, *, le
     windowed kernels run there only).  Stored in ``config.hkt["windows"]``.
     It needs levels >= 2 (with one level a window is a plain sliding window
     that hides every key beyond it) and a model without sliding-window
-    layers of its own.  A decoding step with the cache recomputes the
-    windowed op over the whole sequence (near-linear in its length).
+    layers of its own.  A decoding step with the cache runs the windowed
+    decoding kernel over rings filled at the prompt (CPU, float32/float64,
+    no gradients; a cost bounded by the windows), elsewhere it recomputes
+    the windowed op over the whole sequence (near-linear in its length).
 
     Raises:
         ValueError for bad options (``windows[l]`` named), a model with no

@@ -436,19 +436,23 @@ def test_cached_chunks_equal_the_whole_sequence(family, levels, kernel, decode_k
     assert rel(got, want) < 1e-4
 
 
-def test_gradients_flow_across_cached_calls():
-    """Training through a cache (chunks of a sequence, each attending to the
-    cached ones): the gradients of every parameter are the whole sequence's."""
-    model = scramble(ht.convert(tiny("llama"), levels=3))
-    x = ids(2, 19)
+def cached_gradients_match(model, x, chunks):
+    """The gradients of every parameter through a cache (x in chunks, each
+    attending to the cached ones) are the whole sequence's; returns them."""
     grads = []
-    for run in (lambda: model(x, use_cache=False).logits, lambda: _stepwise(model, x, [6, 1, 5, 7])):
+    for run in (lambda: model(x, use_cache=False).logits, lambda: _stepwise(model, x, chunks)):
         model.zero_grad()
         run().square().mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         assert rel(grads[1][name], g) < 1e-4, name
-    assert all(bool(g.abs().sum() > 0) for n, g in grads[0].items() if ".hkt." in n)
+    return grads[0]
+
+
+def test_gradients_flow_across_cached_calls():
+    """Training through a cache: the gradients of every parameter are the whole sequence's."""
+    grads = cached_gradients_match(scramble(ht.convert(tiny("llama"), levels=3)), ids(2, 19), [6, 1, 5, 7])
+    assert all(bool(g.abs().sum() > 0) for n, g in grads.items() if ".hkt." in n)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
