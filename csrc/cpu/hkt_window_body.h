@@ -3,10 +3,10 @@
  * Not a header of declarations: the kernels' body, included once by
  * hkt_window_f32.c and once by hkt_window_f64.c (and so per instruction set,
  * as the dense kernels' bodies are), each defining `real`, REAL_IS_FLOAT and
- * REAL_EXP / REAL_LOG / REAL_NEXTAFTER / REAL_TANH first.  Every function is
- * static, named win_*, the entry points win_forward, win_backward and
- * win_decode; exps of x <= 0 are hkt_real.h's exp_nonpos, in a form the
- * compiler vectorises.
+ * REAL_EXP / REAL_LOG / REAL_NEXTAFTER first.  Every function is static, named
+ * win_*, the entry points win_forward, win_backward and win_decode; exps of
+ * x <= 0 are hkt_real.h's exp_nonpos, in a form the compiler vectorises, and
+ * soft caps its soft_cap.
  *
  * Per (batch, head) the queries run in order.  For level l the keys it sees
  * from query block a = i >> l are the level-l blocks [base, end) (the window
@@ -259,7 +259,8 @@ static void win_level_scores(const hkt_window_params *p, win_work *wk, int l, in
     if (p->softcap > 0) {
         const real cap = (real)p->softcap, *Al = wk->A[l];
         real *U = wk->U[l];
-        for (int64_t c = 0; c < r.end - r.base; c++) U[c] = cap * REAL_TANH(Al[c] / cap);
+        memcpy(U, Al, (size_t)(r.end - r.base) * sizeof(real));
+        soft_cap(U, r.end - r.base, cap, NULL); /* hkt_real.h's, the dense kernels' own */
         if (wk->EU[l] != wk->E[l]) memset(wk->EU[l], 0, (size_t)(r.end - r.base) * sizeof(real));
     }
     if (wk->E[l]) memset(wk->E[l], 0, (size_t)(r.end - r.base) * sizeof(real));

@@ -129,10 +129,8 @@ static void win_decode_row(const hkt_window_decode_params *p, win_decode_row_wor
     cuts[ncut] = t + 1;
     rw->nu = rw->nedge = 0;
     for (int c = 0; c < ncut; c++) win_decode_run(p, rw, b0, hk, qv, f, start, cuts[c], cuts[c + 1]);
-    if (p->softcap > 0) { /* a unit's keys share its score, so its capped score too */
-        const real cap = (real)p->softcap;
-        for (int64_t u = 0; u < rw->nu; u++) rw->s[u] = cap * REAL_TANH(rw->s[u] / cap);
-    }
+    if (p->softcap > 0) /* a unit's keys share its score, so its capped score too */
+        soft_cap(rw->s, rw->nu, (real)p->softcap, NULL);
     real mx = -INFINITY;
     int nan = 0;
     for (int64_t u = 0; u < rw->nu; u++) {

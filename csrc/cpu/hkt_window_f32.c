@@ -10,7 +10,6 @@ typedef float real;
 #define REAL_EXP expf
 #define REAL_LOG logf
 #define REAL_NEXTAFTER nextafterf
-#define REAL_TANH tanhf
 #include "hkt_window_body.h"
 
 void HKT_ISA_NAME(hkt_window_forward_f32)(const hkt_window_params *p) { win_forward(p); }

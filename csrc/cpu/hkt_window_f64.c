@@ -10,7 +10,6 @@ typedef double real;
 #define REAL_EXP exp
 #define REAL_LOG log
 #define REAL_NEXTAFTER nextafter
-#define REAL_TANH tanh
 #include "hkt_window_body.h"
 
 void HKT_ISA_NAME(hkt_window_forward_f64)(const hkt_window_params *p) { win_forward(p); }
