@@ -424,8 +424,25 @@ def window_kernels(*args, **kwargs) -> None:
 def window_softcap(softcap) -> float:
     """softcap as the windowed kernels take it, checked by the extension
     (hkt._C.window_softcap): 0.0 for None or 0.0, else a positive finite float.
-    Under torch.compile it is not called (dynamo cannot trace into the
-    extension): the value goes on as it is, and the kernels' call checks it."""
+    Under torch.compile, as softcap_traced lets it through."""
     if torch.compiler.is_compiling():
-        return 0.0 if softcap is None else softcap
+        return 0.0 if softcap is None else softcap_traced(softcap)
     return _C.window_softcap(softcap)
+
+
+@torch.compiler.disable
+def _check_softcap_eagerly(softcap) -> None:
+    _C.window_softcap(softcap)
+
+
+def softcap_traced(softcap):
+    """softcap as torch.compile records it: dynamo cannot trace into the
+    extension, so a float or an int (perhaps symbolic) goes on to the op,
+    whose kernels' call checks it when it runs, and anything else (a bool or
+    a string, constants to dynamo, which the op's float would take as a
+    number) is checked by the extension now, outside the graph: a graph
+    break, so that a compile without fullgraph raises the extension's own
+    error, as eager does, and one with fullgraph reports the break."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (float, int))):
+        _check_softcap_eagerly(softcap)
+    return softcap

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from .._kernels import softcap_traced
+
 __all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "no_derivative"]
 
 _CUDAGRAPH_SAFE = os.environ.get("HKT_CUDAGRAPH_SAFE", "0") == "1"
@@ -40,8 +42,13 @@ def schema_scale(scale):
 def schema_softcap(softcap) -> float:
     """A softcap the extension has checked (hkt._C's parse_softcap: None, 0.0
     or a finite positive real number) as the schemas take it, a float, 0.0 for
-    none (FlashAttention's convention)."""
-    return 0.0 if softcap is None else float(softcap)
+    none (FlashAttention's convention).  Under torch.compile, where the
+    extension has not seen it, as hkt._kernels.softcap_traced lets it through."""
+    if softcap is None:
+        return 0.0
+    if torch.compiler.is_compiling():
+        softcap = softcap_traced(softcap)
+    return float(softcap)
 
 
 def no_derivative(op: str, message: str) -> None:

@@ -349,3 +349,36 @@ def test_torch_compile_fullgraph_equals_eager():
     assert torch.equal(out, eager)
     for a, b in zip(g_out, g_eager):
         assert torch.equal(a, b)
+
+
+def _compiled_calls():
+    """hkt_attention (dense and windowed) and the decoding call, each taking
+    the cap as an argument, for torch.compile."""
+    q, k, v, w = loud(B=1, H=2, T=12, S=12, L=2, dtype=F32)
+    kc = [x.clone() for x in k]
+    qn = [x[:, :, -1:] for x in q]
+    return {
+        "dense": (lambda c: hkt.hkt_attention(q, k, v, w, is_causal=True, softcap=c)),
+        "windows": (lambda c: hkt.hkt_attention(q, k, v, w, is_causal=True, windows=[4, None], softcap=c)),
+        "decode": (lambda c: hkt.hkt_attention_with_kvcache(qn, kc, v, w, 11, softcap=c)),
+    }
+
+
+@pytest.mark.parametrize("call", ["dense", "windows", "decode"])
+@pytest.mark.parametrize("bad,exc,message", [b for b in BAD if isinstance(b[0], (bool, str))])
+def test_bad_softcap_under_compile_is_refused(call, bad, exc, message):
+    """A cap dynamo holds as a constant that is not a number (a bool, which
+    the ops' float would take as 1.0, or a string) is checked by the
+    extension at trace time: without fullgraph the compiled call raises the
+    eager call's error; with fullgraph it stops at the graph break, never
+    computing with a cap the caller did not mean."""
+    fn = _compiled_calls()[call]
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(exc, match="^" + re.escape(message)):
+        torch.compile(fn, backend="eager")(bad)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(fn, fullgraph=True, backend="eager")(bad)
+    torch._dynamo.reset()
+    with torch.no_grad():  # a good cap still compiles in one graph, and equals eager
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(CAP), fn(CAP))
