@@ -78,12 +78,13 @@ def _check_tensor(x, name: str, level: Optional[int], dtype, device) -> bool:
     return x.requires_grad
 
 
-def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None):
+def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None, want_grad=True):
     """One pass over the inputs and the scalars (shapes, strides, devices and
     float32/float64 dtypes, the scalars' ranges, are the extension's to
     check, with messages that name the argument).  Returns (whether any
     input requires grad, dropout_p, scale), the scalars as _check_scalars
-    returns them."""
+    returns them.  want_grad=False (grad mode off): requires_grad is not read
+    and False returned."""
     if not (isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) and q and k):
         for name, xs in (("q", q), ("k", k)):
             if not isinstance(xs, (list, tuple)):
@@ -101,7 +102,8 @@ def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None):
     # small call's time); where a tensor fails it, each one checked and named
     cpu, bf16 = q0.is_cpu, dtype is _BF16
     device = None if cpu else q0.device
-    grad = False
+    # True from the start when nobody asks: `grad or x.requires_grad` then never reads it
+    grad = not want_grad
     for x in (*q, *k, v, w):
         if (isinstance(x, Tensor) and x.layout is _STRIDED and not x.is_nested
                 and (x.is_cpu if cpu else x.device == device)
@@ -110,6 +112,7 @@ def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None):
         else:
             grad = _check_each(q, k, v, w, dtype, q0.device)
             break
+    grad = grad and want_grad
     # the scalars' rules are _check_scalars'; the common types, as they are, skip the call
     if is_causal.__class__ is not bool or dropout_p.__class__ is not float or not (
             scale is None or scale.__class__ is float):

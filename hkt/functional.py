@@ -201,7 +201,8 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, so
     torch.compile or torch.jit.trace records the call (the registered op).
     Every scalar goes on, in the same order, to the op, the autograd Function
     and the kernels."""
-    grad, dropout_p, scale = _check_inputs(q, k, v, w, is_causal, dropout_p, scale)
+    grad_mode = torch.is_grad_enabled()
+    grad, dropout_p, scale = _check_inputs(q, k, v, w, is_causal, dropout_p, scale, grad_mode)
     q0 = q[0]
     if attn_mask is not None:
         attn_mask = _kernel_mask(attn_mask, q0, k[0])
@@ -219,7 +220,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, so
         return out
     # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
     seed = eager_seed(dropout_p) if dropout_p > 0 else 0
-    if torch.is_grad_enabled() and (grad or (attn_mask is not None and attn_mask.requires_grad)):
+    if grad_mode and (grad or (attn_mask is not None and attn_mask.requires_grad)):
         # the op's registered autograd, without the dispatcher (ops/attention.py)
         return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap)
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, want_lse=False,
