@@ -143,7 +143,10 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     lead = q0.shape[:3]  # (B, H, T); a wrong rank is the extension's to name
     # empty_like, cheaper than new_empty; new_empty without dtype=, cheaper than with it
     if like_inputs and v.dim() == 4 and q0.dim() == 4 and v.shape[-1] == q0.shape[-1]:
-        out = torch.empty_like(q0, dtype=out_dtype) if q0.is_contiguous() else _empty_like((q0,), out_dtype, True)[0]
+        if not q0.is_contiguous():
+            out = _empty_like((q0,), out_dtype, True)[0]
+        else:  # dtype= only where it differs: it costs a fair part of the call
+            out = torch.empty_like(q0) if out_dtype is in_dtype else torch.empty_like(q0, dtype=out_dtype)
     else:
         shape = (*lead, v.shape[-1] if v.dim() else 0)
         out = q0.new_empty(shape) if out_dtype is in_dtype else q0.new_empty(shape, dtype=out_dtype)
@@ -152,7 +155,9 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     if want_lse or cuda:
         lse = q0.new_empty(lead) if dtype is in_dtype else q0.new_empty(lead, dtype=dtype)
     # native (and float32/float64): q, k, v as they are; w, mask, lse in the compute dtype
-    a = _arrays((*q, *k, v), w, bf16 and not (native or _cuda_tc(q, v, dropout_p)))
+    # not bfloat16: the checks refused a bfloat16 input beside it (one that got past them reaches the
+    # extension in bfloat16, which refuses it by name), so no dtype is read
+    a = _arrays((*q, *k, v), w, (not (native or _cuda_tc(q, v, dropout_p))) if bf16 else None)
     L, n = len(q), len(q) + len(k)
     # the scalars, in the binding's order: one place for one more
     _C.forward(a[:L], a[L:n], a[n], a[n + 1], to_dlpack(out), None if lse is None else to_dlpack(lse),
@@ -241,14 +246,17 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
     return dq, dk, dv, dw, dmask
 
 
-def _arrays(xs: Sequence[Tensor], w: Tensor, upcast: bool) -> List:
+def _arrays(xs: Sequence[Tensor], w: Tensor, upcast: Optional[bool]) -> List:
     """xs, then w, as the kernels read them, through DLPack: bfloat16 upcast
     to float32 where upcast (the kernels then compute in float32), w always
-    (the kernels take it in the compute dtype); with unit stride along the
+    (the kernels take it in the compute dtype); upcast None: no dtype read,
+    for a call with no bfloat16 input (one there goes on as it is); with unit stride along the
     features (any other strides are fine) and a negated view resolved (see
     _feat).  A plain loop over every input of a call: a Python call per array
     is a fair part of a small call's time, so the common case (contiguous,
     not negated) is inline."""
+    if upcast is None:  # no bfloat16 among them: dtypes unread, a list comprehension (the common case)
+        return [to_dlpack(x) if x.is_contiguous() and not x.is_neg() else _feat(x) for x in (*xs, w)]
     last = len(xs)
     caps = []
     for i, x in enumerate((*xs, w)):
