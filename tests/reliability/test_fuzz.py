@@ -6,7 +6,7 @@ Three parts, in float64 (the fuzz also in float32 and bfloat16):
   hkt.hkt_attention and hkt.MultiheadHKT;
 * non-finite values: which rows NaN reaches and which entries it must not;
 * a property-based differential fuzz (hypothesis): random sizes, levels, grouped
-  heads, masks, strides, broadcasts and NaN/inf, forward and every gradient against
+  heads, masks, strides, broadcasts, NaN/inf and soft-caps, forward and every gradient against
   hkt.reference, and one thread against two, bitwise.  Plus NumPy arrays with
   negative strides at the extension level.
 
@@ -482,6 +482,8 @@ def fuzz_cases(draw):
         scale=draw(st.one_of(st.none(), st.floats(-2.0, 2.0, allow_nan=False), st.sampled_from([0.0, 1e-3, 8.0]))),
         mask=draw(st.sampled_from(["none", "bool", "float"])),
         seed=draw(st.integers(0, 2**31 - 1)),
+        # soft-capping (contract 1.12), in the float64 fuzzes: none, or a cap the scores reach
+        softcap=draw(st.sampled_from([None, None, 0.5, 1.5, 30.0])),
     )
     rank = draw(st.integers(1, 4))
     c["mask_dims"] = [draw(st.booleans()) for _ in range(rank)]  # True: full size, False: 1 (broadcast)
@@ -624,7 +626,7 @@ def kernels_on_one_thread(q, k, v, w, mask, dout, **kw):
 
 def check_case(c):
     q, k, v, w, mask, dout, loose = build(c)
-    kw = dict(is_causal=c["causal"], scale=c["scale"])
+    kw = dict(is_causal=c["causal"], scale=c["scale"], softcap=c["softcap"])
     one = kernels_on_one_thread(q, k, v, w, mask, dout, **kw)
     # the reference is plain torch: one thread is the quickest at these sizes
     with_threads(1, lambda: assert_matches_reference(q, k, v, w, mask, dout, loose=loose, got=one, **kw))
@@ -676,7 +678,7 @@ def test_fuzz_windows_against_reference():
     def prop(c):
         count[0] += 1
         q, k, v, w, mask, dout, loose = build(c)
-        kw = dict(is_causal=c["causal"], scale=c["scale"], windows=c["windows"])
+        kw = dict(is_causal=c["causal"], scale=c["scale"], windows=c["windows"], softcap=c["softcap"])
         one = kernels_on_one_thread(q, k, v, w, mask, dout, **kw)
         with_threads(1, lambda: assert_matches_reference(q, k, v, w, mask, dout, loose=loose, got=one, **kw))
 
