@@ -7,6 +7,10 @@ Causal HKT can be decoded token by token: with causal downsampling anchored at
 they are known as soon as that token arrives, and a position t needs nothing
 after t.  The module's level 0 (its projections, out_proj) and its
 :class:`hkt.Levels` parameters are read through their public names.
+
+The levels' keys, values and value sums, and the step that writes new
+positions into them and attends, are a :class:`LevelStore`, which a converted
+transformers layer's state (:class:`HeadLevelCache`) holds too.
 """
 from typing import List, Optional, Tuple
 
@@ -220,6 +224,7 @@ class LevelCache:
 
     Attributes (H_kv = the module's kv heads, hd = head_dim, K = downsample_kernel):
         length: tokens decoded so far (the same for every sequence).
+        store: the :class:`LevelStore` that holds ``k``, ``v`` and ``v_sums``.
         k: L tensors, ``k[l]`` (B, H_kv, ceil(max_len / 2^l), hd): the level-l
             keys of the blocks begun so far (with windows, see ``v_sums``).
         v: (B, H_kv, max_len, hd), the values so far (with windows, see ``v_sums``).
