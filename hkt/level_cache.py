@@ -62,7 +62,6 @@ class _Constants:
             self.stacked.append((torch.stack([cwq.t(), cwk.t()]), bias))
 
 
-
 class LevelStore:
     """Each level's keys and value sums: the decoding state that
     :class:`LevelCache` (a module's) and :class:`HeadLevelCache` (a converted
@@ -149,11 +148,8 @@ class LevelStore:
         ``chunk`` positions, so that no ring overwrites a row a round reads.
         ``softcap``: None or 0.0 for none, else the scores' cap."""
         if self.windows is None:
-            if level0 is None:
-                return hkt_attention_with_kvcache(qs, self.k, self.sums[0], w, t0, ks, v, scale=scale,
-                                                  softcap=softcap)
-            return hkt_attention_with_kvcache(qs, [level0[0], *self.k[1:]], level0[1], w, t0, scale=scale,
-                                              softcap=softcap)
+            keys, values = (self.k, self.sums[0]) if level0 is None else ([level0[0], *self.k[1:]], level0[1])
+            return hkt_attention_with_kvcache(qs, keys, values, w, t0, ks, v, scale=scale, softcap=softcap)
         softcap = softcap or 0.0
         starts = [t0] if isinstance(t0, int) else [int(t) for t in t0]
         if self.max_len is None:
