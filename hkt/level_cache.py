@@ -7,6 +7,10 @@ Causal HKT can be decoded token by token: with causal downsampling anchored at
 they are known as soon as that token arrives, and a position t needs nothing
 after t.  The module's level 0 (its projections, out_proj) and its
 :class:`hkt.Levels` parameters are read through their public names.
+
+The levels' keys, values and value sums, and the step that writes new
+positions into them and attends, are a :class:`LevelStore`, which a converted
+transformers layer's state (:class:`HeadLevelCache`) holds too.
 """
 from typing import List, Optional, Tuple
 
@@ -18,7 +22,7 @@ from .ops.attention import heads as _heads
 from ._window_decode import _rows, cache_rows, decode_windowed, fill_windowed
 from .kvcache import hkt_attention_with_kvcache
 
-__all__ = ["LevelCache", "DecodeCache", "HeadLevelCache", "WindowRings"]
+__all__ = ["LevelCache", "DecodeCache", "LevelStore", "HeadLevelCache"]
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -57,6 +61,111 @@ class _Constants:
             bias = None if cbq is None else torch.stack([cbq, cbk]).unsqueeze(1)
             self.stacked.append((torch.stack([cwq.t(), cwk.t()]), bias))
 
+
+class LevelStore:
+    """Each level's keys and value sums: the decoding state that
+    :class:`LevelCache` (a module's) and :class:`HeadLevelCache` (a converted
+    transformers layer's) both keep, and the step that writes new positions
+    into it and attends to them.
+
+    k[l] (B, H_kv, rows_l, D): level l's key of each block; k[0] None where
+    level 0 is kept elsewhere (a converted layer's, in transformers' cache:
+    :meth:`attend`'s ``level0``).
+    sums[l] (B, H_kv, rows_l, Dv): level l's block sums of the values,
+    sums[0] the values; with windows every level's, without only level 0's
+    (none where level 0 is kept elsewhere).
+    windows: None, or one entry per level.  A level with a window keeps a
+    ring of ``cache_rows`` rows (block c in row c % rows_l), what a step
+    reads; every other level all its blocks: ceil(max_len / 2^l) of them, or
+    with ``max_len`` None an array grown by doubling (:meth:`grow`: a
+    generation's length is not known in advance).
+    chunk: the most new positions one round of a windowed call writes and
+    then reads (``cache_rows``).
+    """
+
+    def __init__(self, k: List[Optional[Tensor]], sums: List[Tensor], windows=None,
+                 max_len: Optional[int] = None) -> None:
+        self.k, self.sums, self.max_len = k, sums, max_len
+        self.windows = None if windows is None else tuple(windows)
+        # an unknown max_len: one too large for any ring to hold every block
+        self.chunk = None if windows is None else cache_rows(self.windows, max_len or 1 << 48)[1]
+
+    @classmethod
+    def empty(cls, batch_size: int, kv_heads: int, head_dim: int, levels: int, windows, max_len: int,
+              **kw) -> "LevelStore":
+        """Zeros for ``max_len`` positions, ``kw`` the tensors' device and dtype."""
+        B, L = batch_size, levels
+        # every block of each level, or with windows rings where the steps read only near the newest token
+        rows = [-(-max_len // 2**l) for l in range(L)] if windows is None else cache_rows(windows, max_len)[0]
+        k = [torch.zeros(B, kv_heads, rows[l], head_dim, **kw) for l in range(L)]
+        sums = [torch.zeros(B, kv_heads, rows[l], head_dim, **kw) for l in range(1 if windows is None else L)]
+        return cls(k, sums, windows, max_len)
+
+    @classmethod
+    def filled(cls, windows, k: List[Tensor], v: Tensor, counts: Tensor) -> "LevelStore":
+        """A windowed store of unknown ``max_len`` filled from a prompt: k[l]
+        (B, H_kv, ceil(T / 2^l), D) the level-l keys, v (B, H_kv, T, Dv) the
+        values, row b's tokens its first ``counts[b]`` positions."""
+        windows = tuple(windows)
+        T = v.shape[2]
+        B, Hk, _, D = k[0].shape
+        rows = [r if W is not None else -(-T >> l)
+                for l, (r, W) in enumerate(zip(cache_rows(windows, 1 << 48)[0], windows))]
+        store = cls([k[0].new_zeros(B, Hk, rows[l], D) for l in range(len(k))],
+                    [v.new_zeros(B, Hk, rows[l], v.shape[3]) for l in range(len(k))], windows)
+        counts = [int(c) for c in counts]
+        if all(c == T for c in counts):
+            fill_windowed(store.k, store.sums, k, v)
+        else:  # each row's own length
+            for b, c in enumerate(counts):
+                fill_windowed([x[b:b + 1] for x in store.k], [x[b:b + 1] for x in store.sums],
+                              [x[b:b + 1, :, :-(-c >> l)] for l, x in enumerate(k)], v[b:b + 1, :, :c])
+        return store
+
+    def grow(self, n: int) -> None:
+        """Room for positions up to n - 1 in every level without a window
+        (a store of unknown ``max_len``), doubling, so that growing costs O(1)
+        per position.  Through ``torch.cat``: an array in an autograd graph
+        stays in it."""
+        for x in (self.k, self.sums):
+            for l, a in enumerate(x):
+                need = -(-n >> l)
+                if a is not None and (self.windows is None or self.windows[l] is None) and a.shape[2] < need:
+                    grow = max(need, 2 * a.shape[2]) - a.shape[2]
+                    x[l] = torch.cat([a, a.new_zeros(*a.shape[:2], grow, a.shape[3])], dim=2)
+
+    def attend(self, qs: List[Tensor], ks: Optional[List[Tensor]], v: Optional[Tensor], w: Tensor, t0,
+               scale: Optional[float] = None, softcap: Optional[float] = None, level0=None) -> Tensor:
+        """The attention of n new positions per row, (B, H, n, Dv), their keys
+        and values written into the store first: qs[l], ks[l] (B, heads, n, D)
+        the level-l query and key of each new position's block, v (B, H_kv,
+        n, Dv), t0 the position of the first (an int, or (B,) each row's).
+        Without windows the decoding kernel (:func:`hkt_attention_with_kvcache`);
+        ``level0``: (keys, values) of level 0 kept elsewhere, every new key
+        already written (ks and v None).  With windows
+        :func:`hkt._window_decode.decode_windowed`: one call where every row is
+        at the same position, else one per row, each in rounds of at most
+        ``chunk`` positions, so that no ring overwrites a row a round reads.
+        ``softcap``: None or 0.0 for none, else the scores' cap."""
+        if self.windows is None:
+            keys, values = (self.k, self.sums[0]) if level0 is None else ([level0[0], *self.k[1:]], level0[1])
+            return hkt_attention_with_kvcache(qs, keys, values, w, t0, ks, v, scale=scale, softcap=softcap)
+        softcap = softcap or 0.0
+        starts = [t0] if isinstance(t0, int) else [int(t) for t in t0]
+        if self.max_len is None:
+            self.grow(max(starts) + v.shape[2])
+        if len(set(starts)) == 1:
+            return decode_windowed(self.k, self.sums, qs, ks, v, w, starts[0], self.windows, self.chunk, scale,
+                                   softcap)
+        return torch.cat([decode_windowed([x[b:b + 1] for x in self.k], [x[b:b + 1] for x in self.sums],
+                                          [x[b:b + 1] for x in qs], [x[b:b + 1] for x in ks], v[b:b + 1], w, t,
+                                          self.windows, self.chunk, scale, softcap)
+                          for b, t in enumerate(starts)], dim=0)
+
+    def reorder(self, index: Tensor) -> None:
+        """Rows ``index`` (B',) of the batch (beam search's reordering)."""
+        self.k = [None if x is None else x[index.to(x.device)] for x in self.k]
+        self.sums = [x[index.to(x.device)] for x in self.sums]
 
 
 class LevelCache:
@@ -111,6 +220,7 @@ class LevelCache:
 
     Attributes (H_kv = the module's kv heads, hd = head_dim, K = downsample_kernel):
         length: tokens decoded so far (the same for every sequence).
+        store: the :class:`LevelStore` that holds ``k``, ``v`` and ``v_sums``.
         k: L tensors, ``k[l]`` (B, H_kv, ceil(max_len / 2^l), hd): the level-l
             keys of the blocks begun so far (with windows, see ``v_sums``).
         v: (B, H_kv, max_len, hd), the values so far (with windows, see ``v_sums``).
@@ -137,15 +247,27 @@ class LevelCache:
             max_len / 2^g, g the first level without a window.
     """
 
-    def __init__(self, k: List[Tensor], v: Tensor, inputs: List[Tensor], q_coarse: List[Tensor],
-                 k_coarse: List[Tensor], max_len: int, v_sums: Optional[List[Tensor]] = None) -> None:
-        self.k, self.v, self.v_sums = k, v, v_sums
+    def __init__(self, store: LevelStore, inputs: List[Tensor], q_coarse: List[Tensor], k_coarse: List[Tensor],
+                 max_len: int) -> None:
+        self.store = store  # the levels' keys, values and value sums (k, v, v_sums)
         self.inputs, self.q_coarse, self.k_coarse = inputs, q_coarse, k_coarse
         self.max_len = max_len
         self.length = 0
         self._constants = None  # _step_constants: (parameters, their versions, _Constants)
         # a windowed call in rounds whose rings were written past what a retry of it reads (_attend)
         self._torn = False
+
+    @property
+    def k(self) -> List[Tensor]:
+        return self.store.k
+
+    @property
+    def v(self) -> Tensor:
+        return self.store.sums[0]
+
+    @property
+    def v_sums(self) -> Optional[List[Tensor]]:
+        return None if self.store.windows is None else self.store.sums[1:]
 
     @property
     def q_inputs(self) -> List[Tensor]:
@@ -187,17 +309,13 @@ class LevelCache:
         if dtype not in (torch.float32, torch.float64):
             raise TypeError(f"dtype: decoding runs in float32 or float64, got {dtype}")
         B, L, K, E, hd = batch_size, module.levels, module.downsample_kernel, module.embed_dim, module.head_dim
-        Hk, windows = module.num_kv_heads, module.windows
+        Hk = module.num_kv_heads
         kw = {"device": device, "dtype": dtype}
-        # every block of each level, or with windows rings where the steps read only near the newest token
-        rows = [-(-max_len // 2**l) for l in range(L)] if windows is None else cache_rows(windows, max_len)[0]
-        k = [torch.zeros(B, Hk, rows[l], hd, **kw) for l in range(L)]
-        v = torch.zeros(B, Hk, rows[0], hd, **kw)
+        store = LevelStore.empty(B, Hk, hd, L, module.windows, max_len, **kw)
         inputs = [torch.zeros(B, 2, K, E, **kw) for _ in range(L - 1)]
         q_coarse = [torch.zeros(B, module.num_heads, 1, hd, **kw) for _ in range(L - 1)]
         k_coarse = [torch.zeros(B, Hk, 1, hd, **kw) for _ in range(L - 1)]
-        v_sums = None if windows is None else [torch.zeros(B, Hk, rows[l], hd, **kw) for l in range(1, L)]
-        return cls(k, v, inputs, q_coarse, k_coarse, max_len, v_sums)
+        return cls(store, inputs, q_coarse, k_coarse, max_len)
 
     def step(self, module, x: Tensor, param_dtype: torch.dtype) -> Tensor:
         """:meth:`hkt.MultiheadHKT.decode` of ``x`` (the module's layout), the
@@ -248,9 +366,12 @@ class LevelCache:
                 or any(s.shape[2:] != (module.downsample_kernel, module.embed_dim) for s in self.inputs)):
             raise ValueError("cache: was made by another module (levels, kv heads, head size, embed_dim or "
                              "downsample_kernel differ)")
-        if (module.windows is None) != (self.v_sums is None):
-            raise ValueError("cache: was made by a module " + ("without" if self.v_sums is None else "with")
+        if (module.windows is None) != (self.store.windows is None):
+            raise ValueError("cache: was made by a module " + ("without" if self.store.windows is None else "with")
                              + " windows; make it with this module's init_cache")
+        if module.windows is not None and tuple(module.windows) != self.store.windows:
+            raise ValueError(f"cache: was made by a module with other windows ({list(self.store.windows)}, this "
+                             f"module's {list(module.windows)}); make it with this module's init_cache")
         own = param_dtype
         if own != self.v.dtype and not torch.is_autocast_enabled(x.device.type):
             # the projections run in the module's dtype: only autocast reconciles the two
@@ -290,17 +411,14 @@ class LevelCache:
             self._constants = kept = (params, versions, _Constants(module))
         return kept[2]
 
-    def _attend(self, module, qs: List[Tensor], w: Tensor, t0: int, ks: List[Tensor], v: Tensor) -> Tensor:
+    def _attend(self, qs: List[Tensor], w: Tensor, t0: int, ks: List[Tensor], v: Tensor) -> Tensor:
         """The new positions' attention, (B, H, n, hd), their keys and values
-        written into the cache first: the decoding kernel, or with windows
-        hkt._window_decode's (all the new positions in one call on the CPU)."""
-        if module.windows is None:
-            return hkt_attention_with_kvcache(qs, self.k, self.v, w, t0, ks, v)
-        sums = [self.v] + self.v_sums
-        chunk = cache_rows(module.windows, self.max_len)[1]  # what the rings have room for between reads
-        if v.shape[2] > chunk:  # a later round overwrites ring rows that the first reads: no retry once it starts
+        written into the cache first (:meth:`LevelStore.attend`)."""
+        store = self.store
+        if store.windows is not None and v.shape[2] > store.chunk:
+            # a later round overwrites ring rows that the first reads: no retry once it starts
             self._torn = True
-        return decode_windowed(self.k, sums, qs, ks, v, w, t0, module.windows, chunk)
+        return store.attend(qs, ks, v, w, t0)
 
     def _decode_one(self, module, x: Tensor) -> Tensor:
         """decode for one new token per sequence (generation's step), in as few
@@ -334,7 +452,7 @@ class LevelCache:
                         k_coarse[l - 1] = F.linear(new[:, 1], cwk, cbk).view(B, Hk, 1, hd)
             qs.append(q_coarse[l - 1])
             ks.append(k_coarse[l - 1])
-        out = self._attend(module, qs, c.w, t, ks, r[:, H + Hk:])
+        out = self._attend(qs, c.w, t, ks, r[:, H + Hk:])
         # the state moves on only once the step went through
         self.inputs, self.q_coarse, self.k_coarse = inputs, q_coarse, k_coarse
         self.length = t + 1
@@ -379,7 +497,7 @@ class LevelCache:
             qs.append(_rows(q_all, rows))
             ks.append(_rows(k_all, rows))
             q_coarse[l - 1], k_coarse[l - 1] = q_all[:, :, -1:], k_all[:, :, -1:]
-        out = self._attend(module, qs, c.w, t0, ks, _heads(v, Hk, hd))
+        out = self._attend(qs, c.w, t0, ks, _heads(v, Hk, hd))
         # the state moves on only once the step went through
         self.inputs, self.q_coarse, self.k_coarse = inputs, q_coarse, k_coarse
         self.length = t0 + n
@@ -387,98 +505,35 @@ class LevelCache:
         return module.out_proj(out.transpose(1, 2).reshape(B, n, module.embed_dim))
 
 
-class WindowRings:
-    """The windowed levels' decoding state of a converted attention module
-    (``HeadLevelCache.rings``): per level its keys and value sums (level 0:
-    the values) as :class:`LevelCache` keeps them with ``windows``, each row
-    of the batch in its own positions (padding removed), so that a step reads
-    and writes O(window) rows (hkt._window_decode).  A level with a window
-    keeps a ring of ``cache_rows`` rows; a level without one every block, in
-    an array grown by doubling (the length of a generation is not known in
-    advance).  ``q_blocks``: per level l >= 1, (B, H, 1, D), the query of
-    each row's latest block, which a step that begins no block reuses."""
-
-    def __init__(self, windows, k: List[Tensor], v: Tensor, counts: Tensor, q_blocks: List[Tensor]) -> None:
-        """Filled from a prompt: k[l] (B, H_kv, ceil(T / 2^l), D) the level-l
-        keys, v (B, H_kv, T, Dv) the values, row b's tokens its first
-        ``counts[b]`` positions."""
-        self.windows, self.q_blocks = tuple(windows), q_blocks
-        # an unbounded max_len: a ring wherever a level has a window; the levels without get their own size
-        rows, self.chunk = cache_rows(self.windows, 1 << 48)
-        T = v.shape[2]
-        B, Hk, _, D = k[0].shape
-        rows = [r if W is not None else -(-T >> l) for l, (r, W) in enumerate(zip(rows, self.windows))]
-        self.k = [k[0].new_zeros(B, Hk, rows[l], D) for l in range(len(k))]
-        self.sums = [v.new_zeros(B, Hk, rows[l], v.shape[3]) for l in range(len(k))]
-        counts = [int(c) for c in counts]
-        if all(c == T for c in counts):
-            fill_windowed(self.k, self.sums, k, v)
-        else:  # each row's own length
-            for b, c in enumerate(counts):
-                fill_windowed([x[b:b + 1] for x in self.k], [x[b:b + 1] for x in self.sums],
-                              [x[b:b + 1, :, :-(-c >> l)] for l, x in enumerate(k)], v[b:b + 1, :, :c])
-
-    def _grow(self, n: int) -> None:
-        """Room for positions up to n - 1 in every level without a window."""
-        for l, W in enumerate(self.windows):
-            need = -(-n >> l)
-            if W is None and self.k[l].shape[2] < need:
-                for x in (self.k, self.sums):
-                    grow = max(need, 2 * x[l].shape[2]) - x[l].shape[2]
-                    x[l] = torch.cat([x[l], x[l].new_zeros(*x[l].shape[:2], grow, x[l].shape[3])], dim=2)
-
-    def step(self, qs: List[Tensor], ks: List[Tensor], v: Tensor, t0: Tensor, w: Tensor,
-             scale: Optional[float], softcap: float = 0.0) -> Tensor:
-        """The rows of n new positions per row, (B, H, n, Dv), their keys and
-        values written first: qs[l], ks[l] (B, heads, n, D) the level-l query
-        and key of each new position's block, v (B, H_kv, n, Dv), t0 (B,)
-        each row's position of its first.  One call for the batch where every
-        row is at the same position, else one per row; in rounds of at most
-        ``chunk`` positions, so that no ring overwrites a row a round reads.
-        softcap: the scores' cap (0.0: none; a converted Gemma 2's)."""
-        n = v.shape[2]
-        starts = [int(t) for t in t0]
-        self._grow(max(starts) + n)
-        if len(set(starts)) == 1:
-            return decode_windowed(self.k, self.sums, qs, ks, v, w, starts[0], self.windows, self.chunk, scale,
-                                   softcap)
-        return torch.cat([decode_windowed([x[b:b + 1] for x in self.k], [x[b:b + 1] for x in self.sums],
-                                          [x[b:b + 1] for x in qs], [x[b:b + 1] for x in ks], v[b:b + 1], w, t,
-                                          self.windows, self.chunk, scale, softcap)
-                          for b, t in enumerate(starts)], dim=0)
-
-    def reorder(self, index: Tensor) -> None:
-        index = index.to(self.k[0].device)
-        self.k, self.sums = [x[index] for x in self.k], [x[index] for x in self.sums]
-        self.q_blocks = [x[index] for x in self.q_blocks]
-
-
 class HeadLevelCache:
     """The decoding state of levels made from projected heads
     (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
     converted attention module keeps between the forward calls of one
-    cached generation, beyond HF's key/value cache (which holds level 0): the
-    coarse keys of every block so far, per row in its own positions (padding
-    removed: slot p of level l is the row's block p), the latest full-resolution
-    queries the next blocks' queries are downsampled from, and what checks that
-    the next call continues this cache (its length, its padding, its last key).
-    With windows, ``rings`` (a :class:`WindowRings`) holds the levels' keys
-    and value sums instead of ``coarse_k``; None where the layer recomputes
-    the windowed op over the whole sequence at each step (``q_tail`` then
-    every query so far)."""
+    cached generation, beyond HF's key/value cache (which holds level 0).
+    ``store`` (a :class:`LevelStore`, each row in its own positions, padding
+    removed: slot p of level l is the row's block p): without windows the
+    coarse levels' keys (its level 0 is HF's cache); with windows every
+    level's keys and value sums in rings, and ``q_blocks`` per level l >= 1
+    (B, H, 1, D) the query of each row's latest block, which a step that
+    begins no block reuses; None where the layer recomputes the windowed op
+    over the whole sequence at each step.  Beside it the latest
+    full-resolution queries the next blocks' queries are downsampled from
+    (``q_tail``; with windows and no store every query so far), and what
+    checks that the next call continues this cache (its length, its padding,
+    its last key)."""
 
-    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, coarse_k: List[Tensor],
-                 rings: Optional[WindowRings] = None):
-        self.length, self.pad, self.last_key, self.q_tail, self.coarse_k = length, pad, last_key, q_tail, coarse_k
-        self.rings = rings
+    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
+                 q_blocks: Optional[List[Tensor]] = None):
+        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
+        self.store, self.q_blocks = store, q_blocks or []
 
     def reorder(self, index: Tensor) -> None:
         """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
         index = index.to(self.pad.device)
         self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
-        self.coarse_k = [c[index] for c in self.coarse_k]
-        if self.rings is not None:
-            self.rings.reorder(index)
+        self.q_blocks = [x[index] for x in self.q_blocks]
+        if self.store is not None:
+            self.store.reorder(index)
 
 
 # the name 0.2.0 gave the class (hkt.kvcache.DecodeCache)

@@ -21,7 +21,7 @@ each layer's levels an :class:`hkt.Levels`).  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad; with
 windows the windowed decoding kernel over the rings of
-:class:`hkt.level_cache.WindowRings`) or :func:`hkt.hkt_attention` one new
+its :class:`hkt.level_cache.LevelStore`) or :func:`hkt.hkt_attention` one new
 token at a time (with windows, over the whole sequence).
 """
 import functools
@@ -42,7 +42,7 @@ except ImportError as e:  # the extra is optional: say how to get it
 
 import hkt
 from hkt._checks import check_windows
-from hkt.level_cache import HeadLevelCache, WindowRings
+from hkt.level_cache import HeadLevelCache, LevelStore
 from hkt.levels import Levels
 
 __all__ = ["convert", "from_pretrained", "hkt_attention_forward", "HKTLevels", "NAME"]
@@ -161,19 +161,23 @@ class HKTLevels(Levels):
     def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0) -> HeadLevelCache:
         """What a prefill of T positions keeps for the decoding steps that follow:
         the latest queries the next blocks are downsampled from, and the coarse
-        keys; with windows, where the steps can run the windowed decoding kernel
-        (:func:`_kernel_decodes`), the levels' rings (:class:`hkt.level_cache.WindowRings`,
-        filled from ``ks`` and ``v0``, each row's tokens first), else every query
-        so far: such a step recomputes the windowed op over the whole sequence."""
+        keys (a :class:`hkt.level_cache.LevelStore` whose level 0 is HF's cache);
+        with windows, where the steps can run the windowed decoding kernel
+        (:func:`_kernel_decodes`), the levels' rings (``LevelStore.filled``
+        from ``ks`` and ``v0``, each row's tokens first), else every query so
+        far and no store: such a step recomputes the windowed op over the whole
+        sequence."""
         T = query.shape[2]
-        rings = None
-        if self.windows is not None and _kernel_decodes(query, w, dropout):
-            with torch.no_grad():  # qs: each row's last token's block at each level
-                last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
-                q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
-                rings = WindowRings(self.windows, ks, v0, count, q_blocks)
-        tail = query if self.windows is not None and rings is None else query[:, :, -self.tail_length():]
-        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, ks[1:] if self.windows is None else [], rings)
+        tail = query[:, :, -self.tail_length():]
+        if self.windows is None:
+            return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, LevelStore([None] + ks[1:], []))
+        if not _kernel_decodes(query, w, dropout):
+            return HeadLevelCache(T, pad, key[:, :, -1].detach(), query, None)
+        with torch.no_grad():  # qs: each row's last token's block at each level
+            last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
+            q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
+            store = LevelStore.filled(self.windows, ks, v0, count)
+        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, store, q_blocks)
 
     def tail_length(self) -> int:
         """How many of the latest full-resolution queries a decoding step can need
@@ -210,7 +214,7 @@ class HKTLevels(Levels):
         if not bool((pad + count == S).all()):
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
-        if state.rings is not None:
+        if self.windows is not None and state.store is not None:
             if not _kernel_decodes(query, w, dropout):
                 raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
                                    "with windows (that prompt kept the windowed decoding's rings, not every query)",
@@ -224,14 +228,16 @@ class HKTLevels(Levels):
             state.length, state.last_key, state.q_tail = S, key[:, :, -1].detach(), q_all
             return out
         t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
-        coarse_k = _write_blocks(state.coarse_k, k_win, start, new_rows, S)
+        store = state.store
+        store.grow(S)
+        store.k[1:] = _write_blocks(store.k[1:], k_win, start, new_rows)
+        coarse_k = store.k[1:]
         shifted = bool(pad.any())
         k0 = _take(key, _shift_index(pad, S)) if shifted else key
         v0 = _take(value, _shift_index(pad, S)) if shifted else value
         if sliding_window is None and _kernel_decodes(query, w, dropout):
             with torch.no_grad():
-                out = hkt.hkt_attention_with_kvcache(qs, [k0, *coarse_k], v0, w.detach(), t0, scale=scaling,
-                                                     softcap=softcap)
+                out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
         else:  # any device, dtype, grad mode or window: one new token at a time, its keys those up to it
             ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
             keys = torch.arange(S, device=query.device)
@@ -244,7 +250,7 @@ class HKTLevels(Levels):
                                               attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling,
                                               softcap=softcap))
             out = torch.cat(rows, dim=2)
-        state.length, state.coarse_k = S, coarse_k
+        state.length = S
         state.last_key = key[:, :, -1].detach()
         state.q_tail = q_all[:, :, -self.tail_length():]
         return out
@@ -280,20 +286,20 @@ class HKTLevels(Levels):
         the new positions begin, and the new values, written there, then the
         new rows read from them (hkt._window_decode), at a cost bounded by the
         windows (the top level's, where it has none, by S / 2^(L-1))."""
-        state, rings, T, S = self.decode_state, self.decode_state.rings, query.shape[2], key.shape[2]
+        state, T, S = self.decode_state, query.shape[2], key.shape[2]
         t0 = count - T
         if T == 1 and not bool(((t0 & 1) == 0).any()):
             # every row at an odd position: each level's block is the one before's (t >> l = (t - 1) >> l),
             # its query kept, and no block begins, so no coarse key is written (append_windowed) or read:
             # level 0's key stands in for them.  Half the steps skip the downsampling of the window
             q_all = torch.cat([state.q_tail, query], dim=2)
-            qs, ks = [query] + rings.q_blocks, [key[:, :, S - 1:]] * self.levels
+            qs, ks = [query] + state.q_blocks, [key[:, :, S - 1:]] * self.levels
         else:
             t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
             ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
                                         for l, kc in enumerate(k_win, 1)]
-            rings.q_blocks = [x[:, :, -1:] for x in qs[1:]]
-        out = rings.step(qs, ks, value[:, :, S - T:], t0, w.detach(), scaling, softcap or 0.0)
+            state.q_blocks = [x[:, :, -1:] for x in qs[1:]]
+        out = state.store.attend(qs, ks, value[:, :, S - T:], w.detach(), t0, scaling, softcap)
         state.length, state.last_key = S, key[:, :, -1].detach()
         state.q_tail = q_all[:, :, -self.tail_length():]
         return out
@@ -487,20 +493,16 @@ def _row_layout(real: Optional[Tensor], B: int, S: int, device):
     return pad, count
 
 
-def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, rows: Tensor, S: int) -> List[Tensor]:
-    """The coarse key caches with the blocks of the new positions ``rows``
-    (B, T) written in, from the levels of the window that begins at each row's
-    position ``start``, grown to hold ceil(S / 2^l) slots.  In place where no
+def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, rows: Tensor) -> List[Tensor]:
+    """The coarse key caches (grown to hold the new blocks: ``LevelStore.grow``)
+    with the blocks of the new positions ``rows`` (B, T) written in, from the
+    levels of the window that begins at each row's position ``start``.  In place where no
     gradient is wanted (generation); else a new tensor through which the
     gradient reaches the old blocks and each new one once (several new
     positions share a block: a scatter of each would count its gradient as
     many times)."""
     out = []
     for l, (cache, kc) in enumerate(zip(caches, window), start=1):
-        need = -(-S // 2 ** l)
-        if cache.shape[2] < need:  # doubled, so that growing costs O(1) per token
-            grow = max(need, 2 * cache.shape[2]) - cache.shape[2]
-            cache = torch.cat([cache, cache.new_zeros(*cache.shape[:2], grow, cache.shape[3])], dim=2)
         offset = start[:, None] >> l  # the window's first block
         if torch.is_grad_enabled() and (kc.requires_grad or cache.requires_grad):
             slots = torch.arange(cache.shape[2], device=cache.device)[None, :]

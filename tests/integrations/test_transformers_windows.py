@@ -1,7 +1,7 @@
 """Generation with the cache of models converted with per-level windows
 (convert(windows=...)): on the CPU in float32/float64 without gradients each
 cached step runs the windowed decoding kernel over the rings its layer filled
-at the prompt (hkt.level_cache.WindowRings); elsewhere it recomputes the
+at the prompt (hkt.level_cache.LevelStore); elsewhere it recomputes the
 windowed op over the whole sequence.  Either way the tokens are those of
 generation without the cache."""
 import copy
@@ -82,9 +82,9 @@ def test_ring_generate_equals_without_cache(windows, left_padded, monkeypatch):
     assert spy.kernel == 23 * layers * (x.shape[0] if left_padded else 1)
     # the 23 steps at positions 24 .. 46: every one has a row at an even position, or 12 do
     assert len(calls) == (23 if left_padded else 12) * layers
-    sizes = [[k.shape for k, W in zip(s.rings.k, windows) if W is not None] for s in _states(model)]
+    sizes = [[k.shape for k, W in zip(s.store.k, windows) if W is not None] for s in _states(model)]
     _generate(model, x, mask, n=40)
-    assert sizes == [[k.shape for k, W in zip(s.rings.k, windows) if W is not None] for s in _states(model)]
+    assert sizes == [[k.shape for k, W in zip(s.store.k, windows) if W is not None] for s in _states(model)]
 
 
 @pytest.mark.parametrize("windows", RING_WINDOWS)
@@ -129,10 +129,10 @@ def test_fallbacks_recompute(monkeypatch):
         m.setattr(ht, "_DECODE_KERNEL", False)
         spy = _Spy(m)
         assert torch.equal(_generate(model, x, mask, n=8)[0], want)
-        assert spy.kernel == 0 and all(s.rings is None for s in _states(model))
+        assert spy.kernel == 0 and all(s.store is None for s in _states(model))
     low = copy.deepcopy(model).to(torch.bfloat16)
     assert torch.equal(_generate(low, x, mask, n=8)[0], _generate(low, x, mask, n=8, use_cache=False)[0])
-    assert all(s.rings is None for s in _states(low))
+    assert all(s.store is None for s in _states(low))
     # training through the cache: gradients reach the prompt's queries across the steps
     cached_gradients_match(model.train(), ids(2, 19), [6, 1, 5, 7])
 

@@ -304,6 +304,10 @@ def test_windowed_decoding_refuses_another_modules_cache():
             m.decode(x, plain.init_cache(1, 4))
         with pytest.raises(ValueError, match="cache: was made by a module with windows"):
             plain.decode(x, m.init_cache(1, 4))
+        # the cache's rings are sized for its own module's windows: a step with others would read wrong rows
+        other = hkt.MultiheadHKT(8, 1, levels=2, batch_first=True, windows=[4, None]).eval()
+        with pytest.raises(ValueError, match="cache: was made by a module with other windows"):
+            other.decode(x, m.init_cache(1, 4))
 
 
 def test_window_ops_pass_opcheck():
