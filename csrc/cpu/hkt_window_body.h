@@ -546,12 +546,22 @@ static inline real win_dot_axpy(const real *go, const real *vr, real *dvr, real 
     g = _mm512_reduce_add_pd(acc);
 #endif
     if (d == Dv) return g + 0; /* no tail: skip the vector reduction's epilogue, a sum of lanes through memory */
-    real t = 0;
-#pragma omp simd reduction(+ : t)
-    for (int64_t e = d; e < Dv; e++) {
-        t += go[e] * vr[e];
-        dvr[e] += P * go[e];
+    /* the rest (the whole row without AVX-512) summed by lanes as win_dot sums */
+    vec sums = {0};
+    const vec Ps = P - (vec){0};
+    for (; d + VL_FULL <= Dv; d += VL_FULL) {
+        const vec gs = vload(go + d);
+        sums = vec_madd(gs, vload(vr + d), sums);
+        vstore(dvr + d, vec_madd(Ps, gs, vload(dvr + d)));
     }
+    real lane[VL_FULL];
+    vstore(lane, sums);
+    for (; d < Dv; d++) {
+        lane[0] = madd(go[d], vr[d], lane[0]);
+        dvr[d] = madd(P, go[d], dvr[d]);
+    }
+    real t = 0;
+    for (int k = 0; k < VL_FULL; k++) t += lane[k];
     return g + t;
 }
 
