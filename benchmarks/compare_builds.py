@@ -6,7 +6,10 @@ loads a second extension file (e.g. built from an older commit with
 runs both on the same inputs through the raw binding (forward and backward,
 with contiguous arrays and with the strided rows a module's heads have;
 bfloat16; decoding against a KV cache; packed variable-length sequences;
-the causal downsampling), checks every output is bitwise identical, then times
+the causal downsampling; and the windowed kernels through hkt_attention and
+windowed decoding, the Python layer calling each build in turn: per-block and
+per-key, masks, dropout, grouped heads, soft caps where both builds have
+them), checks every output is bitwise identical, then times
 them interleaved (the two see the same machine state) and prints the new/old
 time ratios.
 
@@ -31,7 +34,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
+import hkt
 import hkt._C as new
+import hkt._kernels as kernels
+from hkt._window import block_sums
+from hkt._window_decode import attend_windowed_rows
 from research.timing import describe_machine, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -167,8 +174,9 @@ def main():
                         same &= all(torch.equal(x, y) for x, y in zip(a, b))
                         calls += 1
     calls, same = other_calls(old, new, calls, same)
+    calls, same = windowed_calls(old, new, calls, same)
     print(f"bitwise identical outputs and gradients on {calls} calls (contiguous and strided rows, bfloat16, "
-          f"decoding, varlen, downsampling): {same}")
+          f"decoding, varlen, downsampling, windows): {same}")
     if args.pairs:
         pairs(old, new, args.pairs, args.threads)
     elif not args.bits_only:
@@ -201,6 +209,128 @@ def other_calls(old, new, calls, same):
             a, b = run_downsample(old, x, taps, 2), run_downsample(new, x, taps, 2)
             same &= all(torch.equal(x, y) for x, y in zip(a, b))
             calls += 1
+    return calls, same
+
+
+class NoCapBuild:
+    """A build from before soft caps (0.2.0): its window kernels take no
+    softcap argument and it has no window_softcap; calls without a cap pass.
+    Nor has it check_forward, the argument checks the Python layer asks for:
+    this build's, which compute nothing."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __getattr__(self, name):
+        if name == "check_forward" and not hasattr(self.mod, name):
+            return new.check_forward
+        return getattr(self.mod, name)
+
+    def _uncapped(self, args, kw, pos):
+        args, cap = list(args), kw.pop("softcap", None)
+        if len(args) > pos:
+            cap = args.pop(pos)
+        assert cap is None or cap == 0, "a build without soft caps"
+        return args, kw
+
+    def window(self, *args, **kw):
+        args, kw = self._uncapped(args, kw, 20)
+        return self.mod.window(*args, **kw)
+
+    def window_decode(self, *args, **kw):
+        args, kw = self._uncapped(args, kw, 9)
+        return self.mod.window_decode(*args, **kw)
+
+    def window_softcap(self, cap):
+        assert cap is None or cap == 0, "a build without soft caps"
+        return 0.0
+
+
+def through(mod, fn):
+    """fn() with the Python layer calling mod (hkt._kernels' extension)."""
+    kernels._C = mod
+    try:
+        torch.manual_seed(123)  # the dropout seed the layer draws
+        return fn()
+    finally:
+        kernels._C = new
+
+
+def window_call(B, H, Hk, T, D, Dv, L, windows, causal, dtype, mask=None, dropout=0.0, cap=None):
+    """hkt_attention with windows, forward and every gradient (a float mask's too)."""
+    def fn():
+        q, k, v, w = sample_inputs(B, H, T, T, D, Dv, L, dtype=dtype, seed=T, kv_heads=Hk, per_head=True)
+        q, k = [x.detach().requires_grad_() for x in q], [x.detach().requires_grad_() for x in k]
+        v, w = v.detach().requires_grad_(), w.detach().requires_grad_()
+        m = mask
+        if m is not None and m.dtype.is_floating_point:
+            m = m.to(dtype).clone().requires_grad_()
+        out = hkt.hkt_attention(q, k, v, w, windows=windows, is_causal=causal, attn_mask=m, dropout_p=dropout,
+                                softcap=cap)
+        dout = torch.randn(out.shape, dtype=dtype, generator=torch.Generator().manual_seed(5))
+        leaves = [*q, *k, v, w] + ([m] if m is not None and m.requires_grad else [])
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+    return fn
+
+
+def window_decode_call(B, H, Hk, D, L, windows, t0, n, dtype, cap=None):
+    """Windowed decoding of rows t0 .. t0 + n - 1 against a cache of keys and block sums."""
+    def fn():
+        g = torch.Generator().manual_seed(t0 + n)
+        size = t0 + n + 4
+        k = [torch.randn(B, Hk, -(-size >> l), D, generator=g, dtype=dtype) for l in range(L)]
+        v = torch.zeros(B, Hk, size, D, dtype=dtype)
+        v[:, :, :t0 + n] = torch.randn(B, Hk, t0 + n, D, generator=g, dtype=dtype)
+        full = block_sums(v[:, :, :t0 + n], L)
+        sums = [v] + [torch.zeros(B, Hk, -(-size >> l), D, dtype=dtype) for l in range(1, L)]
+        for l in range(1, L):
+            sums[l][:, :, :(t0 + n) >> l] = full[l][:, :, :(t0 + n) >> l]
+        q = [torch.randn(B, H, n, D, generator=g, dtype=dtype) for _ in range(L)]
+        w = torch.randn(H, L, generator=g, dtype=dtype)
+        return [attend_windowed_rows(q, k, sums, w, t0, windows, softcap=0.0 if cap is None else cap)]
+    return fn
+
+
+def bitwise(x, y):
+    """x and y the same bits (torch.equal holds 0.0 and -0.0 equal)."""
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64}
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.contiguous().view(ints[x.dtype]),
+                                                                      y.contiguous().view(ints[y.dtype]))
+
+
+def windowed_calls(old, new, calls, same):
+    """The windowed kernels through the Python layer, 2 threads: (calls, same) updated."""
+    capped = hasattr(old, "window_softcap")
+    old = old if capped else NoCapBuild(old)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    keys = torch.ones(2, 1, 1, 300, dtype=torch.bool)
+    keys[0, ..., 250:], keys[1, ..., :7] = False, False
+    bools = torch.rand(2, 4, 150, 150, generator=torch.Generator().manual_seed(3)) > 0.3
+    floats = torch.randn(1, 4, 150, 150, generator=torch.Generator().manual_seed(4))
+    fns = []
+    for cap in (None, 2.0) if capped else (None,):
+        for dtype in (torch.float32, torch.float64):
+            for causal in (True, False):
+                fns += [window_call(2, 4, 2, 300, 32, 32, 3, [16, 64, None], causal, dtype, cap=cap),
+                        window_call(2, 2, 2, 257, 17, 9, 4, [4, 8, 32, 64], causal, dtype, cap=cap),
+                        window_call(1, 2, 1, 200, 64, 64, 1, [32], causal, dtype, cap=cap),
+                        window_call(2, 4, 2, 300, 32, 32, 3, [16, 64, None], causal, dtype, keys, cap=cap),
+                        window_call(2, 4, 2, 150, 16, 24, 3, [8, 32, None], causal, dtype, bools, cap=cap),
+                        window_call(1, 4, 4, 150, 16, 16, 3, [8, 32, None], causal, dtype, floats, cap=cap),
+                        window_call(2, 2, 2, 160, 32, 32, 3, [8, 32, None], causal, dtype, dropout=0.3, cap=cap)]
+            for L, windows, H, Hk, t0, n in [(3, [4, 8, None], 2, 2, 0, 37), (4, [2, 8, 16, None], 4, 2, 5, 40),
+                                             (6, [2, 4, 8, 16, 32, None], 2, 1, 200, 61)]:
+                for D in (5, 64):
+                    fns.append(window_decode_call(2, H, Hk, D, L, windows, t0, n, dtype, cap))
+    differ = 0
+    for fn in fns:
+        a, b = through(old, fn), through(new, fn)
+        differ += not (len(a) == len(b) and all(bitwise(x, y) for x, y in zip(a, b)))
+    if differ:
+        print(f"{differ} of {len(fns)} windowed calls differ")
+    torch.set_num_threads(threads)
+    calls, same = calls + len(fns), same and not differ
     return calls, same
 
 

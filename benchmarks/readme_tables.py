@@ -13,7 +13,8 @@ other benchmarks' JSON. From them this writes:
 - docs/performance.md, whole: the method (benchmarks/notes/method.md), per CPU its
   tables, the commit and date it ran at, its plot and notes; the other benchmarks;
   restructures of the Python layer held to the same bits and speed
-  (benchmarks/notes/python_layer.md); the measurements behind the kernels'
+  (benchmarks/notes/python_layer.md); the windowed kernels held to 0.2.0's bits
+  (benchmarks/notes/window_bits.md); the measurements behind the kernels'
   constants (benchmarks/notes/constants.md);
   what was tried and not kept (benchmarks/notes/tried.md).
 """
@@ -383,6 +384,7 @@ def performance_page(runs):
     for title, name in (("Other benchmarks", "other_benchmarks.md"),
                         ("Other builds: the 16-byte kernels, clang", "builds.md"),
                         ("The Python layer: restructures held to the same bits and speed", "python_layer.md"),
+                        ("The windowed kernels: 0.2.0's bits, summed in a fixed order", "window_bits.md"),
                         ("Constants and the measurements behind them", "constants.md"),
                         ("Tried and not kept", "tried.md")):
         body = note(NOTES, name)

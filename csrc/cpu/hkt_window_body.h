@@ -195,12 +195,37 @@ static void win_carve(const hkt_window_params *p, int backward, char *mem, win_w
     }
 }
 
+/* <a, b> in a fixed order, whatever the compiler inlines or vectorises: one
+ * partial sum per lane of a vector (VL_FULL of them: 16 floats with AVX-512, 8
+ * with AVX2, 4 in the portable build), each a chain of madd over its lane's
+ * entries; the entries past the last whole vector into lane 0, one by one;
+ * then the lanes added in turn to 0.  That is how GCC built the
+ * `omp simd reduction(+)` this replaces wherever it vectorised it (its lane
+ * array, tail into lane 0); left to it, some inlined copies were not
+ * vectorised and summed in plain order, other bits for the same call. */
 static inline real win_dot(const real *a, const real *b, int64_t n) {
+    vec acc = {0};
+    int64_t d = 0;
+    for (; d + VL_FULL <= n; d += VL_FULL) acc = vec_madd(vload(a + d), vload(b + d), acc);
+    real lane[VL_FULL];
+    vstore(lane, acc);
+    for (; d < n; d++) lane[0] = madd(a[d], b[d], lane[0]);
     real s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    for (int k = 0; k < VL_FULL; k++) s += lane[k];
     return s;
 }
+
+/* <a, b> summed in plain order from 0, products fused as madd fuses them: the
+ * order of the one-query per-key backward's <dout, out> in the float64 AVX2
+ * and AVX-512 sets, where GCC had inlined that path and left its vectorisable
+ * sum unvectorised (everywhere else it summed by lanes, as win_dot does).
+ * Kept as it was so that those sets give the same bits as before. */
+static inline real win_dot_plain(const real *a, const real *b, int64_t n) {
+    real s = 0;
+    for (int64_t d = 0; d < n; d++) s = madd(a[d], b[d], s);
+    return 0 + s;
+}
+#define WIN_DI_PLAIN (!REAL_IS_FLOAT && HKT_VEC_BYTES >= 32)
 
 /* scale * w as the other kernels form it: a product that rounds to 0 although
  * neither factor is 0 becomes the smallest subnormal of its sign */
@@ -521,12 +546,22 @@ static inline real win_dot_axpy(const real *go, const real *vr, real *dvr, real 
     g = _mm512_reduce_add_pd(acc);
 #endif
     if (d == Dv) return g + 0; /* no tail: skip the vector reduction's epilogue, a sum of lanes through memory */
-    real t = 0;
-#pragma omp simd reduction(+ : t)
-    for (int64_t e = d; e < Dv; e++) {
-        t += go[e] * vr[e];
-        dvr[e] += P * go[e];
+    /* the rest (the whole row without AVX-512) summed by lanes as win_dot sums */
+    vec sums = {0};
+    const vec Ps = P - (vec){0};
+    for (; d + VL_FULL <= Dv; d += VL_FULL) {
+        const vec gs = vload(go + d);
+        sums = vec_madd(gs, vload(vr + d), sums);
+        vstore(dvr + d, vec_madd(Ps, gs, vload(dvr + d)));
     }
+    real lane[VL_FULL];
+    vstore(lane, sums);
+    for (; d < Dv; d++) {
+        lane[0] = madd(go[d], vr[d], lane[0]);
+        dvr[d] = madd(P, go[d], dvr[d]);
+    }
+    real t = 0;
+    for (int k = 0; k < VL_FULL; k++) t += lane[k];
     return g + t;
 }
 

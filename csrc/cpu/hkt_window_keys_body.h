@@ -243,10 +243,7 @@ static inline real win_dot_tree(const real *a, const real *b, int64_t n) {
     g = _mm512_reduce_add_pd(acc);
 #endif
     if (d == n) return g + 0; /* as in dot_axpy */
-    real t = 0;
-#pragma omp simd reduction(+ : t)
-    for (int64_t e = d; e < n; e++) t += a[e] * b[e];
-    return g + t;
+    return g + win_dot(a + d, b + d, n - d); /* the whole row, or AVX-512's tail (all in lane 0) */
 }
 
 /* the per-key backward of level m's part (the current units) for queries
@@ -270,7 +267,8 @@ static void win_grads_group(const hkt_window_params *p, win_work *wk, int64_t b,
         if (lse[i] == INFINITY) continue;
         kr[na] = win_key_row(p, b, h, i);
         go[na] = (const real *)p->dout + (row + i) * Dv;
-        Di[na] = win_dot(go[na], (const real *)p->out + (row + i) * Dv, Dv);
+        const real *oi = (const real *)p->out + (row + i) * Dv;
+        Di[na] = WIN_DI_PLAIN && cpa ? win_dot_plain(go[na], oi, Dv) : win_dot(go[na], oi, Dv); /* cpa: one query */
         c[na] = cpa ? cpa[0] : lse[i];
         pa[na] = cpa ? cpa[1] : 1;
         dm[na] = p->dmask ? (real *)p->dmask + (row + i) * p->S : NULL;
