@@ -434,7 +434,7 @@ def window_softcap(softcap) -> float:
     (hkt._C.window_softcap): 0.0 for None or 0.0, else a positive finite float.
     Under torch.compile, as softcap_traced lets it through."""
     if torch.compiler.is_compiling():
-        return 0.0 if softcap is None else softcap_traced(softcap)
+        return 0.0 if softcap is None else float(softcap_traced(softcap))
     return _C.window_softcap(softcap)
 
 
@@ -445,12 +445,15 @@ def _check_softcap_eagerly(softcap) -> None:
 
 def softcap_traced(softcap):
     """softcap as torch.compile records it: dynamo cannot trace into the
-    extension, so a float or an int (perhaps symbolic) goes on to the op,
-    whose kernels' call checks it when it runs, and anything else (a bool or
-    a string, constants to dynamo, which the op's float would take as a
-    number) is checked by the extension now, outside the graph: a graph
-    break, so that a compile without fullgraph raises the extension's own
-    error, as eager does, and one with fullgraph reports the break."""
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (float, int))):
+    extension, so a number goes on to the op (as a float: the kernels' call
+    checks its range when it runs), and what float() would take as a number
+    but the extension refuses, a bool or a string, is checked by the
+    extension now, outside the graph: a graph break, so that a compile
+    without fullgraph raises the extension's own error, as eager does, and
+    one with fullgraph reports the break.  (Anything else float() refuses:
+    the same break, from inside the trace.)  Dynamo hands a NumPy scalar
+    over as its own kind of number, not an instance of numbers.Real: only
+    the two refused kinds are named here."""
+    if isinstance(softcap, (bool, str, bytes, bytearray)):
         _check_softcap_eagerly(softcap)
     return softcap

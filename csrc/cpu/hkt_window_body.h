@@ -223,7 +223,7 @@ static inline real win_dot(const real *a, const real *b, int64_t n) {
 static inline real win_dot_plain(const real *a, const real *b, int64_t n) {
     real s = 0;
     for (int64_t d = 0; d < n; d++) s = madd(a[d], b[d], s);
-    return 0 + s;
+    return 0 + s; /* as the reduction ended, an add to 0: -0 becomes +0 */
 }
 #define WIN_DI_PLAIN (!REAL_IS_FLOAT && HKT_VEC_BYTES >= 32)
 

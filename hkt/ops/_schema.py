@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .._kernels import softcap_traced
+from .._kernels import softcap_traced, window_softcap
 
 __all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "no_derivative"]
 
@@ -40,15 +40,16 @@ def schema_scale(scale):
 
 
 def schema_softcap(softcap) -> float:
-    """A softcap the extension has checked (hkt._C's parse_softcap: None, 0.0
-    or a finite positive real number) as the schemas take it, a float, 0.0 for
-    none (FlashAttention's convention).  Under torch.compile, where the
-    extension has not seen it, as hkt._kernels.softcap_traced lets it through."""
+    """softcap as the schemas take it, a float, 0.0 for none
+    (FlashAttention's convention), checked by the extension (hkt._C's
+    parse_softcap: None, 0.0 or a finite positive real number; also under
+    torch.jit.trace, which records the op).  Under torch.compile, where the
+    extension cannot run, as hkt._kernels.softcap_traced lets it through."""
     if softcap is None:
         return 0.0
     if torch.compiler.is_compiling():
-        softcap = softcap_traced(softcap)
-    return float(softcap)
+        return float(softcap_traced(softcap))
+    return window_softcap(softcap)
 
 
 def no_derivative(op: str, message: str) -> None:

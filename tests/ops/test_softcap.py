@@ -382,3 +382,24 @@ def test_bad_softcap_under_compile_is_refused(call, bad, exc, message):
     torch._dynamo.reset()
     with torch.no_grad():  # a good cap still compiles in one graph, and equals eager
         assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(CAP), fn(CAP))
+
+
+@pytest.mark.parametrize("call", ["dense", "windows", "decode"])
+def test_numpy_cap_compiles_in_one_graph(call):
+    """A NumPy integer cap, a real number as eager takes it, goes on to the op
+    under torch.compile(fullgraph=True) as a float would (no graph break)."""
+    np = pytest.importorskip("numpy")
+    fn = _compiled_calls()[call]
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(np.int64(2)), fn(2.0))
+
+
+@pytest.mark.parametrize("bad,exc,message", [b for b in BAD if isinstance(b[0], (bool, str))])
+def test_bad_softcap_under_jit_trace_is_refused(bad, exc, message):
+    """torch.jit.trace records the op, but runs the Python around it: the
+    extension checks the cap there, as in eager."""
+    q, k, v, w = loud(B=1, H=2, T=12, S=12, L=2, dtype=F32)
+    with pytest.raises(exc, match="^" + re.escape(message)):
+        torch.jit.trace(lambda q0: hkt.hkt_attention([q0, q[1]], k, v, w, is_causal=True, softcap=bad), (q[0],),
+                        check_trace=False)
