@@ -430,9 +430,10 @@ def window_kernels(*args, **kwargs) -> None:
 
 
 def window_softcap(softcap) -> float:
-    """softcap as the windowed kernels take it, checked by the extension
-    (hkt._C.window_softcap): 0.0 for None or 0.0, else a positive finite float.
-    Under torch.compile, as softcap_traced lets it through."""
+    """softcap as the windowed kernels and every op's schema take it, checked
+    by the extension (hkt._C.window_softcap; also under torch.jit.trace,
+    which records the ops): 0.0 for None or 0.0, else a positive finite
+    float.  Under torch.compile, as softcap_traced lets it through."""
     if torch.compiler.is_compiling():
         return 0.0 if softcap is None else float(softcap_traced(softcap))
     return _C.window_softcap(softcap)

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .._kernels import softcap_traced, window_softcap
+from .._kernels import window_softcap
 
 __all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "no_derivative"]
 
@@ -39,17 +39,9 @@ def schema_scale(scale):
         return math.inf
 
 
-def schema_softcap(softcap) -> float:
-    """softcap as the schemas take it, a float, 0.0 for none
-    (FlashAttention's convention), checked by the extension (hkt._C's
-    parse_softcap: None, 0.0 or a finite positive real number; also under
-    torch.jit.trace, which records the op).  Under torch.compile, where the
-    extension cannot run, as hkt._kernels.softcap_traced lets it through."""
-    if softcap is None:
-        return 0.0
-    if torch.compiler.is_compiling():
-        return float(softcap_traced(softcap))
-    return window_softcap(softcap)
+# a softcap as the schemas take it, a float, 0.0 for none (FlashAttention's
+# convention), checked by the extension: the windowed kernels take it so too
+schema_softcap = window_softcap
 
 
 def no_derivative(op: str, message: str) -> None:
