@@ -136,11 +136,11 @@ def evaluate(model: nn.Module, x: Tensor, y: Tensor, batch_size: int = 256) -> f
     return correct / max(1, len(x))
 
 
-def training_step(model: nn.Module, opt, sched, loss_fn, x: Tensor, y: Tensor) -> Tensor:
+def training_step(model: nn.Module, opt, sched, loss_fn, x: Tensor, y: Tensor, **model_kw) -> Tensor:
     """One optimiser step as every training loop here takes it: loss, backward,
     gradients clipped at norm 1, AdamW, then the learning-rate schedule.
-    Returns the loss."""
-    loss = loss_fn(model(x), y)
+    ``model_kw`` go to the model with ``x``.  Returns the loss."""
+    loss = loss_fn(model(x, **model_kw), y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     nn.utils.clip_grad_norm_(model.parameters(), 1.0)
