@@ -204,3 +204,13 @@ def randomize(module, seed=0, scale=0.5):
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
     return module
+
+
+def load_benchmark(name):
+    """benchmarks/<name>.py loaded as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

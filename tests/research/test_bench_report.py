@@ -2,21 +2,15 @@
 the machine (bfloat16's where the CPU has no native bfloat16), and a run whose
 instruction sets were narrowed by environment variables says so, in the results
 and in the README block built from them."""
-import importlib.util
-import os
 import statistics
 
 from research import timing
+from helpers import load_benchmark
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def readme_tables():
-    path = os.path.join(HERE, "..", "..", "benchmarks", "readme_tables.py")
-    spec = importlib.util.spec_from_file_location("readme_tables", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("readme_tables")
 
 
 def test_targets_met_not_met_and_not_applicable(capsys):
