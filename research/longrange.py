@@ -733,7 +733,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         os.makedirs(ckpt_dir, exist_ok=True)
     cli.check_writable(ap, out)
     results = _load(out)
-    results["config"] = {k: v for k, v in cfg.items()}
+    # what every cell shares (a worker's own selection of cells is not the experiment's)
+    results["config"] = {k: v for k, v in cfg.items() if k not in ("tasks", "arms", "seeds", "lengths", "full_max_len")}
     if args.time_lengths:
         results["timing"] = time_lengths(cfg, cfg["lengths"], cfg["arms"])
         _save(results, out)
