@@ -35,7 +35,7 @@ def _load_extension():
     csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "csrc")
     built = getattr(_C, "source_hash", None)
     if built is not None and os.path.isfile(os.path.join(csrc, "hkt.h")):
-        from ._sources import source_digest
+        from ._core.sources import source_digest
         here = source_digest(csrc)
         # None: unreadable, and a check that only warns never stops the import
         if here is not None and here != built:
@@ -57,9 +57,9 @@ _load_extension()
 from . import reference  # noqa: E402
 from .functional import hkt_attention  # noqa: E402
 from .kvcache import hkt_attention_with_kvcache  # noqa: E402
-from .level_cache import LevelCache  # noqa: E402
-from .levels import Levels  # noqa: E402
-from .modules import MultiheadHKT, swap_attention  # noqa: E402
+from .decoding.level_cache import LevelCache  # noqa: E402
+from .nn.levels import Levels  # noqa: E402
+from .nn.modules import MultiheadHKT, swap_attention  # noqa: E402
 from .varlen import hkt_attention_varlen, pack_levels, varlen_level_offsets  # noqa: E402
 
 __all__ = ["hkt_attention", "hkt_attention_with_kvcache", "hkt_attention_varlen", "varlen_level_offsets", "pack_levels",

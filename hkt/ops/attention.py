@@ -22,7 +22,7 @@ write whole.
 
 hkt::attention_backward has an autograd formula too (double backward, e.g.
 gradient penalties, Hessian-vector products, gradgradcheck): it recomputes the
-attention in plain PyTorch (hkt._maths) from the saved inputs and
+attention in plain PyTorch (hkt._core.maths) from the saved inputs and
 differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
 :func:`_double_backward`.
 """
@@ -32,8 +32,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import _kernels
-from .._maths import compute_dtype, dense_attention
+from .._core import kernels as _kernels
+from .._core.maths import compute_dtype, dense_attention
 from ._eager import eager_autograd, needs_grad
 from ._schema import OP_OPTIONS, schema_scale, schema_softcap
 
@@ -145,7 +145,7 @@ torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients,
 
 
 # eager calls that need gradients: the registered functions, without the dispatcher,
-# around the op's kernel call as an eager call makes it (hkt._kernels._forward:
+# around the op's kernel call as an eager call makes it (hkt._core.kernels._forward:
 # out laid out in memory like q[0], where the op's is contiguous as its fake
 # kernel says; the scale and softcap as the caller gave them, for the extension
 # to check; seed an int)
@@ -198,7 +198,7 @@ def _qkv_gradients(ctx, grad_out, grad_lse):
     q0, k0, v = _qkv_heads(qkv, *ctx.heads)
     q, k = [q0, *q_coarse], [k0, *k_coarse]
     # whole only where the kernels write qkv's dtype now (bfloat16 natively: the
-    # choice is the backward's own, hkt._kernels.native_bf16 read again)
+    # choice is the backward's own, hkt._core.kernels.native_bf16 read again)
     if torch.is_grad_enabled() or (qkv.dtype == torch.bfloat16 and not _kernels._native_bf16(q0, v.shape[-1])):
         dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, ctx.seed, _QKV_MASK)
         B, T = qkv.shape[0], qkv.shape[1]
@@ -250,7 +250,7 @@ def _double_backward(ctx, grads):
     """Autograd formula of hkt::attention_backward, in plain PyTorch.
 
     The first-order gradients are rebuilt from the saved dout, q, k, v, w and
-    attn_mask with :func:`hkt._maths.dense_attention` (the forward
+    attn_mask with :func:`hkt._core.maths.dense_attention` (the forward
     recomputed: full (B, H, T, S) scores and probabilities, O(B*H*T*S) memory
     and time, several such buffers) and differentiated once more by autograd.
     ``out`` and ``lse`` are taken to be the forward's outputs for these inputs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hkt
-from hkt import _checks, _maths
+from hkt._core import checks as _checks, maths as _maths
 from hkt import reference as ref
 from helpers import sample_inputs
 

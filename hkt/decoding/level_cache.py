@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.attention import heads as _heads
-from ._window_decode import _rows, cache_rows, decode_windowed, fill_windowed
-from .kvcache import hkt_attention_with_kvcache
+from ..ops.attention import heads as _heads
+from .windowed import _rows, cache_rows, decode_windowed, fill_windowed
+from ..kvcache import hkt_attention_with_kvcache
 
 __all__ = ["LevelCache", "DecodeCache", "LevelStore", "HeadLevelCache"]
 
@@ -143,7 +143,7 @@ class LevelStore:
         Without windows the decoding kernel (:func:`hkt_attention_with_kvcache`);
         ``level0``: (keys, values) of level 0 kept elsewhere, every new key
         already written (ks and v None).  With windows
-        :func:`hkt._window_decode.decode_windowed`: one call where every row is
+        :func:`hkt.decoding.windowed.decode_windowed`: one call where every row is
         at the same position, else one per row, each in rounds of at most
         ``chunk`` positions, so that no ring overwrites a row a round reads.
         ``softcap``: None or 0.0 for none, else the scores' cap."""
@@ -190,7 +190,7 @@ class LevelCache:
     with ``getattr(module, "num_kv_heads", num_heads)`` kv heads.  With
     ``windows``, the new positions are computed from the cache's block sums
     (a C kernel on the CPU in float32 and float64, torch elsewhere;
-    ``hkt._window_decode``): a step costs level 0's window plus a few blocks
+    ``hkt.decoding.windowed``): a step costs level 0's window plus a few blocks
     per level, not the whole sequence.
 
     Inference only: call it under ``torch.no_grad()`` or
@@ -240,7 +240,7 @@ class LevelCache:
             window only its blocks' keys and value sums, so its cost grows as
             S / 2^(L-1) (a global top level), not as S.  With windows, ``k``,
             ``v`` and ``v_sums`` of a level with a window are rings of rows_l
-            rows (``hkt._window_decode.cache_rows``), block c in row c %
+            rows (``hkt.decoding.windowed.cache_rows``), block c in row c %
             rows_l, holding what a step reads (its window, and the few blocks
             beyond it that pieces of runs need); only the levels without a
             window keep all ceil(max_len / 2^l) blocks, so the cache grows as

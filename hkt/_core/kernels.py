@@ -11,8 +11,8 @@ from torch import Tensor
 
 from torch.utils.dlpack import to_dlpack
 
-from . import _C
-from ._maths import compute_dtype, float_mask_in
+from .. import _C
+from .maths import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "check_forward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
            "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "dropout_keep_mask",
@@ -181,7 +181,7 @@ def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     """The extension's checks of a forward over these arguments, without
     running it: for the calls that never reach the kernels (meta tensors, the
     "sdpa" backend), each array described by its shape and dtype (its device
-    and the other torch-level rules are hkt._checks').  Raises what the
+    and the other torch-level rules are hkt._core.checks').  Raises what the
     forward would, naming the argument.  Under torch.compile it is not
     called (dynamo cannot trace into the extension): the recorded ops' fake
     kernels see the shapes there."""
@@ -418,13 +418,13 @@ def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor, want_x: bool = T
 
 
 def window_decode_kernel(*args, **kwargs) -> None:
-    """Decoding with windows (hkt._C.window_decode; hkt/_window_decode.py makes
+    """Decoding with windows (hkt._C.window_decode; hkt/decoding/windowed.py makes
     the call)."""
     _C.window_decode(*args, **kwargs)
 
 
 def window_kernels(*args, **kwargs) -> None:
-    """The windowed kernels, forward or backward (hkt._C.window; hkt/_window.py
+    """The windowed kernels, forward or backward (hkt._C.window; hkt/ops/window.py
     forms their block sums and spreads their gradients)."""
     _C.window(*args, **kwargs)
 

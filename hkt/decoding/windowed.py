@@ -28,9 +28,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ._kernels import _threads, window_decode_kernel
-from ._window import _radius
-from ._maths import level_factor
+from .._core.kernels import _threads, window_decode_kernel
+from ..ops.window import _radius
+from .._core.maths import level_factor
 
 __all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows", "decode_windowed",
            "fill_windowed"]
