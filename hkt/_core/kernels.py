@@ -104,7 +104,7 @@ def _native_bf16(q0: Tensor, dv: int = 0, ndim: int = 4) -> bool:
 # CUDA: bfloat16 q, k, v go to the tensor-core kernels (csrc/cuda/hkt_attention_cuda.cu)
 # within their limits (_C.cuda_tc_refusal; the backward's are narrower, and
 # past them it runs in float32).  Off unless asked for (HKT_CUDA_TENSOR_CORES=1,
-# or set this to True) until benchmarks/gpu_check.sh has passed with them on a
+# or set this to True) until benchmarks/gpu_session.sh has passed with them on a
 # GPU: they have run only in the CPU emulation of tests/kernels/test_cuda.py.  Off:
 # bfloat16 is upcast to float32.
 cuda_tensor_cores = os.environ.get("HKT_CUDA_TENSOR_CORES", "0") == "1"

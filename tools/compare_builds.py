@@ -13,7 +13,7 @@ them), checks every output is bitwise identical, then times
 them interleaved (the two see the same machine state) and prints the new/old
 time ratios.
 
-    python benchmarks/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick | --bits-only | --pairs N]
+    python tools/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick | --bits-only | --pairs N]
 
 --pairs N times only the two calls a restructuring is held to (the L=3
 forward+backward at T=2048, and a small call), N interleaved rounds each, and
