@@ -9,7 +9,7 @@ from .ops import sdpa as _sdpa
 from . import ops
 from ._core.checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
 from ._core.checks import _check_inputs, _kernel_mask, _real, check_call
-from ._core.guards import _autocast_inputs, _c_apply, _call_mode, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
+from ._core.guards import _autocast_inputs, _call_mode, _unwrap_dead
 from .ops._eager import flat_apply
 from .ops._schema import schema_softcap
 from .ops.window import windowed_attention
@@ -19,7 +19,7 @@ __all__ = ["hkt_attention"]
 
 
 # backend=None / "auto" on CUDA tensors: the "sdpa" backend until hkt's CUDA
-# kernels have beaten it on a real GPU in benchmarks/gpu_check.sh (today's
+# kernels have beaten it on a real GPU in benchmarks/gpu_session.sh (today's
 # kernels are written to be plainly right, not fast, and have not run on one).
 # Set to True once they have; dropout (which "sdpa" refuses) always takes the
 # kernels.

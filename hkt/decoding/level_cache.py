@@ -22,7 +22,7 @@ from ..ops.attention import heads as _heads
 from .windowed import _rows, cache_rows, decode_windowed, fill_windowed
 from ..kvcache import hkt_attention_with_kvcache
 
-__all__ = ["LevelCache", "DecodeCache", "LevelStore", "HeadLevelCache"]
+__all__ = ["LevelCache", "LevelStore", "HeadLevelCache"]
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -38,7 +38,7 @@ class _Constants:
 
     projs, w: ``level_projections()`` and ``level_weights()``.
     taps: per level l >= 1, (2, K, E): the query stream's and the key stream's
-        taps (one per feature) in the order of ``DecodeCache.inputs`` (oldest
+        taps (one per feature) in the order of ``LevelCache.inputs`` (oldest
         first), so that one product with the state, summed, gives both streams'
         next element.
     stacked: per level l >= 1, when query and key projections have the same
@@ -282,7 +282,7 @@ class LevelCache:
         return self.v.shape[0]
 
     def __repr__(self) -> str:
-        return (f"DecodeCache(batch_size={self.batch_size}, length={self.length}, max_len={self.max_len}, "
+        return (f"LevelCache(batch_size={self.batch_size}, length={self.length}, max_len={self.max_len}, "
                 f"levels={len(self.k)}, dtype={self.v.dtype}, device={self.v.device})")
 
     @staticmethod
@@ -535,6 +535,3 @@ class HeadLevelCache:
         if self.store is not None:
             self.store.reorder(index)
 
-
-# the name 0.2.0 gave the class (hkt.kvcache.DecodeCache)
-DecodeCache = LevelCache

@@ -535,7 +535,7 @@ class MultiheadHKT(Levels):
                 hook(self, ())
         LevelCache.check_module(self)
         if not isinstance(cache, LevelCache):
-            raise TypeError(f"cache: expected the DecodeCache of mha.init_cache(...), got {type(cache).__name__}")
+            raise TypeError(f"cache: expected the LevelCache of mha.init_cache(...), got {type(cache).__name__}")
         return cache.step(self, x, self._stored_weight().dtype)
 
 

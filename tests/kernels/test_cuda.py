@@ -971,7 +971,7 @@ def emulated(tmp_path_factory):
                     r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "cuda" / "hkt_attention_cuda.cu").read_text())
     assert n >= 7 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
         "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
-    kernels = "".join((csrc / "cuda" / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_reference.h",
+    kernels = "".join((csrc / "cuda" / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_f32_f64.h",
                                                               "hkt_cuda_tc.h"))
     assert "<<<" not in kernels, "kernel launches belong in hkt_attention_cuda.cu, where the emulation reads them"
     assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu + kernels), \
@@ -1161,7 +1161,7 @@ def test_emulated_dmask(emulated, shape, causal, dropout_p):
 # ---- the tensor-core bfloat16 kernels (tc_forward_kernel, tc_backward_kernel), emulated: the
 # shim's mma follows the PTX ISA's fragment description, so this checks the
 # kernel's indexing, levels, masks and softmax against that description; that
-# the GPU's instruction matches it is for benchmarks/gpu_check.sh
+# the GPU's instruction matches it is for benchmarks/gpu_session.sh
 
 TC_SIZES = [  # B, H, H_kv, T, S, D, Dv, L
     (1, 2, 2, 70, 45, 16, 8, 3),    # partial query and key tiles

@@ -195,7 +195,7 @@ def test_a_dead_wrapper_among_the_inputs_is_taken_as_its_tensor(needs_grad):
 
 def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothing_for_them():
     import types
-    import hkt.functional as F
+    from hkt._core.guards import _c_apply
     from hkt import downsample
     from hkt.ops import attention
     # with torch 2.13, the C apply itself (what makes the unwrapping above hkt's to do)
@@ -215,7 +215,7 @@ def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothin
         @staticmethod
         def backward(ctx, g):
             return g * ctx.scale, None
-    apply = F._c_apply(WithSetup)
+    apply = _c_apply(WithSetup)
     # fn.apply kept: with torch 2.13 the Python function; from 2.14 on torch's
     # Function.apply is C itself, and binds the defaults there
     assert apply == WithSetup.apply

@@ -1,5 +1,5 @@
 """hkt_attention(..., backend="sdpa"): HKT through torch's scaled_dot_product_attention
-on concatenated level vectors (hkt/_sdpa.py), against the float64 reference:
+on concatenated level vectors (hkt/ops/sdpa.py), against the float64 reference:
 forward and every gradient (q[l], k[l], v, w and a float mask's), masks of every
 kind with and without is_causal, shared and per-head w, rows with no visible key;
 each variant of handing the level vectors to SDPA (hkt.ops.sdpa.variant)."""
