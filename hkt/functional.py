@@ -13,7 +13,7 @@ from ._core.guards import _autocast_inputs, _call_mode, _unwrap_dead
 from .ops._eager import flat_apply
 from .ops._schema import schema_softcap
 from .ops.window import windowed_attention
-from .ops.attention import SEED_HIGH, AttentionFunction, QKVAttentionFunction, eager_seed, op_scale
+from .ops.attention import AttentionFunction, QKVAttentionFunction, dropout_seed, eager_seed, op_scale
 
 __all__ = ["hkt_attention"]
 
@@ -215,8 +215,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, so
             _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
-        seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device="cpu") if dropout_p > 0 else torch.zeros(
-            (), dtype=torch.int64, device=q0.device)
+        seed = dropout_seed(dropout_p, q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
                                        op_scale(scale, q0), seed, schema_softcap(softcap))
         return out

@@ -4,7 +4,6 @@ hkt.swap_attention, which puts it into an existing model.
 Shapes below: B batch, T query length, S key length, E embed_dim, H heads,
 hd = E / H, L levels, K downsample_kernel.
 """
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -12,10 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..ops.attention import heads as _heads
+from ..ops.attention import dropout_seed, heads as _heads
 from .._core.checks import check_windows
 from .._core.guards import _symbolic
-from .._core.maths import masked_probs, probs_of_scores, windowed_scores
+from .._core.maths import default_scale, masked_probs, probs_of_scores, windowed_scores
 from ._mha_inputs import batch_first_view, build_mask, merge_masks, packed_attention, padding_rows
 from ._mha_weights import _RECOMPUTING_HOOKS, _from_mha, _stored
 from ..functional import hkt_attention, qkv_attention
@@ -62,11 +61,8 @@ def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor
     """What :func:`hkt.hkt_attention` does for MultiheadHKT's (already checked,
     4-D mask) arguments, in TorchScript: the registered op, its default scale and
     a fresh dropout seed."""
-    scale = 1.0 / math.sqrt(qs[0].shape[-1])
-    if dropout_p > 0.0:
-        seed = torch.randint(0, 1 << 62, [], dtype=torch.int64, device="cpu")
-    else:
-        seed = torch.zeros([], dtype=torch.int64, device="cpu")
+    scale = default_scale(qs[0].shape[-1])
+    seed = dropout_seed(dropout_p, torch.device("cpu"))
     return torch.ops.hkt.attention_forward(qs, ks, v, w, mask, is_causal, dropout_p, scale, seed)[0]
 
 

@@ -59,7 +59,6 @@ fastest under ``"sdpa_fastest_variant"`` in its gpu.json, keyed the same way
 benchmarks/results/gpu.json, and tests/research/test_gpu_session.py checks that the
 two agree.
 """
-import math
 import os
 from typing import List, Optional, Sequence
 
@@ -67,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core.maths import float_mask_in, repeat_kv
+from .._core.maths import default_scale, float_mask_in, repeat_kv
 
 __all__ = ["sdpa_attention", "concat_levels"]
 
@@ -170,7 +169,7 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
     T, D = q[0].shape[2], q[0].shape[3]
     S = k[0].shape[2]
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     qt, kt = concat_levels(q, k, w)
     Dv = v.shape[-1]
     if _pick_variant(qt, v) == "pad_v":

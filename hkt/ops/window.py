@@ -12,7 +12,6 @@ windowed_attention is hkt_attention(..., windows=)'s route to them: its
 arguments checked, what the windowed CPU kernels cannot take refused by name,
 and the call of hkt::window_forward.
 """
-import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -21,9 +20,9 @@ from torch import Tensor
 from .._core.checks import _kernel_mask, check_call, check_windows
 from .._core.guards import _functorch_active
 from .._core.kernels import _threads, window_kernels, window_softcap
-from .._core.maths import repeat_kv
+from .._core.maths import default_scale, repeat_kv
 from ._schema import OP_OPTIONS, no_derivative
-from .attention import SEED_HIGH
+from .attention import dropout_seed
 
 __all__ = ["windowed_attention", "window_forward", "window_backward", "block_sums", "spread_block_grads", "pair_sums", "fixed_sum"]
 
@@ -217,7 +216,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if attn_mask is not None:
         attn_mask = _kernel_mask(attn_mask, q[0], k[0])
     if scale is None:
-        scale = 1.0 / math.sqrt(q[0].shape[-1])
+        scale = default_scale(q[0].shape[-1])
     scale = float(scale)
     L = len(q)
     if dtype == torch.bfloat16:  # computed in float32, rounded back
@@ -231,7 +230,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
         # visible keys' sums are per query head (autograd sums their gradients back)
         k, v = [repeat_kv(x, H) for x in k], repeat_kv(v, H)
     w2 = w.expand(H, L).contiguous() if w.dim() == 1 else w  # autograd sums dw back over the heads
-    seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64) if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
+    seed = dropout_seed(dropout_p, torch.device("cpu"))
     out = window_forward(q, k, v, w2, attn_mask, list(_radius(windows)), is_causal, scale, dropout_p, seed,
                          softcap)[0]
     return out.to(dtype) if dtype == torch.bfloat16 else out
