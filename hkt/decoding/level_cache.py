@@ -10,7 +10,8 @@ after t.  The module's level 0 (its projections, out_proj) and its
 
 The levels' keys, values and value sums, and the step that writes new
 positions into them and attends, are a :class:`LevelStore`, which a converted
-transformers layer's state (:class:`HeadLevelCache`) holds too.
+transformers layer's state
+(hkt.integrations.transformers.decoding.HeadLevelCache) holds too.
 """
 from typing import List, Optional, Tuple
 
@@ -22,7 +23,7 @@ from ..ops.attention import heads as _heads
 from .windowed import _rows, cache_rows, decode_windowed, fill_windowed
 from ..kvcache import hkt_attention_with_kvcache
 
-__all__ = ["LevelCache", "LevelStore", "HeadLevelCache"]
+__all__ = ["LevelCache", "LevelStore"]
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -64,7 +65,7 @@ class _Constants:
 
 class LevelStore:
     """Each level's keys and value sums: the decoding state that
-    :class:`LevelCache` (a module's) and :class:`HeadLevelCache` (a converted
+    :class:`LevelCache` (a module's) and ``HeadLevelCache`` (a converted
     transformers layer's) both keep, and the step that writes new positions
     into it and attends to them.
 
@@ -503,35 +504,3 @@ class LevelCache:
         self.length = t0 + n
         self._torn = False
         return module.out_proj(out.transpose(1, 2).reshape(B, n, module.embed_dim))
-
-
-class HeadLevelCache:
-    """The decoding state of levels made from projected heads
-    (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
-    converted attention module keeps between the forward calls of one
-    cached generation, beyond HF's key/value cache (which holds level 0).
-    ``store`` (a :class:`LevelStore`, each row in its own positions, padding
-    removed: slot p of level l is the row's block p): without windows the
-    coarse levels' keys (its level 0 is HF's cache); with windows every
-    level's keys and value sums in rings, and ``q_blocks`` per level l >= 1
-    (B, H, 1, D) the query of each row's latest block, which a step that
-    begins no block reuses; None where the layer recomputes the windowed op
-    over the whole sequence at each step.  Beside it the latest
-    full-resolution queries the next blocks' queries are downsampled from
-    (``q_tail``; with windows and no store every query so far), and what
-    checks that the next call continues this cache (its length, its padding,
-    its last key)."""
-
-    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
-                 q_blocks: Optional[List[Tensor]] = None):
-        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
-        self.store, self.q_blocks = store, q_blocks or []
-
-    def reorder(self, index: Tensor) -> None:
-        """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
-        index = index.to(self.pad.device)
-        self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
-        self.q_blocks = [x[index] for x in self.q_blocks]
-        if self.store is not None:
-            self.store.reorder(index)
-

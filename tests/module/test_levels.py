@@ -122,4 +122,4 @@ def test_converted_layers_hold_levels():
     assert torch.equal(ht.HKTLevels(4, 2, 8, 1, 2, 0.5).level_weights(), torch.ones(4, 1))  # Levels' signature
     with torch.no_grad():
         lv.prefill(q0, k0, k0, w, None, None, 0.0, True)
-    assert isinstance(lv.decode_state, hkt.decoding.level_cache.HeadLevelCache) and lv.decode_state.length == 11
+    assert isinstance(lv.decode_state, ht.decoding.HeadLevelCache) and lv.decode_state.length == 11

@@ -1,15 +1,18 @@
-"""The decoding steps of a converted layer after its prefill
-(:class:`CachedDecoding`, a part of :class:`HKTLevels`): T new positions
-after S - T cached ones, through hkt's decoding kernels where they run
-(:func:`_kernel_decodes`), the windowed decoding kernel over the rings the
-prefill filled, or hkt_attention one new token at a time; and the coarse key
-caches the new blocks are written into (:func:`_write_blocks`)."""
+"""The decoding state a converted layer keeps between the calls of a cached
+generation (:class:`HeadLevelCache`, beside transformers' cache), and its
+decoding steps after the prefill (:class:`CachedDecoding`, a part of
+:class:`HKTLevels`): T new positions after S - T cached ones, through hkt's
+decoding kernels where they run (:func:`_kernel_decodes`), the windowed
+decoding kernel over the rings the prefill filled, or hkt_attention one new
+token at a time; and the coarse key caches the new blocks are written into
+(:func:`_write_blocks`)."""
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 import hkt
+from hkt.decoding.level_cache import LevelStore
 
 from .masks import _row_layout, _shift_index, _take, _unsupported
 
@@ -27,6 +30,53 @@ def _kernel_decodes(query: Tensor, w: Tensor, dropout: float) -> bool:
             and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0)
 
 
+class HeadLevelCache:
+    """The decoding state of levels made from projected heads
+    (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
+    converted attention module keeps between the forward calls of one
+    cached generation, beyond HF's key/value cache (which holds level 0).
+    ``store`` (a :class:`hkt.decoding.level_cache.LevelStore`, each row in
+    its own positions, padding removed: slot p of level l is the row's block
+    p): without windows the
+    coarse levels' keys (its level 0 is HF's cache); with windows every
+    level's keys and value sums in rings, and ``q_blocks`` per level l >= 1
+    (B, H, 1, D) the query of each row's latest block, which a step that
+    begins no block reuses; None where the layer recomputes the windowed op
+    over the whole sequence at each step.  Beside it the latest
+    full-resolution queries the next blocks' queries are downsampled from
+    (``q_tail``; with windows and no store every query so far), and what
+    checks that the next call continues this cache (its length, its padding,
+    its last key)."""
+
+    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
+                 q_blocks: Optional[List[Tensor]] = None):
+        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
+        self.store, self.q_blocks = store, q_blocks or []
+
+    def continues(self, key: Tensor, T: int) -> bool:
+        """Whether a call with keys ``key`` (B, H_kv, S, D), its last T new,
+        continues this state: S - T positions kept, the same rows, the same
+        last key (assisted decoding's cropping, a cache from another call do
+        not)."""
+        past = key.shape[2] - T
+        return (self.length == past and self.pad.shape[0] == key.shape[0]
+                and torch.equal(self.last_key, key[:, :, past - 1]))
+
+    def advance(self, key: Tensor, q_tail: Tensor) -> None:
+        """The state after a step whose keys, the new ones last, are ``key``
+        (B, H_kv, S, D): S positions, its last key, and ``q_tail``, the
+        latest queries the next blocks are downsampled from."""
+        self.length, self.last_key, self.q_tail = key.shape[2], key[:, :, -1].detach(), q_tail
+
+    def reorder(self, index: Tensor) -> None:
+        """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
+        index = index.to(self.pad.device)
+        self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
+        self.q_blocks = [x[index] for x in self.q_blocks]
+        if self.store is not None:
+            self.store.reorder(index)
+
+
 class CachedDecoding:
     """:class:`HKTLevels`' decoding steps with a cache (its ``decode_state``,
     kept by its prefill)."""
@@ -40,12 +90,11 @@ class CachedDecoding:
         B, H, T, D = query.shape
         S = key.shape[2]
         state = self.decode_state
-        past = S - T
         if state is None:
             raise RuntimeError("attn_implementation='hkt': a call with cached positions, but this layer kept no HKT "
                                "decoding state: the cache must be filled by this model's forward with use_cache=True, "
                                "starting from an empty cache")
-        if state.length != past or state.pad.shape[0] != B or not torch.equal(state.last_key, key[:, :, past - 1]):
+        if not state.continues(key, T):
             raise _unsupported(
                 "a cache that changed between steps other than by appending or beam search's reordering (assisted "
                 "or speculative decoding's cropping, a cache from another call), since each layer keeps HKT's "
@@ -69,7 +118,7 @@ class CachedDecoding:
             # op over every position so far (near-linear in S per step), as the uncached forward computes them
             q_all = torch.cat([state.q_tail, query], dim=2)
             out = self.prefill(q_all, key, value, w, real, scaling, dropout, False, softcap=softcap)[:, :, -T:]
-            state.length, state.last_key, state.q_tail = S, key[:, :, -1].detach(), q_all
+            state.advance(key, q_all)
             return out
         t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
         store = state.store
@@ -94,9 +143,7 @@ class CachedDecoding:
                                               attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling,
                                               softcap=softcap))
             out = torch.cat(rows, dim=2)
-        state.length = S
-        state.last_key = key[:, :, -1].detach()
-        state.q_tail = q_all[:, :, -self.tail_length():]
+        state.advance(key, q_all[:, :, -self.tail_length():])
         return out
 
     def _new_blocks(self, query, key, pad, count):
@@ -144,8 +191,7 @@ class CachedDecoding:
                                         for l, kc in enumerate(k_win, 1)]
             state.q_blocks = [x[:, :, -1:] for x in qs[1:]]
         out = state.store.attend(qs, ks, value[:, :, S - T:], w.detach(), t0, scaling, softcap)
-        state.length, state.last_key = S, key[:, :, -1].detach()
-        state.q_tail = q_all[:, :, -self.tail_length():]
+        state.advance(key, q_all[:, :, -self.tail_length():])
         return out
 
 

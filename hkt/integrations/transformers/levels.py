@@ -9,10 +9,10 @@ from torch import Tensor
 
 import hkt
 from hkt._core.checks import check_windows
-from hkt.decoding.level_cache import HeadLevelCache, LevelStore
+from hkt.decoding.level_cache import LevelStore
 from hkt.nn.levels import Levels
 
-from .decoding import CachedDecoding, _kernel_decodes
+from .decoding import CachedDecoding, HeadLevelCache, _kernel_decodes
 from .masks import _row_layout, _shift_index, _take, _window_mask
 
 
