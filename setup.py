@@ -272,9 +272,9 @@ LIMITED_API = 0x030A0000  # CPython 3.10; wheel tag cp310-abi3
 def source_hash(folder="csrc"):
     """The digest of the C sources, built into the extension (hkt._C.source_hash):
     hkt/__init__.py computes it of the csrc/ beside the package, where there is
-    one, and warns when they differ.  hkt/_sources.py's function, loaded by its
+    one, and warns when they differ.  hkt/_core/sources.py's function, loaded by its
     path (hkt itself cannot be imported before its extension is built)."""
-    spec = importlib.util.spec_from_file_location("_hkt_sources", os.path.join("hkt", "_sources.py"))
+    spec = importlib.util.spec_from_file_location("_hkt_sources", os.path.join("hkt", "_core", "sources.py"))
     sources = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sources)
     digest = sources.source_digest(folder)

@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt
-from hkt import _C, _kernels
+from hkt import _C
+from hkt._core import kernels as _kernels
 from research.timing import (results_dir, attention_callables, describe_machine, machine_info, max_error, paired_ratio, report_targets,
                         score_flops, sgemm_gflops, time_rounds)
 

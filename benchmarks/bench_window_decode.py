@@ -1,5 +1,5 @@
 """One decoding step at long context: MultiheadHKT.decode with windowed levels
-(docs/contract.md section 1.11, hkt._window_decode) against the same module
+(docs/contract.md section 1.11, hkt.decoding.windowed) against the same module
 without windows (the C decoding kernel, which reads every cached key) and
 against torch SDPA of one query over the same number of keys.  The two module
 figures are whole steps (projections, downsampling state, attention, output

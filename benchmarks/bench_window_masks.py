@@ -33,8 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # research/: in the source tree only
 
 import hkt  # noqa: E402
-from hkt._window import _radius, window_forward  # noqa: E402
-from hkt._kernels import dropout_keep_mask  # noqa: E402
+from hkt.ops.window import _radius, window_forward  # noqa: E402
+from hkt._core.kernels import dropout_keep_mask  # noqa: E402
 from hkt.reference import hkt_attention_reference  # noqa: E402
 from research.timing import machine_info, make_inputs, results_dir, time_rounds  # noqa: E402
 

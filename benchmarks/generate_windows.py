@@ -6,7 +6,7 @@ after a prompt of S = 512 to 8192 tokens, three ways:
   each step runs the windowed decoding kernel over the rings its layer filled
   at the prompt (a cost bounded by the windows, the top level's S / 32 blocks);
 * ``recompute``: the same model with the decoding kernels turned off
-  (``hkt.integrations.transformers._DECODE_KERNEL = False``), the path of
+  (``hkt.integrations.transformers.decoding._DECODE_KERNEL = False``), the path of
   bfloat16, CUDA and grad mode: each step recomputes the windowed op over
   the whole sequence;
 * ``sdpa``: the original model, attn_implementation="sdpa" (its own cache).
@@ -47,7 +47,7 @@ KINDS = ("ring", "recompute", "sdpa")
 
 def steps(model, prompt, tokens, kind):
     """((wall, CPU) seconds of each cached step, their logits), after the prompt."""
-    ht._DECODE_KERNEL = kind != "recompute"
+    ht.decoding._DECODE_KERNEL = kind != "recompute"
     try:
         cache = DynamicCache(config=model.config)
         model(prompt, cache=cache, use_cache=True)
@@ -59,7 +59,7 @@ def steps(model, prompt, tokens, kind):
             logits.append(out.logits)
         return times, torch.cat(logits, dim=1)
     finally:
-        ht._DECODE_KERNEL = True
+        ht.decoding._DECODE_KERNEL = True
 
 
 def main():

@@ -7,7 +7,7 @@ measured).
     python benchmarks/gpu_check.py --device cpu --quick --out /tmp/gpu.json   # smoke test of the script
 
 Correctness (float64, on the device, against hkt.reference on the same device):
-the "kernels" backend and each variant of the "sdpa" backend (hkt._sdpa.VARIANTS),
+the "kernels" backend and each variant of the "sdpa" backend (hkt.ops.sdpa.VARIANTS),
 out and every gradient (q[l], k[l], v, w and a float mask's), no mask / bool mask
 / float mask, causal or not; bitwise repeatability of the kernels' forward+backward
 (float64, and bfloat16 with the tensor-core kernels); bfloat16 at the timed size
@@ -21,7 +21,7 @@ kernel torch picks, as the yardstick (and with each of flash, cuDNN and
 memory-efficient alone, for the record); hkt_attention(backend="kernels") with
 the bfloat16 tensor-core kernels on and off; backend="sdpa" in each variant.
 The variant with the least time is recorded per mode under
-"sdpa_fastest_variant" (what hkt._sdpa.MEASURED_FASTEST is to copy).  Medians of
+"sdpa_fastest_variant" (what hkt.ops.sdpa.MEASURED_FASTEST is to copy).  Medians of
 CUDA-event timings; each candidate gets a share of the time left.
 """
 import argparse
@@ -43,7 +43,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import hkt  # noqa: E402
-from hkt import _C, _kernels, _sdpa, functional  # noqa: E402
+from hkt import _C, functional  # noqa: E402
+from hkt._core import kernels as _kernels  # noqa: E402
+from hkt.ops import sdpa as _sdpa  # noqa: E402
 from hkt.reference import hkt_attention_reference as reference  # noqa: E402
 
 START = time.monotonic()
@@ -211,12 +213,12 @@ def setting(module, name, value):
 
 def tensor_cores(on):
     """hkt's bfloat16 tensor-core kernels on (or off) inside the block: they are
-    opt-in (hkt._kernels.cuda_tensor_cores) until this check has passed."""
+    opt-in (hkt._core.kernels.cuda_tensor_cores) until this check has passed."""
     return setting(_kernels, "cuda_tensor_cores", on)
 
 
 def sdpa_variant(name):
-    """hkt's "sdpa" backend with one variant (hkt._sdpa.VARIANTS) inside the block."""
+    """hkt's "sdpa" backend with one variant (hkt.ops.sdpa.VARIANTS) inside the block."""
     return setting(_sdpa, "variant", name)
 
 
@@ -367,9 +369,9 @@ def run_timings(rep, device, size, deadline):
 
 
 def fastest_variants(results, device):
-    """hkt._sdpa.variant_key -> the variant of the "sdpa" backend with the least
+    """hkt.ops.sdpa.variant_key -> the variant of the "sdpa" backend with the least
     time, causal and not causal together, per mode; what "auto" is to follow
-    (hkt._sdpa.MEASURED_FASTEST).  A mode where a variant has no time is left out."""
+    (hkt.ops.sdpa.MEASURED_FASTEST).  A mode where a variant has no time is left out."""
     out = {}
     for mode in ("forward", "forward+backward"):
         total = {}

@@ -1,12 +1,16 @@
 """hkt: Hierarchical Kernel Transformer attention for PyTorch.
 
-    hkt.hkt_attention(q, k, v, w, *, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, backend=None)
-                                             (k, v may have fewer heads than q: grouped-query attention)
+    hkt.hkt_attention(q, k, v, w, *, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, backend=None,
+                      windows=None, softcap=None)
+                                             (k, v may have fewer heads than q: grouped-query attention;
+                                             windows: a window per level; softcap: scores capped to c tanh(s / c))
     hkt.hkt_attention_varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, ...)   packed variable-length batches
-    hkt.hkt_attention_with_kvcache(q, k_cache, v_cache, w, cache_seqlens, k=None, v=None)   decoding with a KV cache
+    hkt.hkt_attention_with_kvcache(q, k_cache, v_cache, w, cache_seqlens, k=None, v=None, *, scale=None,
+                                   softcap=None)   decoding with a KV cache
     hkt.MultiheadHKT(embed_dim, num_heads, ..., levels=3, downsample_kernel=2, num_kv_heads=None,
                      pack_padding=False)   drop-in nn.MultiheadAttention; .init_cache / .decode for generation
     hkt.swap_attention(model, levels=3)      replace every nn.MultiheadAttention in a model
+    hkt.Levels, hkt.LevelCache               the levels above level 0 and their decoding state
     hkt.reference                            plain-PyTorch definition, for checking
     import hkt.analysis                      the paper's claims as functions (cost, PSD, splits, error curves);
                                              not loaded by ``import hkt``
@@ -35,7 +39,7 @@ def _load_extension():
     csrc = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "csrc")
     built = getattr(_C, "source_hash", None)
     if built is not None and os.path.isfile(os.path.join(csrc, "hkt.h")):
-        from ._sources import source_digest
+        from ._core.sources import source_digest
         here = source_digest(csrc)
         # None: unreadable, and a check that only warns never stops the import
         if here is not None and here != built:
@@ -57,9 +61,9 @@ _load_extension()
 from . import reference  # noqa: E402
 from .functional import hkt_attention  # noqa: E402
 from .kvcache import hkt_attention_with_kvcache  # noqa: E402
-from .level_cache import LevelCache  # noqa: E402
-from .levels import Levels  # noqa: E402
-from .modules import MultiheadHKT, swap_attention  # noqa: E402
+from .decoding.level_cache import LevelCache  # noqa: E402
+from .nn.levels import Levels  # noqa: E402
+from .nn.modules import MultiheadHKT, swap_attention  # noqa: E402
 from .varlen import hkt_attention_varlen, pack_levels, varlen_level_offsets  # noqa: E402
 
 __all__ = ["hkt_attention", "hkt_attention_with_kvcache", "hkt_attention_varlen", "varlen_level_offsets", "pack_levels",

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._kernels import cpu_tile
-from .modules import MultiheadHKT
+from ._core.kernels import cpu_tile
+from .nn.modules import MultiheadHKT
 from .reference import level_terms, repeat_kv, upsample_level
 
 __all__ = [

@@ -8,8 +8,8 @@ Shapes: x (B, n, C), taps (K, C) -> (B, ceil(n / 2), C).
 import torch
 from torch import Tensor
 
-from . import _kernels
-from ._guards import _symbolic
+from ._core import kernels as _kernels
+from ._core.guards import _symbolic
 from .ops.downsample import DownsampleFunction, downsample_expr
 
 __all__ = ["causal_downsample"]
@@ -39,7 +39,7 @@ def causal_downsample(x: Tensor, taps: Tensor) -> Tensor:
     return _downsample_expr(x, taps)
 
 
-_downsample_expr = downsample_expr  # (tests name hkt.modules._downsample_expr)
+_downsample_expr = downsample_expr  # (tests name hkt.downsample._downsample_expr)
 
 
 _DS_DTYPES = (torch.float32, torch.float64)

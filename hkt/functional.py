@@ -4,19 +4,22 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _kernels, _sdpa, ops
-from ._checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
-from ._checks import _check_inputs, _kernel_mask, _real, check_call
-from ._guards import _autocast_inputs, _c_apply, _call_mode, _unwrap_dead  # noqa: F401 (tests name F._c_apply)
+from ._core import kernels as _kernels
+from .ops import sdpa as _sdpa
+from . import ops
+from ._core.checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
+from ._core.checks import _check_inputs, _kernel_mask, _real, check_call
+from ._core.guards import _autocast_inputs, _call_mode, _unwrap_dead
 from .ops._eager import flat_apply
 from .ops._schema import schema_softcap
-from .ops.attention import SEED_HIGH, AttentionFunction, QKVAttentionFunction, eager_seed, op_scale
+from .ops.window import windowed_attention
+from .ops.attention import AttentionFunction, QKVAttentionFunction, dropout_seed, eager_seed, op_scale
 
 __all__ = ["hkt_attention"]
 
 
 # backend=None / "auto" on CUDA tensors: the "sdpa" backend until hkt's CUDA
-# kernels have beaten it on a real GPU in benchmarks/gpu_check.sh (today's
+# kernels have beaten it on a real GPU in benchmarks/gpu_session.sh (today's
 # kernels are written to be plainly right, not fast, and have not run on one).
 # Set to True once they have; dropout (which "sdpa" refuses) always takes the
 # kernels.
@@ -168,7 +171,6 @@ def hkt_attention(
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
     if windows is not None and isinstance(q, (list, tuple)):  # a window per level (contract 1.11): its own kernels
-        from ._window import windowed_attention
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)
         out = windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend, softcap)
@@ -193,7 +195,7 @@ def hkt_attention(
 
 
 def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, softcap=None):
-    """The call on the kernels: torch's rules here (hkt._checks: types,
+    """The call on the kernels: torch's rules here (hkt._core.checks: types,
     devices, bfloat16 upcast before the extension sees it, so a mix must be
     refused first; the scalars' types), the rest (shapes, strides,
     float32/float64 dtypes, the scale's finiteness, dropout_p's range, the
@@ -213,8 +215,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, so
             _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
-        seed = torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device="cpu") if dropout_p > 0 else torch.zeros(
-            (), dtype=torch.int64, device=q0.device)
+        seed = dropout_seed(dropout_p, q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
                                        op_scale(scale, q0), seed, schema_softcap(softcap))
         return out
@@ -228,7 +229,7 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, so
 
 
 def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None):
-    """backend="sdpa" (hkt._sdpa): every argument checked in Python first, as
+    """backend="sdpa" (hkt.ops.sdpa): every argument checked in Python first, as
     the extension would for the kernels, then plain differentiable torch ops."""
     attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
                                              dropout_allowed=False, softcap=softcap)

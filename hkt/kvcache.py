@@ -1,6 +1,6 @@
 """Decoding with a KV cache: :func:`hkt_attention_with_kvcache` (the cache
 behind :meth:`hkt.MultiheadHKT.init_cache` / :meth:`hkt.MultiheadHKT.decode`
-is :class:`hkt.LevelCache`, hkt/level_cache.py).
+is :class:`hkt.LevelCache`, hkt/decoding/level_cache.py).
 
 Causal HKT can be decoded token by token: with causal downsampling anchored at
 2^l p, the level-l query and key of block p depend only on tokens <= 2^l p, so
@@ -12,9 +12,9 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import _kernels
-from ._checks import _check_tensor
-from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
+from ._core import kernels as _kernels
+from ._core.checks import _check_tensor
+from ._core.guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import decode as decode_op
 from .ops._schema import schema_scale, schema_softcap
 

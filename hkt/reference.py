@@ -1,12 +1,10 @@
 """Plain-PyTorch HKT attention: the definition the kernels are tested against.
 
 It materialises the full (B, H, T, S) score matrix, so it is O(T*S) in memory
-and slow; use it for checking, never for training.  One other use is by
-design: MultiheadHKT's ``need_weights=True`` returns the (B, H, T, S)
-probabilities, which are O(T*S) whatever computes them (as
-nn.MultiheadAttention's are), so it takes them from :func:`masked_probs` here
-rather than from a second copy of the same formula; its output still comes
-from the kernels.
+and slow; use it for checking, never for training.  No library module uses
+it: MultiheadHKT's ``need_weights=True`` probabilities come from the
+library's own copy of the formulas (hkt/_core/maths.py), which
+tests/ops/test_library_maths.py holds to the same answers as this one.
 
 It imports nothing of hkt: the definition the kernels are tested against must
 not lean on the code under test (its argument checks are its own, below).

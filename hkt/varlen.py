@@ -5,9 +5,9 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _kernels
-from ._checks import _check_inputs
-from ._guards import _autocast_inputs, _refuse_meta, _refuse_trace
+from ._core import kernels as _kernels
+from ._core.checks import _check_inputs
+from ._core.guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import varlen as varlen_op
 from .ops._eager import flat_apply
 from .ops._schema import schema_scale

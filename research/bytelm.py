@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hkt.modules import MultiheadHKT
+from hkt import MultiheadHKT
 from . import cli
 from .resumable import load_state, lr_lambda, progress_bar
 

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from hkt import analysis as A
-from hkt.modules import MultiheadHKT
+from hkt import MultiheadHKT
 from . import cli
 
 __all__ = ["load_trained", "validation_tokens", "capture_attention_inputs", "analyse_layer", "analyse", "main"]

@@ -60,7 +60,7 @@ def module_matches_reference(m, x, monkeypatch, **kw):
         return [out.detach(), wts, *[p.grad.clone() for p in m.parameters()]]
     got = step()
     with monkeypatch.context() as patch:
-        patch.setattr(hkt.modules, "hkt_attention", reference)
+        patch.setattr(hkt.nn.modules, "hkt_attention", reference)
         want = step()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)

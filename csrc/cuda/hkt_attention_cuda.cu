@@ -9,7 +9,7 @@
  * field for field, as hkt_attention.c; every pointer in hkt_params is a device
  * pointer on p->device_id.
  *
- * Three files: hkt_cuda_reference.h (the float32 and float64 kernels),
+ * Three files: hkt_cuda_f32_f64.h (the float32 and float64 kernels),
  * hkt_cuda_tc.h (the bfloat16 ones on tensor cores), and this one, the host
  * side (the launches and hkt.h's CUDA entry points); hkt_cuda_common.h holds
  * what the kernels share.
@@ -63,7 +63,7 @@
  * cudaGetLastError.  A fault inside a kernel surfaces later, at the next
  * synchronizing call, as for any asynchronous CUDA work.
  */
-#include "hkt_cuda_reference.h"
+#include "hkt_cuda_f32_f64.h"
 #include "hkt_cuda_tc.h"
 
 /* the tensor-core kernels, for D and Dv each up to 64 or up to 128 */

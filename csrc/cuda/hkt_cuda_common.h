@@ -1,6 +1,6 @@
 /*
  * What the CUDA kernels share (CUDA C++; included by hkt_attention_cuda.cu
- * only, through hkt_cuda_reference.h and hkt_cuda_tc.h): the launch shape,
+ * only, through hkt_cuda_f32_f64.h and hkt_cuda_tc.h): the launch shape,
  * the kernels' argument block, and the small device helpers -- exp and log
  * per type, the butterfly reductions, the kv head of a query head, a level's
  * weight.  hkt_attention_cuda.cu's opening comment gives the contract.

@@ -10,9 +10,12 @@ Each module registers its ops, their fake (meta) kernels and their autograd
 once; torch.compile and torch.export record the ops, and an eager call that
 needs gradients runs the same registered functions without the dispatcher
 (_eager.py).  Importing this package registers every op.
+
+window.py also holds the windowed family's route (windowed_attention, what
+hkt_attention(..., windows=) calls); sdpa.py is the "sdpa" backend, HKT
+through scaled_dot_product_attention (no op of its own).
 """
 from . import attention, decode, downsample, varlen, window  # noqa: F401
-from ._schema import _TAGS  # noqa: F401 (tests/kernels/test_cuda.py reads the tags)
 from .attention import attention_backward, attention_forward  # noqa: F401
 
 __all__ = ["attention_forward", "attention_backward"]

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .._guards import _c_apply
+from .._core.guards import _c_apply
 
 __all__ = ["eager_autograd", "flat_apply", "needs_grad"]
 

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .._kernels import window_softcap
+from .._core.kernels import window_softcap
 
 __all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "no_derivative"]
 

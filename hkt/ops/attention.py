@@ -22,26 +22,25 @@ write whole.
 
 hkt::attention_backward has an autograd formula too (double backward, e.g.
 gradient penalties, Hessian-vector products, gradgradcheck): it recomputes the
-attention in plain PyTorch (hkt._maths) from the saved inputs and
+attention in plain PyTorch (hkt._core.maths) from the saved inputs and
 differentiates that, so it costs O(B*H*T*S) memory, unlike the kernels; see
 :func:`_double_backward`.
 """
-import math
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from .. import _kernels
-from .._maths import compute_dtype, dense_attention
+from .._core import kernels as _kernels
+from .._core.maths import compute_dtype, default_scale, dense_attention
 from ._eager import eager_autograd, needs_grad
 from ._schema import OP_OPTIONS, schema_scale, schema_softcap
 
-__all__ = ["attention_forward", "attention_backward", "AttentionFunction", "QKVAttentionFunction", "eager_seed",
-           "heads", "op_scale", "SEED_HIGH"]
+__all__ = ["attention_forward", "attention_backward", "AttentionFunction", "QKVAttentionFunction", "dropout_seed", "eager_seed",
+           "heads", "op_scale"]
 
 _SEED_MASK = (1 << 64) - 1
-SEED_HIGH = 2**62
+_CPU = torch.device("cpu")
 
 
 def op_scale(scale, q0: Tensor) -> float:
@@ -49,14 +48,25 @@ def op_scale(scale, q0: Tensor) -> float:
     for None, as the extension computes it when handed None."""
     if scale is None:
         D = q0.shape[-1] if q0.dim() else 0
-        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+        return default_scale(D) if D > 0 else 1.0
     return schema_scale(scale)
 
 
+def dropout_seed(dropout_p: float, device: torch.device) -> Tensor:
+    """The dropout seed as the ops' schemas take it, an int64 scalar: where
+    dropout_p > 0 drawn from torch's default generator on the CPU, whatever
+    torch's default device is (the generator the docs name); else a zero on
+    ``device``, never read (on q's device, a traced graph stays free of CPU
+    work).  The one place a seed is drawn; TorchScript compiles it too."""
+    if dropout_p > 0.0:
+        # seeds in [0, 2^62): a literal, as TorchScript takes no global int
+        return torch.randint(0, 1 << 62, [], dtype=torch.int64, device=torch.device("cpu"))
+    return torch.zeros([], dtype=torch.int64, device=device)
+
+
 def eager_seed(dropout_p: float) -> int:
-    """The dropout seed of an eager call, from torch's default generator."""
-    # on the CPU, whatever torch's default device is: the generator the docs name
-    return int(torch.randint(0, SEED_HIGH, (), dtype=torch.int64, device="cpu")) if dropout_p > 0 else 0
+    """The dropout seed of an eager call (:func:`dropout_seed`) as the kernels take it, an int."""
+    return int(dropout_seed(dropout_p, _CPU)) if dropout_p > 0 else 0
 
 
 def _seed_value(seed: Tensor) -> int:
@@ -145,7 +155,7 @@ torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients,
 
 
 # eager calls that need gradients: the registered functions, without the dispatcher,
-# around the op's kernel call as an eager call makes it (hkt._kernels._forward:
+# around the op's kernel call as an eager call makes it (hkt._core.kernels._forward:
 # out laid out in memory like q[0], where the op's is contiguous as its fake
 # kernel says; the scale and softcap as the caller gave them, for the extension
 # to check; seed an int)
@@ -198,7 +208,7 @@ def _qkv_gradients(ctx, grad_out, grad_lse):
     q0, k0, v = _qkv_heads(qkv, *ctx.heads)
     q, k = [q0, *q_coarse], [k0, *k_coarse]
     # whole only where the kernels write qkv's dtype now (bfloat16 natively: the
-    # choice is the backward's own, hkt._kernels.native_bf16 read again)
+    # choice is the backward's own, hkt._core.kernels.native_bf16 read again)
     if torch.is_grad_enabled() or (qkv.dtype == torch.bfloat16 and not _kernels._native_bf16(q0, v.shape[-1])):
         dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask, ctx.seed, _QKV_MASK)
         B, T = qkv.shape[0], qkv.shape[1]
@@ -250,7 +260,7 @@ def _double_backward(ctx, grads):
     """Autograd formula of hkt::attention_backward, in plain PyTorch.
 
     The first-order gradients are rebuilt from the saved dout, q, k, v, w and
-    attn_mask with :func:`hkt._maths.dense_attention` (the forward
+    attn_mask with :func:`hkt._core.maths.dense_attention` (the forward
     recomputed: full (B, H, T, S) scores and probabilities, O(B*H*T*S) memory
     and time, several such buffers) and differentiated once more by autograd.
     ``out`` and ``lse`` are taken to be the forward's outputs for these inputs

@@ -15,7 +15,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import _kernels
+from .._core import kernels as _kernels
 from ._schema import OP_OPTIONS, no_derivative
 
 __all__ = ["decode", "decode_append"]

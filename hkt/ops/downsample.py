@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import _kernels
+from .._core import kernels as _kernels
 from ._eager import eager_autograd
 from ._schema import OP_OPTIONS, no_derivative
 

@@ -7,7 +7,7 @@ hkt::varlen_backward -> dq[0..L) + dk[0..L) + [dv, dw]
 The autograd formula is registered once and serves eager calls, torch.compile
 and torch.export alike.  A backward with create_graph=True (double backward,
 gradient penalties) differentiates the dense formula instead, sequence by
-sequence (hkt._maths.dense_attention: O(T_s S_s) memory), so its gradients are
+sequence (hkt._core.maths.dense_attention: O(T_s S_s) memory), so its gradients are
 differentiable too.  The custom ops' own inputs are plain tensors, offsets
 included (int32 or int64 on the CPU); the scale is None (1 / sqrt(D)) or a
 float.
@@ -17,8 +17,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import _kernels
-from .._maths import compute_dtype, dense_attention
+from .._core import kernels as _kernels
+from .._core.maths import compute_dtype, dense_attention
 from ._eager import eager_autograd
 from ._schema import OP_OPTIONS, no_derivative
 

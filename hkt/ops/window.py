@@ -7,16 +7,24 @@ The kernels take each level's values summed over its blocks (vs[0] = v,
 vs[l] row c = v rows c*2^l .. c*2^l + 2^l - 1 summed) and return the gradient
 of each of those sums; forming the sums and spreading their gradients back onto
 v are plain tensor ops here (pairwise sums, fixed order, so deterministic).
+
+windowed_attention is hkt_attention(..., windows=)'s route to them: its
+arguments checked, what the windowed CPU kernels cannot take refused by name,
+and the call of hkt::window_forward.
 """
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .._kernels import _threads, window_kernels
+from .._core.checks import _kernel_mask, check_call, check_windows
+from .._core.guards import _functorch_active
+from .._core.kernels import _threads, window_kernels, window_softcap
+from .._core.maths import default_scale, repeat_kv
 from ._schema import OP_OPTIONS, no_derivative
+from .attention import dropout_seed
 
-__all__ = ["window_forward", "window_backward", "block_sums", "spread_block_grads", "pair_sums", "fixed_sum"]
+__all__ = ["windowed_attention", "window_forward", "window_backward", "block_sums", "spread_block_grads", "pair_sums", "fixed_sum"]
 
 
 def pair_sums(x: Tensor, dim: int) -> Tensor:
@@ -178,3 +186,51 @@ torch.library.register_autograd("hkt::window_forward", _gradients, setup_context
 
 no_derivative("hkt::window_backward", "windows: the windowed kernels have no double backward (a gradient of "
               "their gradient: hkt::window_backward has no derivative); use hkt.reference with windows= for it")
+
+
+# ---- hkt_attention(..., windows=): the route to the ops above
+
+def _radius(windows):
+    return tuple(0 if W is None else W >> l for l, W in enumerate(windows))
+
+
+def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, scale, backend, softcap=None):
+    """hkt_attention with windows: its arguments checked as hkt_attention checks
+    them, what the windowed kernels cannot take refused by name; None when no
+    level has a window (the caller then makes today's call).  softcap: None
+    (or 0.0) for none, else c > 0 (docs/contract.md section 1.12)."""
+    windows = check_windows(windows, len(q), growing=True)
+    if windows is None:  # no level has a window: today's call, unchanged
+        return None
+    softcap = window_softcap(softcap)  # the extension's check; 0.0: none
+    if backend == "sdpa":
+        raise ValueError("backend: 'sdpa' does not take windows (the levels that see a pair vary with it, which no "
+                         "one SDPA call expresses); use backend=None or 'kernels'")
+    _, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, dropout_allowed=True)
+    if _functorch_active():  # whichever backend was asked for
+        raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
+                                  "grad, jacrev, ...)")
+    if q[0].device.type not in ("cpu", "meta"):  # meta: the op's fake kernel gives the shapes
+        raise ValueError(f"windows: the windowed kernels run on the CPU only, got q[0] on {q[0].device}")
+    dtype = q[0].dtype
+    if attn_mask is not None:
+        attn_mask = _kernel_mask(attn_mask, q[0], k[0])
+    if scale is None:
+        scale = default_scale(q[0].shape[-1])
+    scale = float(scale)
+    L = len(q)
+    if dtype == torch.bfloat16:  # computed in float32, rounded back
+        cast = [x.float().contiguous() for x in (*q, *k, v, w)]
+    else:
+        cast = [x.contiguous() for x in (*q, *k, v, w)]
+    q, k, v, w = cast[:L], cast[L:2 * L], cast[2 * L], cast[2 * L + 1]
+    H = q[0].shape[1]
+    if _key_only(attn_mask, dropout_p, H) and attn_mask.shape[1] > 1 and k[0].shape[1] < H:
+        # a key mask per query head over grouped kv heads: the kv heads repeated, so the
+        # visible keys' sums are per query head (autograd sums their gradients back)
+        k, v = [repeat_kv(x, H) for x in k], repeat_kv(v, H)
+    w2 = w.expand(H, L).contiguous() if w.dim() == 1 else w  # autograd sums dw back over the heads
+    seed = dropout_seed(dropout_p, torch.device("cpu"))
+    out = window_forward(q, k, v, w2, attn_mask, list(_radius(windows)), is_causal, scale, dropout_p, seed,
+                         softcap)[0]
+    return out.to(dtype) if dtype == torch.bfloat16 else out

@@ -275,7 +275,7 @@ def windowed(family: str, seed: int = 0):
     batch, so that a conversion that ignored the window would fail."""
     options, windows = WINDOWED[family]
     model = build(family, seed, **options)
-    assert [ht._windowed(m) for m in ht._attention_modules(model)] == windows
+    assert [ht.attention._windowed(m) for m in ht.conversion._attention_modules(model)] == windows
     x, mask = padded(family)
     real = mask.bool()
     with torch.no_grad():
@@ -427,7 +427,7 @@ def _stepwise(model, x, chunks):
 def test_cached_chunks_equal_the_whole_sequence(family, levels, kernel, decode_kernel, monkeypatch):
     """Several tokens per cached step, at every offset against the blocks (both
     decoding paths: hkt_attention_with_kvcache and hkt_attention per token)."""
-    monkeypatch.setattr(ht, "_DECODE_KERNEL", decode_kernel)
+    monkeypatch.setattr(ht.decoding, "_DECODE_KERNEL", decode_kernel)
     model = scramble(ht.convert(tiny(family), levels=levels, downsample_kernel=kernel))
     x = ids(2, 30)
     with torch.no_grad():  # as in generate: the decoding kernel runs only without gradients

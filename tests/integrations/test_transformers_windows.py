@@ -1,7 +1,7 @@
 """Generation with the cache of models converted with per-level windows
 (convert(windows=...)): on the CPU in float32/float64 without gradients each
 cached step runs the windowed decoding kernel over the rings its layer filled
-at the prompt (hkt.level_cache.LevelStore); elsewhere it recomputes the
+at the prompt (hkt.decoding.level_cache.LevelStore); elsewhere it recomputes the
 windowed op over the whole sequence.  Either way the tokens are those of
 generation without the cache."""
 import copy
@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 from transformers import DynamicCache  # noqa: E402
 
 import hkt  # noqa: E402
-import hkt._window_decode as window_decode  # noqa: E402
+import hkt.decoding.windowed as window_decode  # noqa: E402
 import hkt.integrations.transformers as ht  # noqa: E402
 from test_transformers import (_beams, _reordered, _stepwise, build, cached_gradients_match, ids,  # noqa: E402
                                padded, rel, scramble)
@@ -126,7 +126,7 @@ def test_fallbacks_recompute(monkeypatch):
     x, mask = padded("llama", T=24)
     want = _generate(model, x, mask, n=8, use_cache=False)[0]
     with monkeypatch.context() as m:
-        m.setattr(ht, "_DECODE_KERNEL", False)
+        m.setattr(ht.decoding, "_DECODE_KERNEL", False)
         spy = _Spy(m)
         assert torch.equal(_generate(model, x, mask, n=8)[0], want)
         assert spy.kernel == 0 and all(s.store is None for s in _states(model))

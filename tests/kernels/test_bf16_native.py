@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils.dlpack import to_dlpack
 
 import hkt
-from hkt import _C, _kernels
+from hkt import _C
+from hkt._core import kernels as _kernels
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import MASKS, assert_close_to_double, assert_within_lowp_error, make_mask, sample_inputs
@@ -349,7 +350,7 @@ def test_amx_and_vdpbf16ps_products_agree(native_path, tmp_path):
     code = ("import torch, hkt\n"
             f"q, k, v, w, dout = torch.load({str(src)!r})\n"
             "assert hkt._C.cpu_has_bf16() and not hkt._C.cpu_bf16_amx()\n"
-            "hkt._kernels.native_bf16 = True\n"
+            "hkt._core.kernels.native_bf16 = True\n"
             "xs = [x.requires_grad_(True) for x in [*q, *k, v, w]]\n"
             "out = hkt.hkt_attention(xs[:len(q)], xs[len(q):2 * len(q)], xs[-2], xs[-1])\n"
             "res = [out.float()] + [g.float() for g in torch.autograd.grad(out, xs, dout)]\n"

@@ -32,7 +32,7 @@ import torch
 
 import hkt
 from hkt import _C, ops
-from hkt._kernels import dropout_keep_mask
+from hkt._core.kernels import dropout_keep_mask
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import MASKS, make_mask, sample_inputs
@@ -561,7 +561,8 @@ _UNTAGGED_SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 import hkt
-from hkt import _kernels, ops
+from hkt import ops
+from hkt._core import kernels as _kernels
 assert ops._TAGS == (), "HKT_CUDAGRAPH_SAFE=1 did not drop the tag"
 calls = {"n": 0}
 for name in ("_forward", "_backward"):
@@ -642,13 +643,13 @@ def test_tensor_cores_on_gpu(monkeypatch, size, causal):
     """The bfloat16 tensor-core kernels on the GPU: the forward against the
     float64 reference, bitwise repeatable, and the backward (on tensor cores
     where D and Dv are at most 64, else in float32) against the reference's."""
-    monkeypatch.setattr(hkt._kernels, "cuda_tensor_cores", True)
+    monkeypatch.setattr(hkt._core.kernels, "cuda_tensor_cores", True)
     B, H, Hk, T, S, D, Dv, L = size
     q, k, v, w = _bf16_inputs(size, 3)
     q, k = [x.cuda().requires_grad_() for x in q], [x.cuda().requires_grad_() for x in k]
     v, w = v.cuda().requires_grad_(), w.cuda().requires_grad_()
-    assert hkt._kernels._cuda_tc(q, v, 0.0)
-    assert hkt._kernels._cuda_tc(q, v, 0.0, True) == (D <= 64 and Dv <= 64 and Dv % 16 == 0)
+    assert hkt._core.kernels._cuda_tc(q, v, 0.0)
+    assert hkt._core.kernels._cuda_tc(q, v, 0.0, True) == (D <= 64 and Dv <= 64 and Dv % 16 == 0)
     out = hkt.hkt_attention(q, k, v, w, is_causal=causal, backend="kernels")
     again = hkt.hkt_attention(q, k, v, w, is_causal=causal, backend="kernels")
     assert torch.equal(out, again)
@@ -970,7 +971,7 @@ def emulated(tmp_path_factory):
                     r"emu_launch(\1, \2, \3, \4, \5, \6)", (csrc / "cuda" / "hkt_attention_cuda.cu").read_text())
     assert n >= 7 and "<<<" not in cu, "kernel launches in hkt_attention_cuda.cu the emulation cannot read " \
         "(each must be kernel<real><<<grid, block, shmem, stream>>>(a))"
-    kernels = "".join((csrc / "cuda" / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_reference.h",
+    kernels = "".join((csrc / "cuda" / name).read_text() for name in ("hkt_cuda_common.h", "hkt_cuda_f32_f64.h",
                                                               "hkt_cuda_tc.h"))
     assert "<<<" not in kernels, "kernel launches belong in hkt_attention_cuda.cu, where the emulation reads them"
     assert not re.search(r"cudaMalloc|cudaFree|cudaDeviceSynchronize|cudaStreamSynchronize", cu + kernels), \
@@ -1160,7 +1161,7 @@ def test_emulated_dmask(emulated, shape, causal, dropout_p):
 # ---- the tensor-core bfloat16 kernels (tc_forward_kernel, tc_backward_kernel), emulated: the
 # shim's mma follows the PTX ISA's fragment description, so this checks the
 # kernel's indexing, levels, masks and softmax against that description; that
-# the GPU's instruction matches it is for benchmarks/gpu_check.sh
+# the GPU's instruction matches it is for benchmarks/gpu_session.sh
 
 TC_SIZES = [  # B, H, H_kv, T, S, D, Dv, L
     (1, 2, 2, 70, 45, 16, 8, 3),    # partial query and key tiles

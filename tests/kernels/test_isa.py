@@ -107,7 +107,7 @@ def bf16_choice(setting):
     env = {k: v for k, v in os.environ.items() if k != "HKT_BF16"}
     if setting is not None:
         env["HKT_BF16"] = setting
-    code = ("import hkt; from hkt import _kernels; "
+    code = ("import hkt; from hkt._core import kernels as _kernels; "
             "print(hkt._C.cpu_bf16_preferred(), _kernels.native_bf16, hkt._C.cpu_bf16_amx())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -9,7 +9,7 @@ batch and what generate makes of it.
 float64 modules to 1e-12 and the float32 model to 1e-5 rather than bitwise: the
 files were written on one machine, and another instruction set may round
 differently (the restructures that must keep the bits are compared bitwise on
-one machine by benchmarks/compare_builds.py)."""
+one machine by tools/compare_builds.py)."""
 import json
 import os
 

@@ -10,7 +10,7 @@ import torch
 
 import hkt
 import hkt.kvcache
-import hkt.level_cache
+import hkt.decoding.level_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 F64 = torch.float64
@@ -73,7 +73,7 @@ def test_coarse_heads_match_the_definition():
 def test_the_cache_is_a_level_cache_and_holds_the_state():
     m = hkt.MultiheadHKT(16, 2, levels=3, batch_first=True).eval()
     cache = m.init_cache(2, 20)
-    assert type(cache) is hkt.LevelCache and hkt.level_cache.DecodeCache is hkt.LevelCache
+    assert type(cache) is hkt.LevelCache and repr(cache).startswith("LevelCache(batch_size=2, length=0,")
     assert cache.length == 0 and len(cache.k) == 3 and len(cache.inputs) == 2
     x = torch.randn(2, 7, 16)
     with torch.no_grad():
@@ -85,7 +85,7 @@ def test_the_cache_is_a_level_cache_and_holds_the_state():
     full = m(x, x, x, is_causal=True, need_weights=False)[0]
     torch.testing.assert_close(got, full[:, 6:7], rtol=1e-5, atol=1e-6)
     assert want.shape == (2, 6, 16)
-    with pytest.raises(TypeError, match="cache: expected the DecodeCache of mha.init_cache"):
+    with pytest.raises(TypeError, match="cache: expected the LevelCache of mha.init_cache"):
         m.decode(x[:, :1], object())
     with pytest.raises(ValueError, match="batch_size: must be at least 1"):
         m.init_cache(0, 4)
@@ -99,7 +99,7 @@ def test_kvcache_keeps_only_the_functional():
 
 
 def test_modules_is_a_thin_shell():
-    text = (ROOT / "hkt" / "modules.py").read_text()
+    text = (ROOT / "hkt" / "nn" / "modules.py").read_text()
     assert len(text.splitlines()) <= 600
     (cls,) = [n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "MultiheadHKT"]
     assert cls.end_lineno - cls.lineno + 1 <= 450
@@ -122,4 +122,4 @@ def test_converted_layers_hold_levels():
     assert torch.equal(ht.HKTLevels(4, 2, 8, 1, 2, 0.5).level_weights(), torch.ones(4, 1))  # Levels' signature
     with torch.no_grad():
         lv.prefill(q0, k0, k0, w, None, None, 0.0, True)
-    assert isinstance(lv.decode_state, hkt.level_cache.HeadLevelCache) and lv.decode_state.length == 11
+    assert isinstance(lv.decode_state, ht.decoding.HeadLevelCache) and lv.decode_state.length == 11

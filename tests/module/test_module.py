@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 import hkt
-from hkt.modules import causal_downsample
+from hkt.downsample import causal_downsample
 from hkt.reference import hkt_attention_reference
 
 from helpers import randomize
@@ -173,7 +173,7 @@ def test_causal_downsample_matches_definition(n, K):
 
 
 # The extension computes causal_downsample on the CPU in float32/float64 (hkt._C.downsample_forward /
-# _backward); the torch expression (hkt.modules._downsample_expr) runs everywhere else.  The forward
+# _backward); the torch expression (hkt.downsample._downsample_expr) runs everywhere else.  The forward
 # must be the expression's bits, the gradients the expression's within rounding (the taps' sums are
 # taken in another order), and everything bitwise the same for any thread count.
 
@@ -184,7 +184,7 @@ DS_SHAPES = [(2, 1, 3, 1), (2, 5, 3, 2), (3, 8, 17, 3), (1, 13, 40, 4), (32, 128
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("B,n,C,K", DS_SHAPES)
 def test_downsample_extension_matches_expression(dtype, B, n, C, K):
-    from hkt.modules import _downsample_expr
+    from hkt.downsample import _downsample_expr
     g = torch.Generator().manual_seed(B * 1000 + n * 10 + K)
     x = torch.randn(B, n, C, generator=g, dtype=dtype, requires_grad=True)
     taps = torch.randn(K, C, generator=g, dtype=dtype, requires_grad=True)
@@ -223,7 +223,7 @@ def test_downsample_extension_is_the_same_bits_for_any_thread_count():
 
 
 def test_downsample_extension_gradcheck_and_inputs_it_takes():
-    from hkt.modules import _downsample_expr
+    from hkt.downsample import _downsample_expr
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 7, 3, generator=g, dtype=F64, requires_grad=True)
     taps = torch.randn(3, 3, generator=g, dtype=F64, requires_grad=True)
@@ -462,7 +462,7 @@ def test_self_attention_gradient_is_written_whole(dtype, kv_heads, monkeypatch):
     # straight into one tensor shaped like its output, where autograd would concatenate three
     # (a copy of the whole projection).  Same bits as that route, dropout and masks included.
     # bfloat16: where the kernels run it natively (they write its gradients in bfloat16).
-    monkeypatch.setattr(hkt._kernels, "native_bf16", True)
+    monkeypatch.setattr(hkt._core.kernels, "native_bf16", True)
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(16, 4, levels=3, dropout=0.2, batch_first=True, num_kv_heads=kv_heads, dtype=dtype)
     randomize(m, seed=1)
@@ -483,7 +483,7 @@ def test_self_attention_gradient_is_written_whole(dtype, kv_heads, monkeypatch):
 
     got, cats = step()
     assert not cats, "the q, k, v gradients were concatenated"
-    monkeypatch.setattr(hkt.modules, "qkv_attention", _split_route)
+    monkeypatch.setattr(hkt.nn.modules, "qkv_attention", _split_route)
     want, cats = step()
     assert cats  # the split route does concatenate: the check above can fail
     for a, b in zip(got, want):
@@ -506,7 +506,7 @@ def test_self_attention_whole_gradient_under_autocast(monkeypatch):
     """float32 parameters under bfloat16 autocast: the projection comes out in
     bfloat16 and the packed route takes it, with the level weights cast as
     hkt_attention casts them; the same bits as the split route."""
-    monkeypatch.setattr(hkt._kernels, "native_bf16", True)
+    monkeypatch.setattr(hkt._core.kernels, "native_bf16", True)
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(32, 4, levels=3, batch_first=True, num_kv_heads=2)
     randomize(m, seed=4)
@@ -514,7 +514,7 @@ def test_self_attention_whole_gradient_under_autocast(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, cats = _step_grads(m, x, is_causal=True)
     assert not cats and got[0].dtype == torch.bfloat16
-    monkeypatch.setattr(hkt.modules, "qkv_attention", _split_route)
+    monkeypatch.setattr(hkt.nn.modules, "qkv_attention", _split_route)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, cats = _step_grads(m, x, is_causal=True)
     assert cats
@@ -524,17 +524,17 @@ def test_self_attention_whole_gradient_under_autocast(monkeypatch):
 
 @pytest.mark.skipif(not hkt._C.cpu_has_bf16(), reason="no native bfloat16 on this CPU")
 def test_self_attention_backward_follows_a_native_switch(monkeypatch):
-    """hkt._kernels.native_bf16 switched off between a bfloat16 module's forward
+    """hkt._core.kernels.native_bf16 switched off between a bfloat16 module's forward
     and its backward: the backward upcasts (as hkt_attention's does) and still
     gives the gradient, close to the native one."""
-    monkeypatch.setattr(hkt._kernels, "native_bf16", True)
+    monkeypatch.setattr(hkt._core.kernels, "native_bf16", True)
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(32, 4, levels=3, batch_first=True, dtype=torch.bfloat16)
     x = torch.randn(2, 33, 32).to(torch.bfloat16).requires_grad_()
     native, _ = _step_grads(m, x)
     out = m(x, x, x, need_weights=False)[0]
     x.grad = None
-    monkeypatch.setattr(hkt._kernels, "native_bf16", False)
+    monkeypatch.setattr(hkt._core.kernels, "native_bf16", False)
     out.float().square().sum().backward()
     torch.testing.assert_close(x.grad, native[1], rtol=0.05, atol=0.05)
 
@@ -650,7 +650,7 @@ def test_device_dtype_and_errors():
         hkt.MultiheadHKT(8, 3)
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and hkt._kernels.has_cuda), reason="needs CUDA build and GPU")
+@pytest.mark.skipif(not (torch.cuda.is_available() and hkt._core.kernels.has_cuda), reason="needs CUDA build and GPU")
 def test_cuda_matches_cpu():
     torch.manual_seed(9)
     m = randomize(hkt.MultiheadHKT(8, 2, dtype=F64, levels=3)).eval()
@@ -798,13 +798,13 @@ def test_hkt_runs_inside_encoder_layer_in_eval_no_grad(monkeypatch):
     with an unswapped layer as the control that it would have run."""
     fused, nested, calls = [], [], []
     real_fused, real_nested = torch._transformer_encoder_layer_fwd, torch._nested_tensor_from_mask
-    real_hkt, real_qkv = hkt.modules.hkt_attention, hkt.modules.qkv_attention
+    real_hkt, real_qkv = hkt.nn.modules.hkt_attention, hkt.nn.modules.qkv_attention
     monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a: fused.append(1) or real_fused(*a))
     monkeypatch.setattr(torch, "_nested_tensor_from_mask",
                         lambda *a, **k: nested.append(1) or real_nested(*a, **k))
     # the module's two ways into the attention (self-attention takes qkv_attention)
-    monkeypatch.setattr(hkt.modules, "hkt_attention", lambda *a, **k: calls.append(1) or real_hkt(*a, **k))
-    monkeypatch.setattr(hkt.modules, "qkv_attention", lambda *a, **k: calls.append(1) or real_qkv(*a, **k))
+    monkeypatch.setattr(hkt.nn.modules, "hkt_attention", lambda *a, **k: calls.append(1) or real_hkt(*a, **k))
+    monkeypatch.setattr(hkt.nn.modules, "qkv_attention", lambda *a, **k: calls.append(1) or real_qkv(*a, **k))
     x = torch.randn(3, 10, 32)
     kpm = torch.zeros(3, 10, dtype=torch.bool)
     kpm[1, 6:] = True

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import hkt
 from hkt import _C, ops
-from hkt._kernels import dropout_keep_mask
+from hkt._core.kernels import dropout_keep_mask
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import MASKS, assert_within_lowp_error, make_mask, sample_inputs, with_threads

@@ -10,7 +10,7 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 import hkt
-from hkt import _kernels
+from hkt._core import kernels as _kernels
 from hkt.reference import hkt_attention_reference
 
 from helpers import assert_close_to_double, sample_inputs

@@ -195,12 +195,12 @@ def test_a_dead_wrapper_among_the_inputs_is_taken_as_its_tensor(needs_grad):
 
 def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothing_for_them():
     import types
-    import hkt.functional as F
-    from hkt import modules
+    from hkt._core.guards import _c_apply
+    from hkt import downsample
     from hkt.ops import attention
     # with torch 2.13, the C apply itself (what makes the unwrapping above hkt's to do)
     for fast in (attention.AttentionFunction.fast_apply, attention.QKVAttentionFunction.fast_apply,
-                 modules._DOWNSAMPLE_APPLY):
+                 downsample._DOWNSAMPLE_APPLY):
         assert isinstance(fast, types.BuiltinMethodType)
 
     class WithSetup(torch.autograd.Function):  # its defaults must be bound: Function.apply kept
@@ -215,7 +215,7 @@ def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothin
         @staticmethod
         def backward(ctx, g):
             return g * ctx.scale, None
-    apply = F._c_apply(WithSetup)
+    apply = _c_apply(WithSetup)
     # fn.apply kept: with torch 2.13 the Python function; from 2.14 on torch's
     # Function.apply is C itself, and binds the defaults there
     assert apply == WithSetup.apply

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hkt
-from hkt import _kernels
+from hkt._core import kernels as _kernels
 from hkt.reference import hkt_attention_reference, repeat_kv
 from helpers import assert_within_lowp_error, make_mask, sample_inputs, with_threads
 

@@ -1,5 +1,5 @@
-"""The library's plain-torch maths (hkt/_maths.py) and its window rule
-(hkt/_checks.py) against hkt.reference's own copies, on random input: the two
+"""The library's plain-torch maths (hkt/_core/maths.py) and its window rule
+(hkt/_core/checks.py) against hkt.reference's own copies, on random input: the two
 are written apart so that no differential test has the library's maths on both
 of its sides, and they must give the same answers.  Also: a window past what
 the kernels take is refused by name (that no library module imports the
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hkt
-from hkt import _checks, _maths
+from hkt._core import checks as _checks, maths as _maths
 from hkt import reference as ref
 from helpers import sample_inputs
 

@@ -1,8 +1,8 @@
 """hkt_attention(..., backend="sdpa"): HKT through torch's scaled_dot_product_attention
-on concatenated level vectors (hkt/_sdpa.py), against the float64 reference:
+on concatenated level vectors (hkt/ops/sdpa.py), against the float64 reference:
 forward and every gradient (q[l], k[l], v, w and a float mask's), masks of every
 kind with and without is_causal, shared and per-head w, rows with no visible key;
-each variant of handing the level vectors to SDPA (hkt._sdpa.variant)."""
+each variant of handing the level vectors to SDPA (hkt.ops.sdpa.variant)."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hkt
-from hkt import _sdpa, functional
+from hkt import functional
+from hkt.ops import sdpa as _sdpa
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import MASKS, assert_within_lowp_error, make_mask, sample_inputs
@@ -203,7 +204,7 @@ def test_compiles_fullgraph():
     torch.testing.assert_close(got, f(*q, *k, v, w), rtol=1e-6, atol=1e-6)
 
 
-# ---- variants (hkt._sdpa.variant): how Q~, K~ and v are handed to SDPA
+# ---- variants (hkt.ops.sdpa.variant): how Q~, K~ and v are handed to SDPA
 
 def sdpa_calls(monkeypatch):
     """The (q, k, v) head sizes of every F.scaled_dot_product_attention call."""
@@ -286,7 +287,7 @@ def test_unknown_variant_is_named(monkeypatch):
 
 
 def test_variant_comes_from_the_environment():
-    code = "import hkt._sdpa as s; print(s.variant)"
+    code = "import hkt.ops.sdpa as s; print(s.variant)"
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, HKT_SDPA_VARIANT="pad_v"),
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "pad_v"

@@ -12,7 +12,7 @@ import hkt
 from hkt import ops
 from hkt.ops import decode as decode_op
 from hkt.reference import hkt_attention_reference as reference
-from hkt._kernels import dropout_keep_mask
+from hkt._core.kernels import dropout_keep_mask
 from helpers import make_mask, sample_inputs
 
 F64, F32 = torch.float64, torch.float32

@@ -162,7 +162,7 @@ def test_grouped_query_heads():
 def test_bfloat16_computes_in_float32_off_the_native_path(monkeypatch):
     """Where bfloat16 does not run natively (no AVX512_BF16, or HKT_BF16=upcast), it
     is computed in float32 and rounded (tests/kernels/test_bf16_native.py: the native path)."""
-    monkeypatch.setattr(hkt._kernels, "native_bf16", False)
+    monkeypatch.setattr(hkt._core.kernels, "native_bf16", False)
     q, k, v, w = packed_inputs(LENS, LENS, 2, 8, 4, 3, dtype=torch.bfloat16, seed=1)
     got = varlen(q, k, v, w, LENS, LENS, True)
     assert got.dtype == torch.bfloat16
@@ -404,7 +404,7 @@ def test_module_second_order_gradients_as_padded():
 
 def test_module_takes_the_packed_path(monkeypatch):
     """The packed call really runs (not the padded one with zeroed rows)."""
-    import hkt._mha_inputs as modules  # MultiheadHKT's packed call
+    import hkt.nn._mha_inputs as modules  # MultiheadHKT's packed call
     calls = []
     real_varlen = modules.hkt_attention_varlen
     monkeypatch.setattr(modules, "hkt_attention_varlen", lambda *a, **kw: calls.append(1) or real_varlen(*a, **kw))

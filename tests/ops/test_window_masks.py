@@ -7,8 +7,8 @@ import torch
 
 import hkt
 import hkt.ops.window as window_mod  # the windowed kernels are called there
-from hkt._kernels import dropout_keep_mask
-from hkt._window import window_forward
+from hkt._core.kernels import dropout_keep_mask
+from hkt.ops.window import window_forward
 from hkt.reference import hkt_attention_reference as reference
 
 from helpers import with_threads

@@ -312,7 +312,7 @@ def test_windowed_decoding_refuses_another_modules_cache():
 
 def test_window_ops_pass_opcheck():
     # torch.library's checks of the windowed ops: schema, fake kernel, autograd registration
-    from hkt._window import window_backward, window_forward
+    from hkt.ops.window import window_backward, window_forward
     q, k, v, w = leaves(1, 2, 21, 21, 4, 3, 3, seed=15)
     w2 = w.detach().clone().requires_grad_()
     seed = torch.tensor(77)

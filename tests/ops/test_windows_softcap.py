@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hkt import _C
-from hkt._kernels import dropout_keep_mask
-from hkt._window import block_sums, window_backward, window_forward, windowed_attention
-from hkt._window_decode import attend_windowed, attend_windowed_rows
+from hkt._core.kernels import dropout_keep_mask
+from hkt.ops.window import block_sums, window_backward, window_forward, windowed_attention
+from hkt.decoding.windowed import attend_windowed, attend_windowed_rows
 from hkt.reference import hkt_attention_reference as reference
 
 from window_cases import TOL, assert_op_matches, leaves, names
@@ -178,7 +178,7 @@ def cache_case(B, H, Hk, N, D, Dv, L, seed):
                                               (3, [4, 8, 16], 4, 1, 21), (1, [6], 2, 2, 30)])
 def test_decoding_with_the_cap(L, windows, H, Hk, t0):
     """The decode kernel's rows t0 .. N-1 against the causal reference's, and
-    against the torch rows (hkt._window_decode.attend_windowed)."""
+    against the torch rows (hkt.decoding.windowed.attend_windowed)."""
     B, N, D, Dv = 2, 41, 5, 3
     q, k, v, w = cache_case(B, H, Hk, N, D, Dv, L, seed=t0)
     want = reference(q, k, v, w, windows=windows, is_causal=True, softcap=1.3)[:, :, t0:]
@@ -254,7 +254,7 @@ SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from hkt import _C
-from hkt._window import windowed_attention
+from hkt.ops.window import windowed_attention
 from hkt.reference import hkt_attention_reference as reference
 from window_cases import leaves
 

@@ -29,7 +29,7 @@ def _under(names, prefixes):
 def test_import_hkt_loads_the_library_only():
     torch_only = _modules_after("import torch")
     with_hkt = _modules_after("import torch, hkt")
-    assert {"hkt", "hkt.functional", "hkt.modules", "hkt.kvcache", "hkt.varlen", "hkt.reference"} <= with_hkt
+    assert {"hkt", "hkt.functional", "hkt.nn.modules", "hkt.kvcache", "hkt.varlen", "hkt.reference"} <= with_hkt
     assert _under(with_hkt, RESEARCH) == []
     assert _under(with_hkt - torch_only, THIRD_PARTY) == []
 

@@ -87,6 +87,14 @@ def test_file_and_function_limits(path):
         assert not long, f"Python functions over 100 lines of code: {long}"
 
 
+def test_the_integrations_files_are_short():
+    """A package per integration, a file per concern (issue 57): none over 400 lines."""
+    files = sorted(ROOT.joinpath("hkt", "integrations").rglob("*.py"))
+    assert len(files) > 2
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := p.read_text().count("\n")) > 400}
+    assert not long, long
+
+
 def _includes():
     """Each C source's quoted includes, found as the compilers find them: beside
     the source, else in csrc/ (the one -I of every build)."""

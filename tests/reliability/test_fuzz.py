@@ -214,8 +214,8 @@ def test_multihead_levels3_float_mask_gradient_matches_reference_path(causal, mo
 
     got = grads()
     with monkeypatch.context() as mp:  # both of the module's ways into the attention
-        mp.setattr(hkt.modules, "hkt_attention", reference)
-        mp.setattr(hkt.modules, "qkv_attention", reference_qkv)
+        mp.setattr(hkt.nn.modules, "hkt_attention", reference)
+        mp.setattr(hkt.nn.modules, "qkv_attention", reference_qkv)
         want = grads()
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, equal_nan=True, **TOL)
@@ -826,7 +826,7 @@ def test_fuzz_low_precision_against_reference(dtype):
         check_case_lowp(c, dtype)
 
     prop()
-    path = ("native, " + ("AMX" if _C.cpu_bf16_amx() else "AVX512_BF16") if hkt._kernels.native_bf16
+    path = ("native, " + ("AMX" if _C.cpu_bf16_amx() else "AVX512_BF16") if hkt._core.kernels.native_bf16
             else "upcast to float32") if dtype == torch.bfloat16 else _C.cpu_kernels()
     print(f"\nfuzz: {count[0]} {dtype} examples ({path}) against the reference (HKT_FUZZ_EXAMPLES={EXAMPLES}, "
           f"{'derandomized' if SEED is None else 'seed ' + SEED})")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hkt import analysis as A
-from hkt.modules import MultiheadHKT
+from hkt import MultiheadHKT
 from hkt.reference import combined_scores, upsample_level
 
 f64 = torch.float64

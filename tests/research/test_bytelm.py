@@ -15,7 +15,7 @@ from research.train import training_step
 from helpers import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 TINY = dict(d_model=32, n_layers=2, n_heads=2, max_len=256)
-NO_DECODE = "MultiheadHKT.init_cache / MultiheadHKT.decode (issue 13's incremental decoding API) not in hkt/modules.py yet"
+NO_DECODE = "MultiheadHKT.init_cache / MultiheadHKT.decode (issue 13's incremental decoding API) not in hkt/nn/modules.py yet"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from hkt import _kernels, _sdpa
+from hkt._core import kernels as _kernels
+from hkt.ops import sdpa as _sdpa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the GPU machine receives at most 64 MiB of working tree; this keeps a margin
@@ -159,7 +160,7 @@ def test_fastest_variant_per_mode(gpu_check):
 
 
 def test_measured_fastest_is_what_a_committed_gpu_run_recorded():
-    """hkt._sdpa.MEASURED_FASTEST ("auto"'s table) holds what a committed GPU
+    """hkt.ops.sdpa.MEASURED_FASTEST ("auto"'s table) holds what a committed GPU
     session measured, and nothing else."""
     path = os.path.join(ROOT, "benchmarks", "results", "gpu_session", "gpu.json")
     recorded = {}

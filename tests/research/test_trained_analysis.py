@@ -10,7 +10,7 @@ import torch
 from hkt import analysis as A
 from research import long_run
 from research import trained_analysis as TA
-from hkt.modules import MultiheadHKT
+from hkt import MultiheadHKT
 
 CFG = dict(long_run.ARM_DEFAULTS, seq_len=32, d_model=16, heads=2, layers=2, ff=32, n_train=8, n_test=6, steps=10)
 

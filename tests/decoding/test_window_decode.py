@@ -1,14 +1,14 @@
 """Decoding with windows (docs/contract.md section 1.11): the C kernel that
 reads a row's units from the cache (hkt._C.window_decode) against the torch
-one (hkt._window_decode.attend_windowed), the cache's vectorised append
+one (hkt.decoding.windowed.attend_windowed), the cache's vectorised append
 against its definition, and the kernel's argument checks."""
 import pytest
 import torch
 
 import hkt
 from hkt import _C
-from hkt._window import block_sums
-from hkt._window_decode import append_windowed, attend_windowed, attend_windowed_rows
+from hkt.ops.window import block_sums
+from hkt.decoding.windowed import append_windowed, attend_windowed, attend_windowed_rows
 
 from helpers import with_threads
 
@@ -68,12 +68,12 @@ def ring_of(x, rows, length, l):
 
 @pytest.mark.parametrize("L,windows,H,Hk,t0,n", CASES[:3] + CASES[4:])
 def test_rings_read_as_every_block(L, windows, H, Hk, t0, n):
-    """The cache a windowed module keeps (hkt._window_decode.cache_rows): rings
+    """The cache a windowed module keeps (hkt.decoding.windowed.cache_rows): rings
     for the windowed levels, holding only the newest blocks (the rest NaN,
     which must not be read), give the rows of a cache that holds every block."""
     B, D, Dv, cap = 2, 5, 3, 600
     k, sums = cache_of(B, Hk, cap, D, Dv, L, t0 + n, seed=t0)
-    rows, chunk = hkt._window_decode.cache_rows(windows, cap)
+    rows, chunk = hkt.decoding.windowed.cache_rows(windows, cap)
     assert any(r < -(-cap >> l) for l, r in enumerate(rows))  # some level is a ring
     n = min(n, chunk)
     rk = [ring_of(x, r, t0 + n, l) for l, (x, r) in enumerate(zip(k, rows))]
@@ -92,7 +92,7 @@ def test_the_cache_grows_with_the_global_level_only():
     level: rings for the windowed levels, every block only at the top."""
     m = hkt.MultiheadHKT(16, 2, levels=4, batch_first=True, windows=[64, 128, 256, None])
     cache = m.init_cache(1, 2**20)
-    rows, _ = hkt._window_decode.cache_rows([64, 128, 256, None], 2**20)
+    rows, _ = hkt.decoding.windowed.cache_rows([64, 128, 256, None], 2**20)
     assert [x.shape[2] for x in cache.k] == rows and cache.v.shape[2] == rows[0]
     assert [x.shape[2] for x in cache.v_sums] == rows[1:]
     assert rows[3] == 2**17 and max(rows[:3]) < 512  # the top keeps every block; the rest a few hundred rows

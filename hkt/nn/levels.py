@@ -1,6 +1,6 @@
 """hkt.Levels: the owner of HKT's levels above level 0 -- the downsampling
 taps, the coarse projections, the level weights and the windows.  Their
-decoding state is :class:`hkt.LevelCache` (hkt/level_cache.py).
+decoding state is :class:`hkt.LevelCache` (hkt/decoding/level_cache.py).
 
 Shapes below: B batch, T query length, S key length, E the query stream's
 features, H heads, H_kv kv heads, hd head size, L levels, K downsample_kernel.
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops.attention import heads as _heads
-from ._checks import ShapeError
-from .downsample import causal_downsample
-from .functional import hkt_attention
+from ..ops.attention import heads as _heads
+from .._core.checks import ShapeError
+from ..downsample import causal_downsample
+from ..functional import hkt_attention
 
 __all__ = ["Levels"]
 

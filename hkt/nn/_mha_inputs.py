@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import ShapeError, float_mask_in
-from ._guards import _symbolic
-from .varlen import hkt_attention_varlen, pack_levels
+from .._core.checks import ShapeError, float_mask_in
+from .._core.guards import _symbolic
+from ..varlen import hkt_attention_varlen, pack_levels
 
 
 def _to_float_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:

@@ -1,5 +1,5 @@
 """The maths the library computes in plain torch, beside its kernels: the
-compute dtype and the conversion of a float mask to it, kv heads repeated for
+default score scale 1/sqrt(D), the compute dtype and the conversion of a float mask to it, kv heads repeated for
 grouped-query attention, a level's factor scale * w, and the attention as
 dense (B, H, T, S) matrices (MultiheadHKT's need_weights, the double backward
 of the attention and varlen ops).
@@ -17,8 +17,15 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["compute_dtype", "float_mask_in", "repeat_kv", "level_factor", "combined_scores", "windowed_scores", "probs_of_scores",
+__all__ = ["default_scale", "compute_dtype", "float_mask_in", "repeat_kv", "level_factor", "combined_scores", "windowed_scores", "probs_of_scores",
            "masked_probs", "dense_attention"]
+
+
+def default_scale(D: int) -> float:
+    """1/sqrt(D), the score scale where none is given (D > 0 features per
+    head): the one place Python computes it, as the extension does when handed
+    None."""
+    return 1.0 / math.sqrt(D)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,7 +88,7 @@ def _level_scores(q: List[Tensor], k: List[Tensor], w: Tensor, scale: Optional[f
     H, T, D = q[0].shape[1:]
     S = k[0].shape[-2]
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     L = len(q)
     per_head = w if w.dim() == 2 else w.unsqueeze(0).expand(H, L)
     terms = []

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from torch.utils.dlpack import to_dlpack
 
-from . import _C
-from ._maths import compute_dtype, float_mask_in
+from .. import _C
+from .maths import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "check_forward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
            "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "dropout_keep_mask",
@@ -104,7 +104,7 @@ def _native_bf16(q0: Tensor, dv: int = 0, ndim: int = 4) -> bool:
 # CUDA: bfloat16 q, k, v go to the tensor-core kernels (csrc/cuda/hkt_attention_cuda.cu)
 # within their limits (_C.cuda_tc_refusal; the backward's are narrower, and
 # past them it runs in float32).  Off unless asked for (HKT_CUDA_TENSOR_CORES=1,
-# or set this to True) until benchmarks/gpu_check.sh has passed with them on a
+# or set this to True) until benchmarks/gpu_session.sh has passed with them on a
 # GPU: they have run only in the CPU emulation of tests/kernels/test_cuda.py.  Off:
 # bfloat16 is upcast to float32.
 cuda_tensor_cores = os.environ.get("HKT_CUDA_TENSOR_CORES", "0") == "1"
@@ -181,7 +181,7 @@ def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     """The extension's checks of a forward over these arguments, without
     running it: for the calls that never reach the kernels (meta tensors, the
     "sdpa" backend), each array described by its shape and dtype (its device
-    and the other torch-level rules are hkt._checks').  Raises what the
+    and the other torch-level rules are hkt._core.checks').  Raises what the
     forward would, naming the argument.  Under torch.compile it is not
     called (dynamo cannot trace into the extension): the recorded ops' fake
     kernels see the shapes there."""
@@ -418,13 +418,13 @@ def _downsample_backward(grad: Tensor, x: Tensor, taps: Tensor, want_x: bool = T
 
 
 def window_decode_kernel(*args, **kwargs) -> None:
-    """Decoding with windows (hkt._C.window_decode; hkt/_window_decode.py makes
+    """Decoding with windows (hkt._C.window_decode; hkt/decoding/windowed.py makes
     the call)."""
     _C.window_decode(*args, **kwargs)
 
 
 def window_kernels(*args, **kwargs) -> None:
-    """The windowed kernels, forward or backward (hkt._C.window; hkt/_window.py
+    """The windowed kernels, forward or backward (hkt._C.window; hkt/ops/window.py
     forms their block sums and spreads their gradients)."""
     _C.window(*args, **kwargs)
 

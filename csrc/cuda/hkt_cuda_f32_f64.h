@@ -5,8 +5,8 @@
  * kernels for the backward, each gradient row owned by one warp (no atomics).
  * hkt_attention_cuda.cu's opening comment describes each.
  */
-#ifndef HKT_CUDA_REFERENCE_H
-#define HKT_CUDA_REFERENCE_H
+#ifndef HKT_CUDA_F32_F64_H
+#define HKT_CUDA_F32_F64_H
 
 #include "hkt_cuda_common.h"
 

@@ -13,7 +13,7 @@ them), checks every output is bitwise identical, then times
 them interleaved (the two see the same machine state) and prints the new/old
 time ratios.
 
-    python benchmarks/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick | --bits-only | --pairs N]
+    python tools/compare_builds.py /tmp/old/hkt/_C.abi3.so [--quick | --bits-only | --pairs N]
 
 --pairs N times only the two calls a restructuring is held to (the L=3
 forward+backward at T=2048, and a small call), N interleaved rounds each, and
@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import hkt
 import hkt._C as new
-import hkt._kernels as kernels
-from hkt._window import block_sums
-from hkt._window_decode import attend_windowed_rows
+import hkt._core.kernels as kernels
+from hkt.ops.window import block_sums
+from hkt.decoding.windowed import attend_windowed_rows
 from research.timing import describe_machine, machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -247,7 +247,7 @@ class NoCapBuild:
 
 
 def through(mod, fn):
-    """fn() with the Python layer calling mod (hkt._kernels' extension)."""
+    """fn() with the Python layer calling mod (hkt._core.kernels' extension)."""
     kernels._C = mod
     try:
         torch.manual_seed(123)  # the dropout seed the layer draws

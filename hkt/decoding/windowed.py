@@ -1,5 +1,5 @@
 """Decoding with windowed levels (docs/contract.md section 1.11): the attention
-of new positions against a DecodeCache whose module has ``windows`` -- in C on
+of new positions against a LevelCache whose module has ``windows`` -- in C on
 the CPU (csrc/cpu/hkt_window_decode_body.h), else in torch, a position t at a time.
 
 Level l sees key j from query t when (t >> l) - (j >> l) < W_l / 2^l (causal:
@@ -8,7 +8,7 @@ starts cut [0, t] into at most L + 1 runs, and in each run the same levels see
 every key.  With m the finest of them, every score of the run is the same
 across a level-m block (each seeing level's key is constant there), so one
 block of keys counts as one unit: its score, its number of keys, and the sum of
-its values.  The cache keeps those sums per level (``DecodeCache.v_sums``,
+its values.  The cache keeps those sums per level (``LevelCache.v_sums``,
 each complete level-l block the sum of its two level-(l - 1) halves, so the
 order of the additions is fixed); a step then costs O(W_0 + sum_l (W_l -
 W_{l-1}) / 2^l + S / 2^(L-1)) units where the unwindowed step costs O(S) keys.
@@ -28,9 +28,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ._kernels import _threads, window_decode_kernel
-from ._window import _radius
-from ._maths import level_factor
+from .._core.kernels import _threads, window_decode_kernel
+from ..ops.window import _radius
+from .._core.maths import level_factor
 
 __all__ = ["append_windowed", "attend_windowed", "attend_windowed_rows", "cache_rows", "decode_windowed",
            "fill_windowed"]

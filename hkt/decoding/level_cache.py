@@ -10,7 +10,8 @@ after t.  The module's level 0 (its projections, out_proj) and its
 
 The levels' keys, values and value sums, and the step that writes new
 positions into them and attends, are a :class:`LevelStore`, which a converted
-transformers layer's state (:class:`HeadLevelCache`) holds too.
+transformers layer's state
+(hkt.integrations.transformers.decoding.HeadLevelCache) holds too.
 """
 from typing import List, Optional, Tuple
 
@@ -18,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .ops.attention import heads as _heads
-from ._window_decode import _rows, cache_rows, decode_windowed, fill_windowed
-from .kvcache import hkt_attention_with_kvcache
+from ..ops.attention import heads as _heads
+from .windowed import _rows, cache_rows, decode_windowed, fill_windowed
+from ..kvcache import hkt_attention_with_kvcache
 
-__all__ = ["LevelCache", "DecodeCache", "LevelStore", "HeadLevelCache"]
+__all__ = ["LevelCache", "LevelStore"]
 
 def _positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
@@ -38,7 +39,7 @@ class _Constants:
 
     projs, w: ``level_projections()`` and ``level_weights()``.
     taps: per level l >= 1, (2, K, E): the query stream's and the key stream's
-        taps (one per feature) in the order of ``DecodeCache.inputs`` (oldest
+        taps (one per feature) in the order of ``LevelCache.inputs`` (oldest
         first), so that one product with the state, summed, gives both streams'
         next element.
     stacked: per level l >= 1, when query and key projections have the same
@@ -64,7 +65,7 @@ class _Constants:
 
 class LevelStore:
     """Each level's keys and value sums: the decoding state that
-    :class:`LevelCache` (a module's) and :class:`HeadLevelCache` (a converted
+    :class:`LevelCache` (a module's) and ``HeadLevelCache`` (a converted
     transformers layer's) both keep, and the step that writes new positions
     into it and attends to them.
 
@@ -143,7 +144,7 @@ class LevelStore:
         Without windows the decoding kernel (:func:`hkt_attention_with_kvcache`);
         ``level0``: (keys, values) of level 0 kept elsewhere, every new key
         already written (ks and v None).  With windows
-        :func:`hkt._window_decode.decode_windowed`: one call where every row is
+        :func:`hkt.decoding.windowed.decode_windowed`: one call where every row is
         at the same position, else one per row, each in rounds of at most
         ``chunk`` positions, so that no ring overwrites a row a round reads.
         ``softcap``: None or 0.0 for none, else the scores' cap."""
@@ -190,7 +191,7 @@ class LevelCache:
     with ``getattr(module, "num_kv_heads", num_heads)`` kv heads.  With
     ``windows``, the new positions are computed from the cache's block sums
     (a C kernel on the CPU in float32 and float64, torch elsewhere;
-    ``hkt._window_decode``): a step costs level 0's window plus a few blocks
+    ``hkt.decoding.windowed``): a step costs level 0's window plus a few blocks
     per level, not the whole sequence.
 
     Inference only: call it under ``torch.no_grad()`` or
@@ -240,7 +241,7 @@ class LevelCache:
             window only its blocks' keys and value sums, so its cost grows as
             S / 2^(L-1) (a global top level), not as S.  With windows, ``k``,
             ``v`` and ``v_sums`` of a level with a window are rings of rows_l
-            rows (``hkt._window_decode.cache_rows``), block c in row c %
+            rows (``hkt.decoding.windowed.cache_rows``), block c in row c %
             rows_l, holding what a step reads (its window, and the few blocks
             beyond it that pieces of runs need); only the levels without a
             window keep all ceil(max_len / 2^l) blocks, so the cache grows as
@@ -282,7 +283,7 @@ class LevelCache:
         return self.v.shape[0]
 
     def __repr__(self) -> str:
-        return (f"DecodeCache(batch_size={self.batch_size}, length={self.length}, max_len={self.max_len}, "
+        return (f"LevelCache(batch_size={self.batch_size}, length={self.length}, max_len={self.max_len}, "
                 f"levels={len(self.k)}, dtype={self.v.dtype}, device={self.v.device})")
 
     @staticmethod
@@ -503,38 +504,3 @@ class LevelCache:
         self.length = t0 + n
         self._torn = False
         return module.out_proj(out.transpose(1, 2).reshape(B, n, module.embed_dim))
-
-
-class HeadLevelCache:
-    """The decoding state of levels made from projected heads
-    (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
-    converted attention module keeps between the forward calls of one
-    cached generation, beyond HF's key/value cache (which holds level 0).
-    ``store`` (a :class:`LevelStore`, each row in its own positions, padding
-    removed: slot p of level l is the row's block p): without windows the
-    coarse levels' keys (its level 0 is HF's cache); with windows every
-    level's keys and value sums in rings, and ``q_blocks`` per level l >= 1
-    (B, H, 1, D) the query of each row's latest block, which a step that
-    begins no block reuses; None where the layer recomputes the windowed op
-    over the whole sequence at each step.  Beside it the latest
-    full-resolution queries the next blocks' queries are downsampled from
-    (``q_tail``; with windows and no store every query so far), and what
-    checks that the next call continues this cache (its length, its padding,
-    its last key)."""
-
-    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
-                 q_blocks: Optional[List[Tensor]] = None):
-        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
-        self.store, self.q_blocks = store, q_blocks or []
-
-    def reorder(self, index: Tensor) -> None:
-        """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
-        index = index.to(self.pad.device)
-        self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
-        self.q_blocks = [x[index] for x in self.q_blocks]
-        if self.store is not None:
-            self.store.reorder(index)
-
-
-# the name 0.2.0 gave the class (hkt.kvcache.DecodeCache)
-DecodeCache = LevelCache

@@ -6,7 +6,7 @@ the rest (shapes, dtypes, strides, sizes, the scalars' ranges) is the
 extension's, whose messages name the argument: the kernels' path meets them in
 the call, and the calls that never reach the kernels (meta tensors, the "sdpa"
 backend, windows) ask for them through check_call
-(hkt._kernels.check_forward, the extension's checks without a kernel run).
+(hkt._core.kernels.check_forward, the extension's checks without a kernel run).
 Also the mask as the kernels take it (_kernel_mask).
 """
 import numbers
@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._kernels import check_forward
-from ._maths import compute_dtype, float_mask_in
+from .kernels import check_forward
+from .maths import compute_dtype, float_mask_in
 
 
 class ShapeError(ValueError, AssertionError):
@@ -143,7 +143,7 @@ def _check_mask(attn_mask, device):
 
 def _check_scalars(is_causal, dropout_p, scale):
     """Types of the scalar arguments (their ranges are the extension's, or
-    hkt._sdpa's, to check).  Returns (dropout_p, scale) as the extension takes
+    hkt.ops.sdpa's, to check).  Returns (dropout_p, scale) as the extension takes
     them: dropout_p a float, scale None, an int or a float (a NumPy scalar as
     a float)."""
     if not isinstance(is_causal, bool):
@@ -183,7 +183,7 @@ def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_al
     """Every argument of an hkt_attention call checked before any kernel runs,
     for the callers that never reach the extension or reach it late (meta
     tensors, backend="sdpa", windows): torch's rules here, then the
-    extension's own (hkt._kernels.check_forward); dropout_allowed: False for
+    extension's own (hkt._core.kernels.check_forward); dropout_allowed: False for
     the "sdpa" backend, which has none.  Returns (attn_mask,
     dropout_p, scale): the mask 4-D (a view), the scalars as _check_scalars
     returns them."""

@@ -9,7 +9,7 @@ float32, and a small call, T=16, L=2, forward+backward x200 and its forward
 under no_grad x200) once in a fresh interpreter on each tree, alternating which
 goes first, and prints each round's new/old ratio, the median and the spread.
 
-    python benchmarks/compare_trees.py /tmp/old [--rounds N]
+    python tools/compare_trees.py /tmp/old [--rounds N]
 
 The other tree needs its extension built in place (`python setup.py build_ext
 --inplace` there).

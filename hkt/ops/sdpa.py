@@ -48,7 +48,7 @@ Variants: how Q~, K~ and v are handed to SDPA (``variant``, below):
   L*D/Dv times the P.V work (3x at D = Dv, L = 3); the padding's gradient is
   sliced away by autograd.
 
-``variant`` is this module's attribute (``hkt._sdpa.variant = "pad_v"``),
+``variant`` is this module's attribute (``hkt.ops.sdpa.variant = "pad_v"``),
 initialised from the environment variable ``HKT_SDPA_VARIANT`` at import:
 ``"concat"``, ``"pad_v"`` or ``"auto"`` (the default).  ``"auto"`` takes the
 variant that ``MEASURED_FASTEST`` records for the call's device, dtype and
@@ -59,7 +59,6 @@ fastest under ``"sdpa_fastest_variant"`` in its gpu.json, keyed the same way
 benchmarks/results/gpu.json, and tests/research/test_gpu_session.py checks that the
 two agree.
 """
-import math
 import os
 from typing import List, Optional, Sequence
 
@@ -67,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._maths import float_mask_in, repeat_kv
+from .._core.maths import default_scale, float_mask_in, repeat_kv
 
 __all__ = ["sdpa_attention", "concat_levels"]
 
@@ -124,7 +123,7 @@ def _pick_variant(qt: Tensor, v: Tensor) -> str:
         backward = torch.is_grad_enabled() and (qt.requires_grad or v.requires_grad)
         chosen = MEASURED_FASTEST.get(variant_key(qt.device, qt.dtype, backward), "concat")
     if chosen not in VARIANTS:
-        raise ValueError(f"hkt._sdpa.variant (or HKT_SDPA_VARIANT): expected 'auto' or one of {VARIANTS}, "
+        raise ValueError(f"hkt.ops.sdpa.variant (or HKT_SDPA_VARIANT): expected 'auto' or one of {VARIANTS}, "
                          f"got {chosen!r}")
     return chosen
 
@@ -166,11 +165,11 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
                    is_causal: bool, scale: Optional[float]) -> Tensor:
     """HKT attention (no dropout) through F.scaled_dot_product_attention.
     attn_mask is None or 4-D (each dimension 1 or full), bool or floating;
-    arguments already checked (hkt._checks.check_call)."""
+    arguments already checked (hkt._core.checks.check_call)."""
     T, D = q[0].shape[2], q[0].shape[3]
     S = k[0].shape[2]
     if scale is None:
-        scale = 1.0 / math.sqrt(D)
+        scale = default_scale(D)
     qt, kt = concat_levels(q, k, w)
     Dv = v.shape[-1]
     if _pick_variant(qt, v) == "pad_v":

@@ -1,0 +1,219 @@
+"""The decoding state a converted layer keeps between the calls of a cached
+generation (:class:`HeadLevelCache`, beside transformers' cache), and its
+decoding steps after the prefill (:class:`CachedDecoding`, a part of
+:class:`HKTLevels`): T new positions after S - T cached ones, through hkt's
+decoding kernels where they run (:func:`_kernel_decodes`), the windowed
+decoding kernel over the rings the prefill filled, or hkt_attention one new
+token at a time; and the coarse key caches the new blocks are written into
+(:func:`_write_blocks`)."""
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+import hkt
+from hkt.decoding.level_cache import LevelStore
+
+from .masks import _row_layout, _shift_index, _take, _unsupported
+
+
+# hkt_attention_with_kvcache for decoding steps where it can run (tests turn it off
+# to check the other path, hkt_attention one token at a time, against it)
+_DECODE_KERNEL = True
+
+
+def _kernel_decodes(query: Tensor, w: Tensor, dropout: float) -> bool:
+    """Whether a decoding step runs hkt's CPU decoding kernels (float32 and
+    float64, no gradient wanted, no dropout: they have no backward), else
+    hkt_attention one way or another."""
+    return (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+            and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0)
+
+
+class HeadLevelCache:
+    """The decoding state of levels made from projected heads
+    (``hkt.integrations.transformers.HKTLevels.decode_state``): what a
+    converted attention module keeps between the forward calls of one
+    cached generation, beyond HF's key/value cache (which holds level 0).
+    ``store`` (a :class:`hkt.decoding.level_cache.LevelStore`, each row in
+    its own positions, padding removed: slot p of level l is the row's block
+    p): without windows the
+    coarse levels' keys (its level 0 is HF's cache); with windows every
+    level's keys and value sums in rings, and ``q_blocks`` per level l >= 1
+    (B, H, 1, D) the query of each row's latest block, which a step that
+    begins no block reuses; None where the layer recomputes the windowed op
+    over the whole sequence at each step.  Beside it the latest
+    full-resolution queries the next blocks' queries are downsampled from
+    (``q_tail``; with windows and no store every query so far), and what
+    checks that the next call continues this cache (its length, its padding,
+    its last key)."""
+
+    def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
+                 q_blocks: Optional[List[Tensor]] = None):
+        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
+        self.store, self.q_blocks = store, q_blocks or []
+
+    def continues(self, key: Tensor, T: int) -> bool:
+        """Whether a call with keys ``key`` (B, H_kv, S, D), its last T new,
+        continues this state: S - T positions kept, the same rows, the same
+        last key (assisted decoding's cropping, a cache from another call do
+        not)."""
+        past = key.shape[2] - T
+        return (self.length == past and self.pad.shape[0] == key.shape[0]
+                and torch.equal(self.last_key, key[:, :, past - 1]))
+
+    def advance(self, key: Tensor, q_tail: Tensor) -> None:
+        """The state after a step whose keys, the new ones last, are ``key``
+        (B, H_kv, S, D): S positions, its last key, and ``q_tail``, the
+        latest queries the next blocks are downsampled from."""
+        self.length, self.last_key, self.q_tail = key.shape[2], key[:, :, -1].detach(), q_tail
+
+    def reorder(self, index: Tensor) -> None:
+        """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
+        index = index.to(self.pad.device)
+        self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
+        self.q_blocks = [x[index] for x in self.q_blocks]
+        if self.store is not None:
+            self.store.reorder(index)
+
+
+class CachedDecoding:
+    """:class:`HKTLevels`' decoding steps with a cache (its ``decode_state``,
+    kept by its prefill)."""
+
+    def decode_cached(self, query, key, value, w, real, scaling, dropout, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None):
+        """T new positions after S - T cached ones (HF's cache holds level 0's keys
+        and values, the module's decode state the coarse levels; a layer with a
+        sliding window keeps every key in HF's cache, see :func:`_note_cache`,
+        and its new queries see the keys less than ``sliding_window`` back)."""
+        B, H, T, D = query.shape
+        S = key.shape[2]
+        state = self.decode_state
+        if state is None:
+            raise RuntimeError("attn_implementation='hkt': a call with cached positions, but this layer kept no HKT "
+                               "decoding state: the cache must be filled by this model's forward with use_cache=True, "
+                               "starting from an empty cache")
+        if not state.continues(key, T):
+            raise _unsupported(
+                "a cache that changed between steps other than by appending or beam search's reordering (assisted "
+                "or speculative decoding's cropping, a cache from another call), since each layer keeps HKT's "
+                "coarse levels (their blocks; with windows, their rings) outside transformers' cache, a step at a "
+                "time, and cannot crop them", "generate without an assistant model (no assistant_model or "
+                "prompt_lookup_num_tokens), or convert with levels=1")
+        pad, count = _row_layout(real, B, S, query.device)
+        if not torch.equal(pad, state.pad):
+            raise _unsupported("padding that changes during decoding")
+        if not bool((pad + count == S).all()):
+            raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
+                               "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        if self.windows is not None and state.store is not None:
+            if not _kernel_decodes(query, w, dropout):
+                raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
+                                   "with windows (that prompt kept the windowed decoding's rings, not every query)",
+                                   "run the prompt and the steps in the same grad mode")
+            return self._decode_rings(query, key, value, w, pad, count, scaling, softcap)
+        if self.windows is not None:
+            # the windowed kernels place query i at position i: the new rows are the last T of the
+            # op over every position so far (near-linear in S per step), as the uncached forward computes them
+            q_all = torch.cat([state.q_tail, query], dim=2)
+            out = self.prefill(q_all, key, value, w, real, scaling, dropout, False, softcap=softcap)[:, :, -T:]
+            state.advance(key, q_all)
+            return out
+        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+        store = state.store
+        store.grow(S)
+        store.k[1:] = _write_blocks(store.k[1:], k_win, start, new_rows)
+        coarse_k = store.k[1:]
+        shifted = bool(pad.any())
+        k0 = _take(key, _shift_index(pad, S)) if shifted else key
+        v0 = _take(value, _shift_index(pad, S)) if shifted else value
+        if sliding_window is None and _kernel_decodes(query, w, dropout):
+            with torch.no_grad():
+                out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
+        else:  # any device, dtype, grad mode or window: one new token at a time, its keys those up to it
+            ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
+            keys = torch.arange(S, device=query.device)
+            rows = []
+            for i in range(T):
+                seen = keys <= (t0 + i)[:, None]
+                if sliding_window is not None:
+                    seen = seen & (keys > (t0 + i)[:, None] - sliding_window)
+                rows.append(hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
+                                              attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling,
+                                              softcap=softcap))
+            out = torch.cat(rows, dim=2)
+        state.advance(key, q_all[:, :, -self.tail_length():])
+        return out
+
+    def _new_blocks(self, query, key, pad, count):
+        """The coarse levels of T new positions after S - T cached ones:
+        (t0 (B,) each row's position, tokens only, of its first new query;
+        start (B,) where the window of positions its new blocks are computed from
+        begins; the new positions (B, T); every query the state and the call
+        hold; qs, the new positions' query of each level; and the window's
+        coarse keys, level l's block p at slot p - start / 2^l)."""
+        B, H, T, D = query.shape
+        S = key.shape[2]
+        L, K = self.levels, self.downsample_kernel
+        top = 2 ** (L - 1)
+        t0 = count - T
+        # the window each row's new blocks are computed from, from an aligned start, so
+        # its blocks are the row's own; its rows before the start are all the blocks need
+        start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
+        window = _shift_index(pad + start, T + self.tail_length())  # positions in the model's layout
+        q_all = torch.cat([self.decode_state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
+        q_win = _take(q_all, window - (S - q_all.shape[2]))
+        new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
+        qs = [query]  # level l: the new positions' blocks, found in the window's level l
+        qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
+               for l, qc in enumerate(self.coarse_heads(q_win, "q"), 1)]
+        return t0, start, new_rows, q_all, qs, self.coarse_heads(_take(key, window), "k")
+
+    @torch.no_grad()
+    def _decode_rings(self, query, key, value, w, pad, count, scaling, softcap=None):
+        """T new positions through the windowed decoding kernel, the levels'
+        state in the rings the prefill filled: each level's keys of the blocks
+        the new positions begin, and the new values, written there, then the
+        new rows read from them (hkt.decoding.windowed), at a cost bounded by the
+        windows (the top level's, where it has none, by S / 2^(L-1))."""
+        state, T, S = self.decode_state, query.shape[2], key.shape[2]
+        t0 = count - T
+        if T == 1 and not bool(((t0 & 1) == 0).any()):
+            # every row at an odd position: each level's block is the one before's (t >> l = (t - 1) >> l),
+            # its query kept, and no block begins, so no coarse key is written (append_windowed) or read:
+            # level 0's key stands in for them.  Half the steps skip the downsampling of the window
+            q_all = torch.cat([state.q_tail, query], dim=2)
+            qs, ks = [query] + state.q_blocks, [key[:, :, S - 1:]] * self.levels
+        else:
+            t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+            ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
+                                        for l, kc in enumerate(k_win, 1)]
+            state.q_blocks = [x[:, :, -1:] for x in qs[1:]]
+        out = state.store.attend(qs, ks, value[:, :, S - T:], w.detach(), t0, scaling, softcap)
+        state.advance(key, q_all[:, :, -self.tail_length():])
+        return out
+
+
+def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, rows: Tensor) -> List[Tensor]:
+    """The coarse key caches (grown to hold the new blocks: ``LevelStore.grow``)
+    with the blocks of the new positions ``rows`` (B, T) written in, from the
+    levels of the window that begins at each row's position ``start``.  In place where no
+    gradient is wanted (generation); else a new tensor through which the
+    gradient reaches the old blocks and each new one once (several new
+    positions share a block: a scatter of each would count its gradient as
+    many times)."""
+    out = []
+    for l, (cache, kc) in enumerate(zip(caches, window), start=1):
+        offset = start[:, None] >> l  # the window's first block
+        if torch.is_grad_enabled() and (kc.requires_grad or cache.requires_grad):
+            slots = torch.arange(cache.shape[2], device=cache.device)[None, :]
+            new = (slots >= rows[:, :1] >> l) & (slots <= rows[:, -1:] >> l)  # (B, slots)
+            out.append(torch.where(new[:, None, :, None], _take(kc, slots - offset), cache))
+            continue
+        if cache.requires_grad:  # part of an earlier call's graph, which a backward may still read
+            cache = cache.detach().clone()
+        block = rows >> l
+        index = block[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])
+        out.append(cache.scatter_(2, index, _take(kc, block - offset)))
+    return out

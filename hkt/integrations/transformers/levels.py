@@ -1,0 +1,150 @@
+"""A converted layer's levels (:class:`HKTLevels`, an :class:`hkt.Levels`
+made from projected heads) and its prefill: the whole op over a sequence
+with no cached positions, and the decoding state it keeps for the steps
+that follow (hkt/integrations/transformers/decoding.py)."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import hkt
+from hkt._core.checks import check_windows
+from hkt.decoding.level_cache import LevelStore
+from hkt.nn.levels import Levels
+
+from .decoding import CachedDecoding, HeadLevelCache, _kernel_decodes
+from .masks import _row_layout, _shift_index, _take, _window_mask
+
+
+
+class HKTLevels(CachedDecoding, Levels):
+    """The parameters HKT adds to one attention module (its ``hkt`` child), for
+    H query heads, H_kv key/value heads of D features and L levels (K taps):
+    an :class:`hkt.Levels` made from projected heads (``Levels._add_head_levels``):
+
+    * ``q_downsample`` (L-1, K, H D), ``k_downsample`` (L-1, K, H_kv D): the taps
+      of level l's causal downsampling of level l-1's query and key sequences
+      (channels = the heads' features side by side);
+    * ``coarse_q_proj`` (L-1, H, D, D), ``coarse_k_proj`` (L-1, H_kv, D, D):
+      level l's map of each head's downsampled vector (torch layout, out x in);
+    * ``level_logits`` (H, L): the level weights are ``softmax(level_logits) *
+      level_scale``, ``level_scale`` (a buffer, not saved: it follows from the
+      config) being 1 / (level 0's weight at conversion), so that level 0's
+      score starts as the model's own.
+
+    ``levels=1`` has none of them (level 0 is the model's attention unchanged).
+
+    ``windows`` (``Levels.windows``, from ``convert(windows=...)``): level l
+    sees only the keys within its window (docs/contract.md section 1.11), at
+    near-linear cost in the sequence length.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, levels: int, downsample_kernel: int,
+                 level0_weight: float, *, windows=None, device=None, dtype=None) -> None:
+        # windows: checked by convert (hkt's rule, docs/contract.md section 1.11); None when no level has one
+        super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel,
+                         check_windows(windows, levels, growing=True))
+        self.level0_weight = level0_weight
+        self.decode_state: Optional[HeadLevelCache] = None
+        # whether the module's latest call was handed a cache (_note_cache): not every
+        # family passes use_cache down to its attention
+        self.cached_call = False
+        # levels=1 has it too (ones): the dtype and device of level_weights() (Levels._reference_weight)
+        self.register_buffer("level_scale", torch.ones(num_heads, 1, device=device, dtype=dtype), persistent=False)
+        self._add_head_levels(device=device, dtype=dtype)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The conversion's initialisation, MultiheadHKT.from_mha's for these
+        parameters: coarse queries zero (every coarse score 0, the model's
+        function unchanged), coarse keys the block averages of the model's keys
+        (taps 1/K, identity maps: a meaningful target for the coarse queries),
+        level 0's weight ``level0_weight`` and the rest split evenly."""
+        if self.levels == 1:
+            return
+        w0 = self._start_from_trained(self.level0_weight)
+        self.coarse_q_proj.zero_()
+        eye = torch.eye(self.head_dim, dtype=self.coarse_k_proj.dtype, device=self.coarse_k_proj.device)
+        self.coarse_k_proj.copy_(eye.expand_as(self.coarse_k_proj))
+        self.level_scale.copy_(1.0 / w0[:, None])
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"levels={self.levels}, downsample_kernel={self.downsample_kernel}"
+                + ("" if self.windows is None else f", windows={list(self.windows)}"))
+
+    def _reference_weight(self) -> Tensor:
+        return self.level_scale
+
+    def level_weights(self) -> Tensor:
+        """w (H, L) for hkt_attention: :meth:`hkt.Levels.level_weights`
+        (softmax(level_logits), or ones for levels=1) times ``level_scale``."""
+        return super().level_weights() * self.level_scale
+
+    def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True,
+                window: Optional[int] = None, softcap: Optional[float] = None):
+        """No cached positions: the whole op over the sequence (causal, or
+        bidirectional over each row's tokens for an encoder).  Each row is
+        first shifted so that its first token is at position 0, so its coarse
+        blocks are those of the row alone (left padding would otherwise move their
+        boundaries and average padding into them); right padding is masked.
+        ``window`` (a causal layer's sliding window): query i sees key j only
+        when i - j < window, as transformers' mask has it (the shift keeps the
+        distances), a mask over every (query, key) pair: dense cost.  The
+        module's ``windows`` (never with ``window``: convert refuses both) go to
+        the windowed kernels with the key-padding mask: near-linear cost.
+        ``softcap``: the model's attention-logit cap (Gemma 2's), or None."""
+        B, H, T, D = query.shape
+        pad, count = _row_layout(real, B, T, query.device)
+        shifted = real is not None and bool(pad.any())
+        q0, k0, v0 = query, key, value
+        if shifted:
+            index = _shift_index(pad, T)
+            q0, k0, v0 = _take(query, index), _take(key, index), _take(value, index)
+        mask = None
+        if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
+            mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
+        if window is not None:
+            near = _window_mask(T, T, window, query.device)[None, None]
+            mask = near if mask is None else mask & near
+        qs = [q0] + self.coarse_heads(q0, "q")
+        ks = [k0] + self.coarse_heads(k0, "k")
+        out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
+                                windows=self.windows, softcap=softcap)
+        if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
+            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0)
+        if shifted:  # back to the model's layout
+            out = _take(out, _shift_index(-pad, T))
+        if real is not None:  # padding rows give zeros
+            out = out.masked_fill(~real[:, None, :, None], 0.0)
+        return out
+
+    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0) -> HeadLevelCache:
+        """What a prefill of T positions keeps for the decoding steps that follow:
+        the latest queries the next blocks are downsampled from, and the coarse
+        keys (a :class:`hkt.decoding.level_cache.LevelStore` whose level 0 is HF's cache);
+        with windows, where the steps can run the windowed decoding kernel
+        (:func:`_kernel_decodes`), the levels' rings (``LevelStore.filled``
+        from ``ks`` and ``v0``, each row's tokens first), else every query so
+        far and no store: such a step recomputes the windowed op over the whole
+        sequence."""
+        T = query.shape[2]
+        tail = query[:, :, -self.tail_length():]
+        if self.windows is None:
+            return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, LevelStore([None] + ks[1:], []))
+        if not _kernel_decodes(query, w, dropout):
+            return HeadLevelCache(T, pad, key[:, :, -1].detach(), query, None)
+        with torch.no_grad():  # qs: each row's last token's block at each level
+            last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
+            q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
+            store = LevelStore.filled(self.windows, ks, v0, count)
+        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, store, q_blocks)
+
+    def tail_length(self) -> int:
+        """How many of the latest full-resolution queries a decoding step can need
+        beyond its own: level l's block of a position t is downsampled from
+        positions >= t - K (2^l - 1) (K taps, 2^l - 1 back to the block's first
+        position), read from a start aligned to 2^(L-1)."""
+        top = 2 ** (self.levels - 1)
+        return self.downsample_kernel * (top - 1) + top
