@@ -737,3 +737,17 @@ def test_windows_errors():
     with pytest.raises(ValueError, match="windows: MistralAttention .* sliding window of its own"):
         ht.convert(model, levels=3, windows=WINDOWS)
     assert not any(isinstance(m, ht.HKTLevels) for m in model.modules())
+
+
+@pytest.mark.parametrize("levels", [1, 3])
+def test_level_weights_are_convex_and_the_op_gets_them_scaled(levels):
+    model = scramble(ht.convert(tiny("llama"), levels=levels))
+    layers = [m for m in model.modules() if isinstance(m, ht.HKTLevels)]
+    assert layers
+    for m in layers:
+        w = m.level_weights()
+        assert w.shape == (m.num_heads, levels) and (w >= 0).all()
+        torch.testing.assert_close(w.sum(-1), torch.ones(m.num_heads))
+        torch.testing.assert_close(m.scaled_level_weights(), w * m.level_scale)
+        if levels > 1:  # level 0's weight at conversion times its scale: the model's own score
+            assert (m.level_scale > 1).all()

@@ -44,7 +44,7 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
         raise ValueError(f"{type(module).__name__}: the attention function received {H} query heads, "
                          f"{key.shape[1]} key heads of {D} features, but convert read {levels.num_heads}, "
                          f"{levels.num_kv_heads} and {levels.head_dim} from the module")
-    w = levels.level_weights().to(query.dtype)
+    w = levels.scaled_level_weights().to(query.dtype)
     if levels.levels == 1:  # the model's own attention: any mask it builds
         return _level0(query, key, value, w, attention_mask, scaling, dropout, causal, softcap).transpose(1, 2), None
     if not causal and S != T:

@@ -27,8 +27,9 @@ class HKTLevels(CachedDecoding, Levels):
       (channels = the heads' features side by side);
     * ``coarse_q_proj`` (L-1, H, D, D), ``coarse_k_proj`` (L-1, H_kv, D, D):
       level l's map of each head's downsampled vector (torch layout, out x in);
-    * ``level_logits`` (H, L): the level weights are ``softmax(level_logits) *
-      level_scale``, ``level_scale`` (a buffer, not saved: it follows from the
+    * ``level_logits`` (H, L): the level weights are ``softmax(level_logits)``
+      (``level_weights()``, convex as everywhere) and the op is handed them times
+      ``level_scale`` (``scaled_level_weights()``), ``level_scale`` (a buffer, not saved: it follows from the
       config) being 1 / (level 0's weight at conversion), so that level 0's
       score starts as the model's own.
 
@@ -77,10 +78,10 @@ class HKTLevels(CachedDecoding, Levels):
     def _reference_weight(self) -> Tensor:
         return self.level_scale
 
-    def level_weights(self) -> Tensor:
-        """w (H, L) for hkt_attention: :meth:`hkt.Levels.level_weights`
+    def scaled_level_weights(self) -> Tensor:
+        """w (H, L) for hkt_attention: the convex :meth:`hkt.Levels.level_weights`
         (softmax(level_logits), or ones for levels=1) times ``level_scale``."""
-        return super().level_weights() * self.level_scale
+        return self.level_weights() * self.level_scale
 
     def prefill(self, query, key, value, w, real, scaling, dropout, use_cache: bool, causal: bool = True,
                 window: Optional[int] = None, softcap: Optional[float] = None):
