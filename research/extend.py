@@ -18,7 +18,8 @@ Arms, all from the same base weights:
   coarse ones new) and fine-tuned at ``--ft-len`` for ``--ft-steps`` steps,
   at most a tenth of the base's training tokens.
 
-Each is measured at every ``--lengths``: bits per byte on held-out sources and
+Each is measured at every ``--lengths`` (and the base at its own length, for
+reference): bits per byte on held-out sources and
 passkey accuracy (a 5-digit number stated at a random depth inside held-out
 sources, asked for at the end; the share of its digits the model predicts
 given the ones before, greedy).
@@ -113,7 +114,10 @@ QUESTION = b"\n# what is the pass key? the pass key is "
 @torch.no_grad()
 def passkey_accuracy(model: ByteLM, filler: torch.Tensor, T: int, n: int, seed: int) -> float:
     """The share of a passkey's 5 digits predicted (greedy, given the digits
-    before) at the end of T bytes of held-out text with the key at a random depth."""
+    before) at the end of T bytes of held-out text with the key at a random depth;
+    None where T is too short to hold the key, the question and as much text."""
+    if T < 2 * (len(PASSKEY % 0) + len(QUESTION) + 5):
+        return None
     model.eval()
     gen = torch.Generator().manual_seed(seed * 1009 + T)
     hits = []
@@ -136,6 +140,17 @@ def run(cfg: Dict, results: Dict, out: Optional[str], ckpt_dir: Optional[str], s
     corpus = load_corpus()
     base, base_facts = base_model(cfg, corpus, ckpt_dir)
     results.setdefault("extension", [])
+    if not any(r["arm"] == "base" and r["seed"] == cfg["seed"] for r in results["extension"]):
+        x, y = eval_windows(corpus.val, cfg["base_len"], cfg["eval_windows"])
+        results["extension"].append({
+            "experiment": "context extension", "arm": "base", "length": cfg["base_len"], "seed": cfg["seed"],
+            "base_length": cfg["base_len"], "base_steps": base_facts["steps"], "base_tokens": base_facts["tokens"],
+            "base_seconds_per_step": base_facts["seconds_per_step"], "finetune_steps": 0, "finetune_tokens": 0,
+            "parameters": sum(p.numel() for p in base.parameters()),
+            "val_bits_per_byte": evaluate_bpb(base, x, y, batch_size=1),
+            "passkey_accuracy": passkey_accuracy(base, corpus.val, cfg["base_len"], cfg["passkeys"], cfg["seed"]),
+            "n_passkeys": cfg["passkeys"], "eval_windows": cfg["eval_windows"]})
+        save(results, out, ("extension", "extension_config"))
     for arm in ARMS:
         if any(r["arm"] == arm and r["seed"] == cfg["seed"] for r in results["extension"]):
             continue

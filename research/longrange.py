@@ -530,6 +530,10 @@ def time_lengths(cfg: Dict, lengths: Sequence[int], arms: Sequence[str], budget_
 # tables and plot
 
 
+def _len(T: int) -> str:
+    return f"{T // 1024}k" if T % 1024 == 0 else str(T)
+
+
 def _mean_sd(xs: List[float]) -> Tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
@@ -549,7 +553,7 @@ def table_markdown(results: Dict) -> str:
     for task in tasks:
         lines += [f"**{task}** (accuracy, mean ± sd over seeds; trained at "
                   f"{results.get('config', {}).get('train_len', '?')} tokens)", "",
-                  "| arm | " + " | ".join(f"T={T // 1024}k" for T in lengths) + " | s/step (train) | params |",
+                  "| arm | " + " | ".join(f"T={_len(T)}" for T in lengths) + " | s/step (train) | params |",
                   "|---|" + "---|" * (len(lengths) + 2)]
         for arm in ARMS:
             row = []
@@ -577,7 +581,7 @@ def table_markdown(results: Dict) -> str:
                     recs = [r for r in results["records"] if (r["task"], r["arm"], r["length"]) == ("mqar", arm, T)]
                     if recs:
                         vals = [statistics.fmean(r["by_n_pairs"][str(n)] for r in recs) for n in ns]
-                        lines.append(f"| {arm} | {T // 1024}k | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+                        lines.append(f"| {arm} | {_len(T)} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
             lines.append("")
         if task == "passkey":
             lines += [f"Passkey accuracy by depth (needle position / T, {DEPTH_BINS} bins; mean over seeds):", "",
@@ -592,13 +596,13 @@ def table_markdown(results: Dict) -> str:
                         for i in range(DEPTH_BINS):
                             xs = [r["by_depth"][i] for r in recs if r["by_depth"][i] is not None]
                             vals.append(f"{statistics.fmean(xs):.2f}" if xs else "—")
-                        lines.append(f"| {arm} | {T // 1024}k | " + " | ".join(vals) + " |")
+                        lines.append(f"| {arm} | {_len(T)} | " + " | ".join(vals) + " |")
             lines.append("")
     if results["records"]:
         lines += ["Cost at each length: seconds of one sequence's forward pass (evaluation, median over cells, "
                   "1 thread; the load average beside each record in the JSON) and its FLOPs "
                   "(`research.longrange.step_flops`):", "",
-                  "| arm | " + " | ".join(f"T={T // 1024}k" for T in lengths) + " |", "|---|" + "---|" * len(lengths)]
+                  "| arm | " + " | ".join(f"T={_len(T)}" for T in lengths) + " |", "|---|" + "---|" * len(lengths)]
         for arm in ARMS:
             row = []
             for T in lengths:
@@ -608,6 +612,22 @@ def table_markdown(results: Dict) -> str:
             if any(x != "—" for x in row):
                 lines.append(f"| {arm} | " + " | ".join(row) + " |")
         lines.append("")
+    ext = results.get("extension", [])
+    if ext:
+        cfg = results.get("extension_config", {})
+        lines += [f"**Context extension** (`python -m research.extend`): a byte-level model (ByteLM, d = "
+                  f"{cfg.get('d_model')}, {cfg.get('layers')} layers, standard attention) trained at "
+                  f"{cfg.get('base_len')} bytes for {cfg.get('base_steps')} steps; fine-tuning at "
+                  f"{cfg.get('ft_len')} bytes for {cfg.get('ft_steps')} steps where the arm says so. Held-out bits "
+                  f"per byte (lower is better) and passkey accuracy (share of the 5 digits):", "",
+                  "| arm | T | bits per byte | passkey | fine-tuning tokens (base's) | parameters |",
+                  "|---|---|---|---|---|---|"]
+        for r in sorted(ext, key=lambda r: (["base", "swa", "swa_ft", "hkt_win"].index(r["arm"])
+                                            if r["arm"] in ("base", "swa", "swa_ft", "hkt_win") else 9, r["length"])):
+            lines.append(f"| {r['arm']} | {_len(r['length'])} | {r['val_bits_per_byte']:.3f} | "
+                         f"{'—' if r['passkey_accuracy'] is None else format(r['passkey_accuracy'], '.2f')} | {r['finetune_tokens']:,} ({r['base_tokens']:,}) | "
+                         f"{r['parameters']:,} |")
+        lines.append("")
     whys = {s["why"].split(":")[0] for s in results["skipped"]}
     if whys:
         lines.append("¹ " + "; ".join(sorted(whys)) + " (the FLOPs are in results/longrange.json's `skipped`).")
@@ -616,7 +636,7 @@ def table_markdown(results: Dict) -> str:
         ls = sorted({r["length"] for r in results["timing"]})
         lines += ["Seconds per training step (batch 1, forward + backward) at each length; FLOPs counted in "
                   "`research.longrange.step_flops`:", "",
-                  "| arm | " + " | ".join(f"T={T // 1024}k" for T in ls) + " |", "|---|" + "---|" * len(ls)]
+                  "| arm | " + " | ".join(f"T={_len(T)}" for T in ls) + " |", "|---|" + "---|" * len(ls)]
         for arm in ARMS:
             rows = {r["length"]: r for r in results["timing"] if r["arm"] == arm}
             if rows:

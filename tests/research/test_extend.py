@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from research import extend
+from research import extend, longrange
 from helpers import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 SMALL = dict(extend.DEFAULTS, base_len=32, d_model=16, layers=1, heads=2, ft_len=128, lengths=[128])
@@ -61,10 +61,13 @@ def test_smoke_end_to_end(tmp_path):
     results = json.loads(out.read_text())
     assert results["records"] == [kept]  # the other experiment's records are kept
     recs = results["extension"]
-    assert [r["arm"] for r in recs] == list(extend.ARMS)
-    for r in recs:
+    assert [r["arm"] for r in recs] == ["base"] + list(extend.ARMS)
+    assert recs[0]["length"] == 64 and recs[0]["passkey_accuracy"] is None  # too short for a passkey
+    for r in recs[1:]:
         assert r["finetune_steps"] == (0 if r["arm"] == "swa" else 2)
         assert r["finetune_tokens"] * 10 <= r["base_tokens"]
         assert r["val_bits_per_byte"] > 0 and 0 <= r["passkey_accuracy"] <= 1
+    shown = dict(results, records=[])  # (the kept record above is not a whole one)
+    assert "| hkt_win | 256 |" in longrange.table_markdown(shown)  # docs/paper.md's table shows it
     with pytest.raises(SystemExit):
         extend.main(["--smoke", "--ft-steps", "100", "--out", str(out)])
