@@ -117,7 +117,8 @@ def test_converted_layers_hold_levels():
     assert [c.shape for c in coarse] == [(1, 4, 6, 8), (1, 4, 3, 8)]
     q0 = torch.randn(1, 4, 11, 8)
     k0 = torch.randn(1, 2, 11, 8)
-    w = lv.level_weights()
+    assert torch.allclose(lv.level_weights(), torch.tensor([[0.5, 0.25, 0.25]] * 4))  # convex, as every Levels'
+    w = lv.scaled_level_weights()
     assert torch.allclose(w, torch.tensor([[0.5 / 0.5, 0.25 / 0.5, 0.25 / 0.5]] * 4))  # level 0's starts at 1
     assert torch.equal(ht.HKTLevels(4, 2, 8, 1, 2, 0.5).level_weights(), torch.ones(4, 1))  # Levels' signature
     with torch.no_grad():
