@@ -81,6 +81,7 @@ MQAR_PAIRS = (2, 4, 8)
 MQAR_QUERIES = 8
 FLAG_QUERIES = 4
 DEPTH_BINS = 5
+CHANCE = {"passkey": 0.1, "mqar": 1 / N_VALUES, "flag": 0.5}  # flag: a model blind to the flag
 
 DEFAULTS = dict(train_len=1024, lengths=[1024, 4096, 16384, 65536], seeds=[0, 1, 2], tasks=["passkey", "mqar"],
                 arms=list(ARMS), window=64, d_model=64, heads=4, layers=2, ff=128, batch_size=8, steps=600,
@@ -658,19 +659,21 @@ def plot(results: Dict, path: str) -> bool:
     cells = summary(results)
     tasks = [t for t in TASKS if any(k[0] == t for k in cells)]
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    style = {"hkt_win": ("o", "-"), "swa": ("s", "-"), "full": ("^", "--"), "hkt": ("D", ":")}  # full and hkt overlap
     for ax, task in zip(axes[0], tasks):
         for arm in ARMS:
             pts = sorted((T, *_mean_sd(a)) for (t, ar, T), a in cells.items() if t == task and ar == arm)
             if pts:
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                            capsize=3, label=arm)
+                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker=style[arm][0],
+                            linestyle=style[arm][1], capsize=3, label=arm)
+        ax.axhline(CHANCE[task], color="gray", linewidth=0.8, linestyle="-.", label="chance")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
         ax.set_title(task)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
