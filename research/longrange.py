@@ -424,7 +424,7 @@ def _load(out: Optional[str]) -> Dict:
     return {"records": [], "skipped": []}
 
 
-OWN_KEYS = ("config", "records", "skipped", "timing")
+OWN_KEYS = ("config", "machine", "records", "skipped", "timing")
 
 
 def _cell(record: Dict) -> Tuple:
@@ -756,6 +756,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict:
         os.makedirs(ckpt_dir, exist_ok=True)
     cli.check_writable(ap, out)
     results = _load(out)
+    from .timing import machine_info
+    results["machine"] = {k: v for k, v in machine_info().items() if k not in ("threads", "hkt_commit", "date")}
     # what every cell shares (a worker's own selection of cells is not the experiment's)
     results["config"] = {k: v for k, v in cfg.items() if k not in ("tasks", "arms", "seeds", "lengths", "full_max_len")}
     if args.time_lengths:

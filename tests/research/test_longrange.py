@@ -103,6 +103,7 @@ def test_smoke_end_to_end(tmp_path):
     lr.main(["--smoke", "--steps", "2", "--n-eval", "3", "--out", str(out), "--threads", "1"])
     results = json.loads(out.read_text())
     recs = results["records"]
+    assert "cpu" in results["machine"] and "torch" in results["machine"]  # every figure names its machine
     assert {(r["task"], r["arm"]) for r in recs} == {(t, a) for t in ("passkey", "mqar") for a in lr.ARMS}
     for r in recs:
         assert r["length"] == r["train_length"] == 1024 and r["seed"] == 0 and r["steps"] == 2
