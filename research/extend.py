@@ -35,7 +35,7 @@ import torch
 
 from . import cli
 from .bytelm import ByteLM, bits_per_byte, evaluate_bpb
-from .resumable import Stop, lr_lambda, save_atomic, stop_on_signals
+from .resumable import lr_lambda, stop_on_signals, train_chunked
 from .train import training_step
 from .stdlib_bytes import BatchSampler, eval_windows, load_corpus
 
@@ -58,33 +58,11 @@ def _train(model: ByteLM, cfg: Dict, data, *, T: int, steps: int, batch: int, lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, warmup))
     sampler = BatchSampler(data, T, batch, seed)
-    state = {"step": 0, "times": []}
-    if path and os.path.exists(path):
-        saved = torch.load(path, weights_only=False)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
-        sampler.load_state_dict(saved["sampler"])
-        state = saved["state"]
-    while state["step"] < steps and not Stop.requested:
-        for _ in range(min(cfg["chunk"], steps - state["step"])):
-            if Stop.requested:
-                break
-            x, y = sampler.sample()
-            t0 = time.perf_counter()
-            loss = training_step(model, opt, sched, bits_per_byte, x, y)
-            state["times"].append(time.perf_counter() - t0)
-            state["step"] += 1
-            state["loss"] = loss.item()
-        if path:
-            save_atomic({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                         "sampler": sampler.state_dict(), "state": state}, path)
-        print(f"extend: {os.path.basename(path or 'run')}: step {state['step']}/{steps}, "
-              f"{state.get('loss', float('nan')):.3f} bits/byte", file=log, flush=True)
-    if state["step"] < steps:
-        raise KeyboardInterrupt
-    times = sorted(state["times"])
-    return {"steps": steps, "tokens": steps * batch * T, "seconds_per_step": times[len(times) // 2] if times else None}
+    done = train_chunked(path, model, opt, sched, sampler, sampler.sample,
+                         lambda x, y: training_step(model, opt, sched, bits_per_byte, x, y).item(),
+                         steps=steps, chunk=cfg["chunk"], config={"T": T, "steps": steps, "batch": batch, "lr": lr},
+                         label=f"extend: {os.path.basename(path or 'run')}", log=log)
+    return {"steps": steps, "tokens": steps * batch * T, "seconds_per_step": done["seconds_per_step"]}
 
 
 def base_model(cfg: Dict, corpus, ckpt_dir: Optional[str]) -> Tuple[ByteLM, Dict]:

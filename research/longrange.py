@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from hkt import MultiheadHKT
 from . import cli
 from .bytelm import sinusoidal_positions
-from .resumable import Stop, lr_lambda, save_atomic, stop_on_signals
+from .resumable import lr_lambda, stop_on_signals, train_chunked
 from .train import training_step
 
 __all__ = ["TASKS", "ARMS", "make_batch", "RecallModel", "build_model", "attention_flops", "step_flops",
@@ -364,10 +364,6 @@ def evaluate(model: RecallModel, task: str, T: int, n: int, seed: int, batch: in
     return out
 
 
-def _ckpt_path(ckpt_dir: str, task: str, arm: str, seed: int) -> str:
-    return os.path.join(ckpt_dir, f"{task}_{arm}_seed{seed}.pt")
-
-
 _RUN_KEYS = ("train_len", "window", "d_model", "heads", "layers", "ff", "batch_size", "steps", "warmup", "lr",
              "weight_decay", "max_pos")
 
@@ -379,41 +375,20 @@ def train_run(task: str, arm: str, seed: int, cfg: Dict, ckpt_dir: Optional[str]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg["steps"], cfg["warmup"]))
     gen = torch.Generator().manual_seed(seed)
-    state = {"step": 0, "times": [], "loss": []}
-    path = _ckpt_path(ckpt_dir, task, arm, seed) if ckpt_dir else None
-    want = {k: cfg[k] for k in _RUN_KEYS}
-    if path and os.path.exists(path):
-        saved = torch.load(path, weights_only=False)
-        if saved["config"] != want:
-            raise SystemExit(f"--ckpt-dir: {path} was trained with another configuration; move it away "
-                             f"or give another --ckpt-dir")
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        sched.load_state_dict(saved["sched"])
-        gen.set_state(saved["gen"])
-        state = saved["state"]
     T, B = cfg["train_len"], cfg["batch_size"]
-    while state["step"] < cfg["steps"] and not Stop.requested:
-        stop_at = min(cfg["steps"], state["step"] + cfg["chunk"])
-        while state["step"] < stop_at and not Stop.requested:
-            tok, tgt, _ = make_batch(task, T, B, gen)
-            offset = int(torch.randint(cfg["max_pos"] - T + 1, (1,), generator=gen))
-            t0 = time.perf_counter()
-            loss = training_step(model, opt, sched, _flat_loss, tok, tgt, offset=offset)
-            state["times"].append(time.perf_counter() - t0)
-            state["loss"].append(loss.item())
-            state["step"] += 1
-        if path:
-            save_atomic({"config": want, "model": model.state_dict(), "opt": opt.state_dict(),
-                         "sched": sched.state_dict(), "gen": gen.get_state(), "state": state}, path)
-        recent = state["loss"][-cfg["chunk"]:]
-        print(f"longrange: {task} {arm} seed {seed}: step {state['step']}/{cfg['steps']}, "
-              f"loss {statistics.fmean(recent):.3f}", file=log, flush=True)
-    if state["step"] < cfg["steps"]:
-        raise KeyboardInterrupt
-    times = sorted(state["times"][5:] or state["times"])
-    facts = {"steps": state["step"], "tokens": state["step"] * B * T,
-             "seconds_per_step": times[len(times) // 2], "final_loss": statistics.fmean(state["loss"][-50:])}
+
+    def batch():
+        tok, tgt, _ = make_batch(task, T, B, gen)
+        return tok, tgt, int(torch.randint(cfg["max_pos"] - T + 1, (1,), generator=gen))
+
+    def step(tok, tgt, offset):
+        return training_step(model, opt, sched, _flat_loss, tok, tgt, offset=offset).item()
+
+    done = train_chunked(ckpt_dir and os.path.join(ckpt_dir, f"{task}_{arm}_seed{seed}.pt"), model, opt, sched,
+                         gen, batch, step, steps=cfg["steps"], chunk=cfg["chunk"],
+                         config={k: cfg[k] for k in _RUN_KEYS}, label=f"longrange: {task} {arm} seed {seed}", log=log)
+    facts = {"steps": done["steps"], "tokens": done["steps"] * B * T, "seconds_per_step": done["seconds_per_step"],
+             "final_loss": statistics.fmean(done["losses"][-50:])}
     return model, facts
 
 

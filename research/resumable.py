@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["lr_lambda", "progress_bar", "Stop", "stop_on_signals", "save_atomic", "CheckpointError",
            "load_state", "read_checkpoint", "run_state", "restore", "own_rng", "open_runs", "turn_groups", "advance",
-           "train_in_turns", "time_per_step", "median_by_arm", "progress_info"]
+           "train_in_turns", "train_chunked", "time_per_step", "median_by_arm", "progress_info"]
 
 
 def lr_lambda(steps: int, warmup: int) -> Callable[[int], float]:
@@ -274,6 +274,49 @@ def train_in_turns(runs: Dict[Key, Dict], paths: Dict[Key, str], groups: List[Li
             write()
             if bar is not None:
                 bar.close()
+
+
+def train_chunked(path: Optional[str], model, opt, sched, rng, batch: Callable[[], tuple], step: Callable[..., object],
+                  *, steps: int, chunk: int, config: Optional[Dict] = None, label: str = "run",
+                  log=sys.stderr) -> Dict:
+    """Trains ``model`` for ``steps`` steps, each ``step(*batch())`` (one
+    optimiser step returning its loss; only ``step`` is timed), in chunks of
+    ``chunk`` with a checkpoint at ``path`` (None: none) after each, a stop by
+    :class:`Stop` included.  A checkpoint there is resumed from (model,
+    optimiser, schedule, ``rng``: a ``torch.Generator`` or anything with
+    ``state_dict`` / ``load_state_dict``), refused if saved with another
+    ``config``.  Raises KeyboardInterrupt when stopped before ``steps``.
+    Returns {"steps", "seconds_per_step" (:func:`time_per_step`), "losses"}."""
+    is_gen = isinstance(rng, torch.Generator)
+    state = {"step": 0, "times": [], "loss": []}
+    if path and os.path.exists(path):
+        saved = torch.load(path, weights_only=False)
+        if saved["config"] != config:
+            raise SystemExit(f"--ckpt-dir: {path} was trained with another configuration; move it away "
+                             f"or give another --ckpt-dir")
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        rng.set_state(saved["rng"]) if is_gen else rng.load_state_dict(saved["rng"])
+        state = saved["state"]
+    while state["step"] < steps and not Stop.requested:
+        stop_at = min(steps, state["step"] + chunk)
+        while state["step"] < stop_at and not Stop.requested:
+            args = batch()
+            t0 = time.perf_counter()
+            loss = step(*args)
+            state["times"].append(time.perf_counter() - t0)
+            state["loss"].append(float(loss))
+            state["step"] += 1
+        if path:
+            save_atomic({"config": config, "model": model.state_dict(), "opt": opt.state_dict(),
+                         "sched": sched.state_dict(), "rng": rng.get_state() if is_gen else rng.state_dict(),
+                         "state": state}, path)
+        print(f"{label}: step {state['step']}/{steps}, loss {statistics.fmean(state['loss'][-chunk:]):.3f}",
+              file=log, flush=True)
+    if state["step"] < steps:
+        raise KeyboardInterrupt
+    return {"steps": state["step"], "seconds_per_step": time_per_step(state["times"]), "losses": state["loss"]}
 
 
 def time_per_step(times: List[float]) -> Optional[float]:

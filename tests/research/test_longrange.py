@@ -120,3 +120,10 @@ def test_smoke_end_to_end(tmp_path):
     lr.main(["--table", "--out", str(out), "--paper", str(paper), "--plot", str(tmp_path / "lr.png")])
     assert paper.read_text() == text  # written again in place, not twice
     assert (tmp_path / "lr.png").stat().st_size > 0
+
+
+def test_time_lengths_times_each_arm_and_skips_past_the_budget():
+    rows = lr.time_lengths(SMALL, [64, 256], ["swa", "full"], budget_s=1e-9)
+    assert [(r["arm"], r["length"]) for r in rows] == [("swa", 64), ("swa", 256), ("full", 64), ("full", 256)]
+    assert all(r["seconds_per_step"] > 0 for r in rows if r["length"] == 64)
+    assert all(r["seconds_per_step"] is None and "estimated" in r["why"] for r in rows if r["length"] == 256)
