@@ -234,8 +234,8 @@ def main(argv=None) -> List[Dict]:
             last = None
             for T in lengths[what]:
                 if last is not None:  # quadratic growth at worst
-                    guess = max(last[1]["seconds"].values()) * args.rounds * len(kinds) * (T / last[0]) ** 2
-                    if guess > args.cap * args.rounds * len(kinds):
+                    guess = max(last[1]["seconds"].values()) * (T / last[0]) ** 2
+                    if guess > args.cap:
                         rows.append({"model": name, "measure": what, "length": T,
                                      "skipped": f"expected over {args.cap:.0f} s a call"})
                         continue
