@@ -45,7 +45,7 @@ def test_coarse_projections_are_the_levels_of_level_projections():
 
 
 def test_coarse_heads_match_the_definition():
-    """Levels._add_coarse_heads: downsample each stream with its taps, project
+    """MHALevels.coarse_levels: downsample each stream with its taps, project
     with each level's projection, split into heads (the reference's route)."""
     torch.manual_seed(0)
     m = hkt.MultiheadHKT(12, 3, levels=3, batch_first=True, dtype=F64)
@@ -53,8 +53,7 @@ def test_coarse_heads_match_the_definition():
         m.q_downsample.normal_()
         m.k_downsample.normal_()
     x = torch.randn(2, 9, 12, dtype=F64)
-    qs, ks = [], []
-    m._add_coarse_heads(qs, ks, x, x)
+    qs, ks = m.coarse_levels(x, x)
     def downsample(x, taps):  # x_l[p] = sum_r taps[r] x[2p - r], zero before the start, as a gather
         idx = 2 * torch.arange((x.shape[1] + 1) // 2)[:, None] - torch.arange(taps.shape[0])[None, :]
         return (x[:, idx.clamp(min=0)] * (idx >= 0)[None, :, :, None].to(x.dtype) * taps).sum(2)
