@@ -60,12 +60,8 @@ class HKTLevels(CachedDecoding, Levels):
         self.reset_parameters()
 
     def _add_coarse_levels(self, device=None, dtype=None) -> None:
-        """Registers the coarse parameters: taps over the heads' features side
-        by side, ``q_downsample`` (L-1, K, H D) and ``k_downsample`` (L-1, K,
-        H_kv D); each head's own map of its downsampled vector,
-        ``coarse_q_proj`` (L-1, H, D, D) and ``coarse_k_proj`` (L-1, H_kv, D,
-        D) (torch layout, out x in); and ``level_logits`` (H, L).  None of
-        them for levels=1."""
+        """Registers the parameters the class's docstring lists, in its order
+        (None of them for levels=1)."""
         if self.levels == 1:
             for name in ("q_downsample", "k_downsample", "coarse_q_proj", "coarse_k_proj", "level_logits"):
                 self.register_parameter(name, None)
