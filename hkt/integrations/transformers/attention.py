@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 import hkt
 
-from .levels import HKTLevels
+from .decoding import PackedPrompt
+from .levels import HKTLevels, prefill_documents
 from .masks import _read_mask, _real_tokens, _unsupported
 
 
@@ -52,15 +53,26 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                            "bidirectional model's cache) with levels > 1", "convert with levels=1")
     if window is not None and not causal:
         raise _unsupported("a sliding window on bidirectional attention with levels > 1", "convert with levels=1")
+    state = levels.decode_state
+    if S != T and state is not None and state.packed:
+        raise _unsupported("decoding after packed sequences (a prompt whose mask keeps several sequences apart) "
+                           "with levels > 1", "generate from each sequence on its own (a batch of them, padded), "
+                           "or convert with levels=1")
     if window is None:
-        real = _real_tokens(attention_mask, B, T, S, causal)
+        real, docs = _real_tokens(attention_mask, B, T, S, causal)
     else:
-        state = levels.decode_state
         # not cached per mask as _real_tokens does: a decoding step's reading depends on the layer's state
-        real = _read_mask(attention_mask, B, T, S, causal, window, None if state is None else state.pad)
+        real, docs = _read_mask(attention_mask, B, T, S, causal, window,
+                                None if state is None or S == T else state.tokens(S))
     if S == T:
         keep = causal and (levels.cached_call or bool(kwargs.get("use_cache")))
-        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window, softcap)
+        if docs is None:
+            out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window, softcap)
+        else:
+            out = prefill_documents(levels, query, key, value, w, real, docs, scaling, dropout, causal, window,
+                                    softcap)
+            if keep:
+                levels.decode_state = PackedPrompt()
     else:
         out = levels.decode_cached(query, key, value, w, real, scaling, dropout, window, softcap)
     return out.transpose(1, 2), None
