@@ -12,12 +12,13 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytest.importorskip("transformers", reason="transformers is not installed (pip install 'hkt[transformers]')")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed (pip install 'hkt[transformers]')")
 from transformers import DynamicCache  # noqa: E402
 
 import hkt  # noqa: E402
 import hkt.integrations.transformers as ht  # noqa: E402
-from test_transformers import _beams, build, ids, rel, scramble, windowed  # noqa: E402
+from test_transformers import _beams, build, ids, output, rel, scramble, windowed  # noqa: E402
 
 WINDOWS = [4, 8, None]  # convert(windows=...), shorter than the test rows
 T = 16
@@ -43,7 +44,7 @@ def to_the_left(x, mask):
 def equals_the_rows_alone(model, x, mask, got, tol):
     for row in range(x.shape[0]):
         real = mask[row].bool()
-        assert rel(got[row, real], model(x[row:row + 1, real]).logits[0]) < tol, row
+        assert rel(got[row, real], output(model, x[row:row + 1, real])[0]) < tol, row
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gemma2", "phi3"])
@@ -98,20 +99,22 @@ def test_one_level_computes_the_original_on_packed_sequences(family):
 
 
 @pytest.mark.parametrize("windows", [None, WINDOWS])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "bert"])
 def test_holes_equal_the_row_without_them(family, windows):
     """levels=3 with trained levels, float64: at its tokens a row with holes
     computes what the row with the holes removed computes, with the
-    positions generate gives it; a row of padding only gives no NaN."""
+    positions generate gives it (an encoder: bidirectional over its
+    tokens); a row of padding only gives no NaN."""
     model = scramble(ht.convert(build(family), levels=3, windows=windows)).double()
     x, mask, positions = holed()
     x, mask, positions = torch.cat([x, x[:1]]), torch.cat([mask, 0 * mask[:1]]), torch.cat([positions, positions[:1]])
     with torch.no_grad():
-        got = model(x, attention_mask=mask, position_ids=positions).logits
+        got = model(x, attention_mask=mask, position_ids=positions)
+        got = got.logits if hasattr(got, "logits") else got.last_hidden_state
         assert bool(got.isfinite().all())
         equals_the_rows_alone(model, x[:3], mask[:3], got, 1e-10)
         # the holes matter: the same row read as one run of tokens computes something else
-        assert rel(got[0, mask[0].bool()], model(x[:1]).logits[0, mask[0].bool()]) > 1e-2
+        assert rel(got[0, mask[0].bool()], output(model, x[:1])[0, mask[0].bool()]) > 1e-2
 
 
 @pytest.mark.parametrize("windows", [None, WINDOWS])
@@ -303,3 +306,25 @@ def test_other_masks_are_refused_by_name():
         want = base(x, attention_mask=mask, use_cache=False).logits
         got = ht.convert(copy.deepcopy(base), levels=1)(x, attention_mask=mask, use_cache=False).logits
     assert rel(got, want) <= 2e-5
+
+
+def test_chunked_attention_is_refused_by_name():
+    """Llama 4's chunked_attention layers (chunks of 8 positions) look like
+    packed sequences past a chunk: levels=3 refuses them there by name,
+    levels=1 computes the original's logits."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_chunk_size=8, num_local_experts=2,
+        no_rope_layers=[1, 0], max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert config.layer_types == ["chunked_attention", "full_attention"]
+    torch.manual_seed(0)
+    base = transformers.Llama4ForCausalLM(config).eval()
+    x = ids(2, T)
+    with torch.no_grad():
+        want = base(x).logits
+        assert rel(ht.convert(copy.deepcopy(base), levels=1)(x).logits, want) <= 2e-5
+        model = ht.convert(base, levels=3)
+        model(x[:, :8])  # within one chunk: causal attention
+        with pytest.raises(NotImplementedError, match="chunked attention .*chunks of 8 positions.*convert with "
+                                                      "levels=1"):
+            model(x)

@@ -66,6 +66,11 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                                 None if state is None or S == T else state.tokens(S))
     if S == T:
         keep = causal and (levels.cached_call or bool(kwargs.get("use_cache")))
+        if docs is not None and _chunked(module) is not None:
+            # its blocks are the model's own attention pattern, not separate sequences a row each
+            raise _unsupported(f"chunked attention (a layer that attends within chunks of {_chunked(module)} "
+                               "positions, Llama 4's chunked_attention) over a sequence longer than a chunk with "
+                               "levels > 1", "convert with levels=1")
         if docs is None:
             out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window, softcap)
         else:
@@ -97,6 +102,17 @@ def _windowed(m: nn.Module) -> Optional[int]:
     if hasattr(m, "sliding_window"):
         return m.sliding_window
     return getattr(getattr(m, "config", None), "sliding_window", None)
+
+
+def _chunked(m: nn.Module) -> Optional[int]:
+    """The chunk size of an attention module whose layer attends within
+    chunks (its config's layer_types says "chunked_attention", as Llama 4's
+    do), else None."""
+    config = getattr(m, "config", None)
+    types, index = getattr(config, "layer_types", None), getattr(m, "layer_idx", None)
+    if not isinstance(types, (list, tuple)) or not isinstance(index, int) or not 0 <= index < len(types):
+        return None
+    return getattr(config, "attention_chunk_size", None) if types[index] == "chunked_attention" else None
 
 
 # the names under which transformers' attention classes take the cache
