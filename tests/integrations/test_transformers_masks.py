@@ -328,3 +328,38 @@ def test_chunked_attention_is_refused_by_name():
         with pytest.raises(NotImplementedError, match="chunked attention .*chunks of 8 positions.*convert with "
                                                       "levels=1"):
             model(x)
+
+
+@pytest.mark.parametrize("holes", [[(1, 12, T)], [(1, 3, 5), (1, 12, T)]])
+def test_generate_after_right_padding_is_refused(holes):
+    """A prompt whose row ends in padding (with holes before it, or not):
+    the original's next token comes from a padding position's output, which
+    hkt makes zero, so the first step is refused, saying to pad on the left."""
+    model = scramble(ht.convert(build("llama"), levels=3))
+    x, mask, _ = holed(holes=holes)
+    with pytest.raises(NotImplementedError, match="right padding.*pad on the left"):
+        model.generate(x, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+def test_packed_sequences_in_an_encoder():
+    """BERT with a 4-D mask that keeps packed sequences apart (bidirectional
+    within each): each sequence's states are those of the sequence alone."""
+    model = scramble(ht.convert(build("bert"), levels=3)).double()
+    positions, spans = packed()
+    mask = torch.zeros(2, 1, T, T, dtype=torch.bool)
+    for row, a, b in spans:
+        mask[row, 0, a:b, a:b] = True
+    x = ids(2, T)
+    with torch.no_grad():
+        got = model(x, attention_mask=mask, position_ids=positions).last_hidden_state
+        for row, a, b in spans:
+            assert rel(got[row, a:b], output(model, x[row:row + 1, a:b])[0]) < 1e-10, (row, a)
+
+
+def test_packed_sequences_train_every_added_parameter():
+    model = scramble(ht.convert(build("llama"), levels=3)).train()
+    positions, _ = packed()
+    model(ids(2, T), position_ids=positions, labels=ids(2, T), use_cache=False).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if ".hkt." in n]
+    assert len(grads) == 5 * model.config.num_hidden_layers
+    assert all(g is not None and bool(g.isfinite().all()) and bool(g.abs().sum() > 0) for g in grads)

@@ -138,9 +138,13 @@ class CachedDecoding:
             if real is None or not torch.equal(real, state.tokens(S)):
                 raise _unsupported("padding that changes during decoding")
             layout = _compact_index(real)
+            # the new tokens all are: padding after a row's tokens lies just before them
+            after = not bool(real[:, S - T - 1].all())
         elif not torch.equal(pad, state.pad):
             raise _unsupported("padding that changes during decoding")
-        if not bool((pad + count == S).all()) and layout is None:
+        else:
+            after = not bool((pad + count == S).all())
+        if after:
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
         if self.windows is not None and state.store is not None:
