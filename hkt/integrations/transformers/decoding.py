@@ -197,7 +197,6 @@ class CachedDecoding:
         hold; qs, the new positions' query of each level; and the window's
         coarse keys, level l's block p at slot p - start / 2^l)."""
         B, H, T, D = query.shape
-        S = key.shape[2]
         L, K = self.levels, self.downsample_kernel
         top = 2 ** (L - 1)
         t0 = count - T
