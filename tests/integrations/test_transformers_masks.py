@@ -18,7 +18,7 @@ from transformers import DynamicCache  # noqa: E402
 
 import hkt  # noqa: E402
 import hkt.integrations.transformers as ht  # noqa: E402
-from test_transformers import _beams, build, ids, output, rel, scramble, windowed  # noqa: E402
+from test_transformers import MATRIX, WINDOWED, _beams, build, ids, output, rel, scramble, windowed  # noqa: E402
 
 WINDOWS = [4, 8, None]  # convert(windows=...), shorter than the test rows
 T = 16
@@ -47,18 +47,20 @@ def equals_the_rows_alone(model, x, mask, got, tol):
         assert rel(got[row, real], output(model, x[row:row + 1, real])[0]) < tol, row
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gemma2", "phi3"])
-def test_one_level_computes_the_original_with_holes(family):
-    """levels=1 is the model's attention with its own mask: the original's
-    logits at every token of rows with holes (checked to change them)."""
+@pytest.mark.parametrize("family", MATRIX)
+@pytest.mark.parametrize("levels,tol", [(1, 2e-5), (3, 2e-4)])
+def test_family_converts_exactly_with_holes(family, levels, tol):
+    """Every family of the matrix, rows with padding inside them: levels=1
+    (the model's attention with its own mask) and levels=3 at conversion
+    compute the original's outputs at every token (the holes checked to
+    change them)."""
     base = build(family)
-    x, mask, _ = holed()
+    x, mask, _ = holed(pad=MATRIX[family][2].get("pad_token_id", 0))
     real = mask.bool()
     with torch.no_grad():
-        want = base(x, attention_mask=mask).logits
-        assert rel(base(x).logits[real], want[real]) > 1e-2
-        got = ht.convert(copy.deepcopy(base), levels=1)(x, attention_mask=mask).logits
-    assert rel(got[real], want[real]) <= 2e-5
+        want = output(base, x, mask)
+        assert rel(output(base, x)[real], want[real]) > 1e-2
+        assert rel(output(ht.convert(copy.deepcopy(base), levels=levels), x, mask)[real], want[real]) <= tol
 
 
 def packed(n=T):
@@ -206,16 +208,19 @@ def mistral():
     return model
 
 
-def test_sliding_window_with_holes_converts_exactly():
-    """Mistral, a sliding window of 8 in the model's positions, holes wider
-    than it: levels=3 at conversion computes the original's logits."""
-    base = mistral()
+@pytest.mark.parametrize("family", WINDOWED)
+def test_sliding_window_with_holes_converts_exactly(family):
+    """The matrix's sliding-window families (a window of 4 in the model's
+    positions, some layers local), holes wider than it: levels=1 and levels=3
+    at conversion compute the original's logits."""
+    base = windowed(family)
     x, mask, _ = holed(holes=HOLES + [(1, 2, 11)])
     real = mask.bool()
     with torch.no_grad():
         want = base(x, attention_mask=mask).logits
-        got = ht.convert(copy.deepcopy(base), levels=3)(x, attention_mask=mask).logits
-    assert rel(got[real], want[real]) <= 2e-4
+        for levels, tol in ((1, 2e-5), (3, 2e-4)):
+            got = ht.convert(copy.deepcopy(base), levels=levels)(x, attention_mask=mask).logits
+            assert rel(got[real], want[real]) <= tol, levels
 
 
 def test_sliding_window_with_holes_is_the_dense_definition():
