@@ -547,13 +547,6 @@ def test_a_changed_cache_is_refused():
         model(x[:, 6:7], cache=cache, use_cache=True)
 
 
-def test_packed_sequences_are_refused():
-    model = ht.convert(tiny("llama"), levels=3)
-    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
-    with pytest.raises(NotImplementedError, match="attention mask other than causal"):
-        model(ids(1, 8), position_ids=position_ids, use_cache=False)
-
-
 def test_output_attentions_is_refused():
     model = ht.convert(tiny("llama"), levels=3)
     with pytest.raises(NotImplementedError, match="output_attentions"):

@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 import hkt
 
-from .levels import HKTLevels
+from .decoding import PackedPrompt
+from .levels import HKTLevels, prefill_documents
 from .masks import _read_mask, _real_tokens, _unsupported
 
 
@@ -52,15 +53,31 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                            "bidirectional model's cache) with levels > 1", "convert with levels=1")
     if window is not None and not causal:
         raise _unsupported("a sliding window on bidirectional attention with levels > 1", "convert with levels=1")
+    state = levels.decode_state
+    if S != T and state is not None and state.packed:
+        raise _unsupported("decoding after packed sequences (a prompt whose mask keeps several sequences apart) "
+                           "with levels > 1", "generate from each sequence on its own (a batch of them, padded), "
+                           "or convert with levels=1")
     if window is None:
-        real = _real_tokens(attention_mask, B, T, S, causal)
+        real, docs = _real_tokens(attention_mask, B, T, S, causal)
     else:
-        state = levels.decode_state
         # not cached per mask as _real_tokens does: a decoding step's reading depends on the layer's state
-        real = _read_mask(attention_mask, B, T, S, causal, window, None if state is None else state.pad)
+        real, docs = _read_mask(attention_mask, B, T, S, causal, window,
+                                None if state is None or S == T else state.tokens(S))
     if S == T:
         keep = causal and (levels.cached_call or bool(kwargs.get("use_cache")))
-        out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window, softcap)
+        if docs is not None and _chunked(module) is not None:
+            # its blocks are the model's own attention pattern, not separate sequences a row each
+            raise _unsupported(f"chunked attention (a layer that attends within chunks of {_chunked(module)} "
+                               "positions, Llama 4's chunked_attention) over a sequence longer than a chunk with "
+                               "levels > 1", "convert with levels=1")
+        if docs is None:
+            out = levels.prefill(query, key, value, w, real, scaling, dropout, keep, causal, window, softcap)
+        else:
+            out = prefill_documents(levels, query, key, value, w, real, docs, scaling, dropout, causal, window,
+                                    softcap)
+            if keep:
+                levels.decode_state = PackedPrompt()
     else:
         out = levels.decode_cached(query, key, value, w, real, scaling, dropout, window, softcap)
     return out.transpose(1, 2), None
@@ -85,6 +102,17 @@ def _windowed(m: nn.Module) -> Optional[int]:
     if hasattr(m, "sliding_window"):
         return m.sliding_window
     return getattr(getattr(m, "config", None), "sliding_window", None)
+
+
+def _chunked(m: nn.Module) -> Optional[int]:
+    """The chunk size of an attention module whose layer attends within
+    chunks (its config's layer_types says "chunked_attention", as Llama 4's
+    do), else None."""
+    config = getattr(m, "config", None)
+    types, index = getattr(config, "layer_types", None), getattr(m, "layer_idx", None)
+    if not isinstance(types, (list, tuple)) or not isinstance(index, int) or not 0 <= index < len(types):
+        return None
+    return getattr(config, "attention_chunk_size", None) if types[index] == "chunked_attention" else None
 
 
 # the names under which transformers' attention classes take the cache

@@ -14,7 +14,7 @@ from torch import Tensor
 import hkt
 from hkt.decoding.level_cache import LevelStore
 
-from .masks import _row_layout, _shift_index, _take, _unsupported
+from .masks import _compact_index, _layout_index, _row_layout, _shift_index, _take, _unsupported
 
 
 # hkt_attention_with_kvcache for decoding steps where it can run (tests turn it off
@@ -44,14 +44,30 @@ class HeadLevelCache:
     begins no block reuses; None where the layer recomputes the windowed op
     over the whole sequence at each step.  Beside it the latest
     full-resolution queries the next blocks' queries are downsampled from
-    (``q_tail``; with windows and no store every query so far), and what
+    (``q_tail``, each row's latest tokens'; with windows and no store every
+    query so far), and what
     checks that the next call continues this cache (its length, its padding,
-    its last key)."""
+    its last key).  ``real`` (B, length) bool: which positions are tokens,
+    where some row's are not one run (a pad token inside a prompt; the
+    steps lay each row out from it, its tokens first), growing by each
+    step's; None where each row's padding is ``pad``, before its tokens."""
+
+    packed = False  # see PackedPrompt
 
     def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
-                 q_blocks: Optional[List[Tensor]] = None):
+                 q_blocks: Optional[List[Tensor]] = None, real: Optional[Tensor] = None):
         self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
-        self.store, self.q_blocks = store, q_blocks or []
+        self.store, self.q_blocks, self.real = store, q_blocks or [], real
+
+    def tokens(self, S: int) -> Optional[Tensor]:
+        """(B, S) which keys of a call with S of them, the new ones last, are
+        tokens if it continues this state (the new ones all are); None where
+        it cannot."""
+        if self.real is None:
+            return torch.arange(S, device=self.pad.device)[None, :] >= self.pad[:, None]
+        if S < self.length:
+            return None
+        return torch.nn.functional.pad(self.real, (0, S - self.length), value=True)
 
     def continues(self, key: Tensor, T: int) -> bool:
         """Whether a call with keys ``key`` (B, H_kv, S, D), its last T new,
@@ -66,6 +82,8 @@ class HeadLevelCache:
         """The state after a step whose keys, the new ones last, are ``key``
         (B, H_kv, S, D): S positions, its last key, and ``q_tail``, the
         latest queries the next blocks are downsampled from."""
+        if self.real is not None:
+            self.real = self.tokens(key.shape[2])
         self.length, self.last_key, self.q_tail = key.shape[2], key[:, :, -1].detach(), q_tail
 
     def write_blocks(self, length: int, window: List[Tensor], start: Tensor, rows: Tensor) -> List[Tensor]:
@@ -87,8 +105,21 @@ class HeadLevelCache:
         index = index.to(self.pad.device)
         self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
         self.q_blocks = [x[index] for x in self.q_blocks]
+        if self.real is not None:
+            self.real = self.real[index.to(self.real.device)]
         if self.store is not None:
             self.store.reorder(index)
+
+
+class PackedPrompt:
+    """The decoding state a prefill of packed sequences leaves (each layer's
+    ``decode_state``): none to decode from, its coarse levels formed per
+    sequence; a step after it is refused by name."""
+
+    packed = True
+
+    def reorder(self, index: Tensor) -> None:
+        """Nothing to reorder (beam search reorders before its refused step)."""
 
 
 class CachedDecoding:
@@ -116,9 +147,18 @@ class CachedDecoding:
                 "time, and cannot crop them", "generate without an assistant model (no assistant_model or "
                 "prompt_lookup_num_tokens), or convert with levels=1")
         pad, count = _row_layout(real, B, S, query.device)
-        if not torch.equal(pad, state.pad):
+        layout = None  # each row's layout: a shift by its padding, or where it has holes, a gather
+        if state.real is not None:
+            if real is None or not torch.equal(real, state.tokens(S)):
+                raise _unsupported("padding that changes during decoding")
+            layout = _compact_index(real)
+            # the new tokens all are: padding after a row's tokens lies just before them
+            after = not bool(real[:, S - T - 1].all())
+        elif not torch.equal(pad, state.pad):
             raise _unsupported("padding that changes during decoding")
-        if not bool((pad + count == S).all()):
+        else:
+            after = not bool((pad + count == S).all())
+        if after:
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
         if self.windows is not None and state.store is not None:
@@ -126,7 +166,7 @@ class CachedDecoding:
                 raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
                                    "with windows (that prompt kept the windowed decoding's rings, not every query)",
                                    "run the prompt and the steps in the same grad mode")
-            return self._decode_rings(query, key, value, w, pad, count, scaling, softcap)
+            return self._decode_rings(query, key, value, w, pad, layout, count, scaling, softcap)
         if self.windows is not None:
             # the windowed kernels place query i at position i: the new rows are the last T of the
             # op over every position so far (near-linear in S per step), as the uncached forward computes them
@@ -134,12 +174,13 @@ class CachedDecoding:
             out = self.prefill(q_all, key, value, w, real, scaling, dropout, False, softcap=softcap)[:, :, -T:]
             state.advance(key, q_all)
             return out
-        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+        t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, layout, count)
         store = state.store
         coarse_k = state.write_blocks(S, k_win, start, new_rows)
-        shifted = bool(pad.any())
-        k0 = _take(key, _shift_index(pad, S)) if shifted else key
-        v0 = _take(value, _shift_index(pad, S)) if shifted else value
+        shifted = layout is not None or bool(pad.any())
+        positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout, the model's positions
+        k0 = _take(key, positions) if shifted else key
+        v0 = _take(value, positions) if shifted else value
         if sliding_window is None and _kernel_decodes(query, w, dropout):
             with torch.no_grad():
                 out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
@@ -149,8 +190,8 @@ class CachedDecoding:
             rows = []
             for i in range(T):
                 seen = keys <= (t0 + i)[:, None]
-                if sliding_window is not None:
-                    seen = seen & (keys > (t0 + i)[:, None] - sliding_window)
+                if sliding_window is not None:  # in the model's positions: the new query's is S - T + i
+                    seen = seen & (S - T + i - positions < sliding_window)
                 rows.append(hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
                                               attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling,
                                               softcap=softcap))
@@ -158,24 +199,26 @@ class CachedDecoding:
         state.advance(key, q_all[:, :, -self.tail_length():])
         return out
 
-    def _new_blocks(self, query, key, pad, count):
-        """The coarse levels of T new positions after S - T cached ones:
+    def _new_blocks(self, query, key, pad, layout, count):
+        """The coarse levels of T new positions after S - T cached ones (each
+        row laid out after its padding ``pad``, or by ``layout``, see
+        :func:`_layout_index`):
         (t0 (B,) each row's position, tokens only, of its first new query;
         start (B,) where the window of positions its new blocks are computed from
         begins; the new positions (B, T); every query the state and the call
         hold; qs, the new positions' query of each level; and the window's
         coarse keys, level l's block p at slot p - start / 2^l)."""
         B, H, T, D = query.shape
-        S = key.shape[2]
         L, K = self.levels, self.downsample_kernel
         top = 2 ** (L - 1)
         t0 = count - T
         # the window each row's new blocks are computed from, from an aligned start, so
         # its blocks are the row's own; its rows before the start are all the blocks need
         start = torch.clamp((t0 - K * (top - 1)) // top * top, min=0)
-        window = _shift_index(pad + start, T + self.tail_length())  # positions in the model's layout
-        q_all = torch.cat([self.decode_state.q_tail, query], dim=2)  # positions S - q_all.shape[2] .. S - 1
-        q_win = _take(q_all, window - (S - q_all.shape[2]))
+        n = T + self.tail_length()
+        q_all = torch.cat([self.decode_state.q_tail, query], dim=2)  # each row's tokens count - q_all.shape[2] ..
+        q_win = _take(q_all, _shift_index(start - (count - q_all.shape[2]), n))
+        window = _layout_index(pad, layout, start, n)  # positions in the model's layout
         new_rows = (t0[:, None] + torch.arange(T, device=query.device))  # (B, T) positions of the new queries
         qs = [query]  # level l: the new positions' blocks, found in the window's level l
         qs += [_take(qc, (new_rows >> l) - (start[:, None] >> l))
@@ -183,7 +226,7 @@ class CachedDecoding:
         return t0, start, new_rows, q_all, qs, self.coarse_heads(_take(key, window), "k")
 
     @torch.no_grad()
-    def _decode_rings(self, query, key, value, w, pad, count, scaling, softcap=None):
+    def _decode_rings(self, query, key, value, w, pad, layout, count, scaling, softcap=None):
         """T new positions through the windowed decoding kernel, the levels'
         state in the rings the prefill filled: each level's keys of the blocks
         the new positions begin, and the new values, written there, then the
@@ -198,7 +241,7 @@ class CachedDecoding:
             q_all = torch.cat([state.q_tail, query], dim=2)
             qs, ks = [query] + state.q_blocks, [key[:, :, S - 1:]] * self.levels
         else:
-            t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
+            t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, layout, count)
             ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
                                         for l, kc in enumerate(k_win, 1)]
             state.keep_blocks(qs[1:])

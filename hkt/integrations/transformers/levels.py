@@ -5,7 +5,7 @@ for the steps that follow (hkt/integrations/transformers/decoding.py).
 
 Shapes below: B batch, N sequence length, H query heads, H_kv key/value
 heads of D features, L levels, K taps."""
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -16,8 +16,9 @@ from hkt.decoding.level_cache import LevelStore
 from hkt.downsample import causal_downsample
 from hkt.nn.levels import Levels
 
-from .decoding import CachedDecoding, HeadLevelCache, _kernel_decodes
-from .masks import _row_layout, _shift_index, _take, _window_mask
+from .decoding import CachedDecoding, HeadLevelCache, PackedPrompt, _kernel_decodes
+from .masks import (_band, _compact_index, _layout_index, _one_run, _placed_index, _row_layout, _shift_index,
+                    _split_documents, _take, _window_mask)
 
 
 class HKTLevels(CachedDecoding, Levels):
@@ -50,7 +51,7 @@ class HKTLevels(CachedDecoding, Levels):
         super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel,
                          check_windows(windows, levels, growing=True), device, dtype)
         self.level0_weight = level0_weight
-        self.decode_state: Optional[HeadLevelCache] = None
+        self.decode_state: Optional[Union[HeadLevelCache, PackedPrompt]] = None
         # whether the module's latest call was handed a cache (_note_cache): not every
         # family passes use_cache down to its attention
         self.cached_call = False
@@ -136,60 +137,70 @@ class HKTLevels(CachedDecoding, Levels):
                 window: Optional[int] = None, softcap: Optional[float] = None):
         """No cached positions: the whole op over the sequence (causal, or
         bidirectional over each row's tokens for an encoder).  Each row is
-        first shifted so that its first token is at position 0, so its coarse
-        blocks are those of the row alone (left padding would otherwise move their
-        boundaries and average padding into them); right padding is masked.
+        first laid out with its tokens at positions 0 .. count - 1, so its
+        coarse blocks are those of the row alone (padding would otherwise move
+        their boundaries and average padding into them): shifted by its left
+        padding where its tokens are one run, else gathered in order (a pad
+        token inside a prompt); right padding is masked.
         ``window`` (a causal layer's sliding window): query i sees key j only
-        when i - j < window, as transformers' mask has it (the shift keeps the
-        distances), a mask over every (query, key) pair: dense cost.  The
+        when i - j < window in the model's positions, as transformers' mask has
+        it (a shift keeps the distances, a gather does not), a mask over every
+        (query, key) pair: dense cost.  The
         module's ``windows`` (never with ``window``: convert refuses both) go to
         the windowed kernels with the key-padding mask: near-linear cost.
         ``softcap``: the model's attention-logit cap (Gemma 2's), or None."""
         B, H, T, D = query.shape
         pad, count = _row_layout(real, B, T, query.device)
-        shifted = real is not None and bool(pad.any())
+        # each row's layout where its tokens are not one run; None: a shift by its padding
+        layout = None if real is None or _one_run(real, pad, count) else _compact_index(real)
+        shifted = real is not None and (layout is not None or bool(pad.any()))
         q0, k0, v0 = query, key, value
         if shifted:
-            index = _shift_index(pad, T)
+            index = _layout_index(pad, layout, torch.zeros_like(pad), T)
             q0, k0, v0 = _take(query, index), _take(key, index), _take(value, index)
         mask = None
-        if real is not None:  # after the shift each row's tokens are its rows 0 .. count - 1
+        if real is not None:  # in the layout each row's tokens are its rows 0 .. count - 1
             mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
         if window is not None:
-            near = _window_mask(T, T, window, query.device)[None, None]
+            near = _window_mask(T, T, window, query.device)[None, None] if layout is None else _band(layout, window)
             mask = near if mask is None else mask & near
         coarse_q, coarse_k = self.coarse_levels(q0, k0)
         qs, ks = [q0] + coarse_q, [k0] + coarse_k
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
                                 windows=self.windows, softcap=softcap)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0)
+            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0,
+                                                   None if layout is None else real)
         if shifted:  # back to the model's layout
-            out = _take(out, _shift_index(-pad, T))
+            out = _take(out, _shift_index(-pad, T) if layout is None else _placed_index(real))
         if real is not None:  # padding rows give zeros
             out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
 
-    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0) -> HeadLevelCache:
+    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0, holes=None) -> HeadLevelCache:
         """What a prefill of T positions keeps for the decoding steps that follow:
-        the latest queries the next blocks are downsampled from, and the coarse
+        the latest queries the next blocks are downsampled from (each row's
+        latest tokens'), and the coarse
         keys (a :class:`hkt.decoding.level_cache.LevelStore` whose level 0 is HF's cache);
         with windows, where the steps can run the windowed decoding kernel
         (:func:`_kernel_decodes`), the levels' rings (``LevelStore.filled``
         from ``ks`` and ``v0``, each row's tokens first), else every query so
         far and no store: such a step recomputes the windowed op over the whole
-        sequence."""
+        sequence.  ``holes`` (B, T): which positions are tokens where some
+        row's are not one run (the steps lay the rows out from it), else None."""
         T = query.shape[2]
-        tail = query[:, :, -self.tail_length():]
+        n = self.tail_length()
+        # in the layout's order: a row's latest tokens are not its latest positions when it has holes
+        tail = query[:, :, -n:] if holes is None else _take(qs[0], _shift_index(count - n, n))
         if self.windows is None:
-            return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, LevelStore([None] + ks[1:], []))
+            return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, LevelStore([None] + ks[1:], []), real=holes)
         if not _kernel_decodes(query, w, dropout):
-            return HeadLevelCache(T, pad, key[:, :, -1].detach(), query, None)
+            return HeadLevelCache(T, pad, key[:, :, -1].detach(), query, None, real=holes)
         with torch.no_grad():  # qs: each row's last token's block at each level
             last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
             q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
             store = LevelStore.filled(self.windows, ks, v0, count)
-        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, store, q_blocks)
+        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, store, q_blocks, real=holes)
 
     def tail_length(self) -> int:
         """How many of the latest full-resolution queries a decoding step can need
@@ -198,3 +209,17 @@ class HKTLevels(CachedDecoding, Levels):
         position), read from a start aligned to 2^(L-1)."""
         top = 2 ** (self.levels - 1)
         return self.downsample_kernel * (top - 1) + top
+
+
+def prefill_documents(levels: HKTLevels, query, key, value, w, real, docs, scaling, dropout, causal, window,
+                      softcap):
+    """A prefill whose rows hold packed sequences (``docs`` (B, T), from the
+    model's block-diagonal mask): each sequence a row of its own, right-padded
+    (``_split_documents``), through :meth:`HKTLevels.prefill`, so that no
+    coarse block mixes two of them, and back to the model's layout.  Keeps no
+    decoding state."""
+    rows, index, tokens, (row, slot) = _split_documents(docs, real)
+    q, k, v = ((x[rows, :, index]).transpose(1, 2) for x in (query, key, value))
+    out = levels.prefill(q, k, v, w, None if bool(tokens.all()) else tokens, scaling, dropout, False, causal, window,
+                         softcap)
+    return out[row, :, slot].permute(0, 2, 1, 3)
