@@ -153,17 +153,22 @@ class Levels(nn.Module):
         self.coarse_k_proj = nn.Parameter(torch.empty(Lc, Hk, D, D, **kw))
         self.level_logits = nn.Parameter(torch.empty(H, self.levels, **kw))
 
-    def coarse_heads(self, x: Tensor, stream: str) -> List[Tensor]:
+    def coarse_heads(self, x: Tensor, stream: str, inputs: Optional[List[Tensor]] = None) -> List[Tensor]:
         """Levels 1 .. L-1 of a sequence of projected heads (levels of
         :meth:`_add_head_levels`): of the query (``stream="q"``) or key
         (``"k"``) heads x (B, heads, N, hd), level l (B, heads, ceil(N / 2^l),
-        hd), the block p of which depends only on x's rows <= 2^l p."""
+        hd), the block p of which depends only on x's rows <= 2^l p.
+        ``inputs``, a list: each level's sequence before its projection, (B,
+        ceil(N / 2^l), heads hd), level 0 first, appended to it (what a
+        decoding state keeps the latest of)."""
         taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
                                                                                   self.coarse_k_proj)
         B, Hx, N, D = x.shape
         flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
         out = []
         for l in range(1, self.levels):
+            if inputs is not None:
+                inputs.append(flat)
             flat = causal_downsample(flat, taps[l - 1])
             n = flat.shape[1]
             out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))

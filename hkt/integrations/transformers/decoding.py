@@ -6,13 +6,14 @@ decoding kernels where they run (:func:`_kernel_decodes`), the windowed
 decoding kernel over the rings the prefill filled, or hkt_attention one new
 token at a time; and the coarse key caches the new blocks are written into
 (:func:`_write_blocks`)."""
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 import hkt
 from hkt.decoding.level_cache import LevelStore
+from hkt.decoding.tails import BlockTails
 
 from .masks import _row_layout, _shift_index, _take, _unsupported
 
@@ -46,12 +47,18 @@ class HeadLevelCache:
     full-resolution queries the next blocks' queries are downsampled from
     (``q_tail``; with windows and no store every query so far), and what
     checks that the next call continues this cache (its length, its padding,
-    its last key)."""
+    its last key).  Where the steps run hkt's decoding kernels, ``tails``
+    (a :class:`hkt.decoding.tails.BlockTails`), ``q_blocks`` and
+    ``k_blocks`` (per level l >= 1 (B, heads, 1, D), the query and key of
+    each row's latest block): a one-token step then makes only the blocks
+    its token begins (:meth:`step_levels`); ``tails`` None once a step of
+    another kind has run."""
 
     def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
-                 q_blocks: Optional[List[Tensor]] = None):
+                 q_blocks: Optional[List[Tensor]] = None, tails: Optional[BlockTails] = None,
+                 k_blocks: Optional[List[Tensor]] = None):
         self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
-        self.store, self.q_blocks = store, q_blocks or []
+        self.store, self.q_blocks, self.tails, self.k_blocks = store, q_blocks or [], tails, k_blocks or []
 
     def continues(self, key: Tensor, T: int) -> bool:
         """Whether a call with keys ``key`` (B, H_kv, S, D), its last T new,
@@ -65,14 +72,54 @@ class HeadLevelCache:
     def advance(self, key: Tensor, q_tail: Tensor) -> None:
         """The state after a step whose keys, the new ones last, are ``key``
         (B, H_kv, S, D): S positions, its last key, and ``q_tail``, the
-        latest queries the next blocks are downsampled from."""
+        latest queries the next blocks are downsampled from.  ``tails`` no
+        longer follows: a step other than :meth:`step_levels`'s moved on."""
         self.length, self.last_key, self.q_tail = key.shape[2], key[:, :, -1].detach(), q_tail
+        self.tails = None
+
+    def step_levels(self, levels, query: Tensor, key: Tensor, t: List[int], tail_length: int
+                    ) -> Tuple[List[Tensor], List[Tensor]]:
+        """One new position per row (t[b] its position, tokens only) through
+        the levels of ``levels`` (an HKTLevels): the blocks it begins made
+        from ``tails``, the state moved on.  Returns the new position's query
+        and key of each level (its block's), (B, heads, 1, D) each; without
+        windows the coarse keys written into the store too (grown to hold
+        them).  ``query`` (B, H, 1, D) and ``key`` (B, H_kv, S, D), the new
+        key last."""
+        B, H, _, D = query.shape
+        Hk = key.shape[1]
+        taps_q, taps_k = levels.q_downsample, levels.k_downsample
+        # (B, 1, heads, D) in memory for one token: the heads side by side, as the levels take them
+        xq = query.transpose(1, 2).reshape(B, H * D).to(taps_q.dtype)
+        k_new = key[:, :, -1:]
+        xk = k_new.reshape(B, Hk * D).to(taps_k.dtype)
+        dense = self.store.windows is None
+        if dense:
+            self.store.grow(key.shape[2])
+        for l, new in enumerate(self.tails.push(xq, xk, t, taps_q, taps_k), start=1):
+            if new is None:
+                continue
+            nq, nk, rows = new
+            qb = torch.einsum("bhd,hed->bhe", nq.view(B, H, D), levels.coarse_q_proj[l - 1]).to(query.dtype)
+            kb = torch.einsum("bhd,hed->bhe", nk.view(B, Hk, D), levels.coarse_k_proj[l - 1]).to(key.dtype)
+            if rows is not None:  # the other rows keep their block
+                qb = torch.where(rows[:, None, None], qb, self.q_blocks[l - 1][:, :, 0])
+                kb = torch.where(rows[:, None, None], kb, self.k_blocks[l - 1][:, :, 0])
+            self.q_blocks[l - 1], self.k_blocks[l - 1] = qb[:, :, None], kb[:, :, None]
+            if dense:  # every row's block t >> l, the unchanged ones written back as they are
+                self.store.write_block(l, self.k_blocks[l - 1], [tb >> l for tb in t])
+        self.length, self.last_key = key.shape[2], key[:, :, -1].detach()
+        self.q_tail = torch.cat([self.q_tail, query], dim=2)[:, :, -tail_length:]
+        return [query] + self.q_blocks, [k_new] + self.k_blocks
 
     def reorder(self, index: Tensor) -> None:
         """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
         index = index.to(self.pad.device)
         self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
         self.q_blocks = [x[index] for x in self.q_blocks]
+        self.k_blocks = [x[index] for x in self.k_blocks]
+        if self.tails is not None:
+            self.tails.reorder(index)
         if self.store is not None:
             self.store.reorder(index)
 
@@ -107,6 +154,8 @@ class CachedDecoding:
         if not bool((pad + count == S).all()):
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        if (T == 1 and state.tails is not None and sliding_window is None and _kernel_decodes(query, w, dropout)):
+            return self._decode_step(query, key, value, w, pad, count, scaling, softcap)
         if self.windows is not None and state.store is not None:
             if not _kernel_decodes(query, w, dropout):
                 raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
@@ -145,6 +194,26 @@ class CachedDecoding:
             out = torch.cat(rows, dim=2)
         state.advance(key, q_all[:, :, -self.tail_length():])
         return out
+
+    @torch.no_grad()
+    def _decode_step(self, query, key, value, w, pad, count, scaling, softcap=None):
+        """One new token per row, in as few torch ops as the step allows (at
+        that size each op's fixed cost is the time): the blocks it begins from
+        the state's tails (:meth:`HeadLevelCache.step_levels`), then every
+        level attended in one call of a decoding kernel: without windows
+        hkt's KV-cache kernel over transformers' cache and the coarse keys,
+        with windows the windowed decoding kernel over the rings."""
+        state, S = self.decode_state, key.shape[2]
+        t = (count - 1).tolist()
+        qs, ks = state.step_levels(self, query, key, t, self.tail_length())
+        t0 = torch.tensor(t, device=query.device)
+        if state.store.windows is not None:
+            return state.store.attend(qs, ks, value[:, :, S - 1:], w.detach(), t0, scaling, softcap)
+        k0, v0 = key, value
+        if bool(pad.any()):
+            index = _shift_index(pad, S)
+            k0, v0 = _take(key, index), _take(value, index)
+        return state.store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
 
     def _new_blocks(self, query, key, pad, count):
         """The coarse levels of T new positions after S - T cached ones:

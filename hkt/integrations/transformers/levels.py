@@ -10,6 +10,7 @@ from torch import Tensor
 import hkt
 from hkt._core.checks import check_windows
 from hkt.decoding.level_cache import LevelStore
+from hkt.decoding.tails import BlockTails
 from hkt.nn.levels import Levels
 
 from .decoding import CachedDecoding, HeadLevelCache, _kernel_decodes
@@ -109,19 +110,22 @@ class HKTLevels(CachedDecoding, Levels):
         if window is not None:
             near = _window_mask(T, T, window, query.device)[None, None]
             mask = near if mask is None else mask & near
-        qs = [q0] + self.coarse_heads(q0, "q")
-        ks = [k0] + self.coarse_heads(k0, "k")
+        # the levels' inputs, whose latest elements a dense decoding state keeps (_decode_state)
+        inputs = ([], []) if use_cache and _kernel_decodes(query, w, dropout) else (None, None)
+        qs = [q0] + self.coarse_heads(q0, "q", inputs[0])
+        ks = [k0] + self.coarse_heads(k0, "k", inputs[1])
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
                                 windows=self.windows, softcap=softcap)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
-            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0)
+            self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0, inputs)
         if shifted:  # back to the model's layout
             out = _take(out, _shift_index(-pad, T))
         if real is not None:  # padding rows give zeros
             out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
 
-    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0) -> HeadLevelCache:
+    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0, inputs=(None, None)
+                      ) -> HeadLevelCache:
         """What a prefill of T positions keeps for the decoding steps that follow:
         the latest queries the next blocks are downsampled from, and the coarse
         keys (a :class:`hkt.decoding.level_cache.LevelStore` whose level 0 is HF's cache);
@@ -129,18 +133,25 @@ class HKTLevels(CachedDecoding, Levels):
         (:func:`_kernel_decodes`), the levels' rings (``LevelStore.filled``
         from ``ks`` and ``v0``, each row's tokens first), else every query so
         far and no store: such a step recomputes the windowed op over the whole
-        sequence."""
+        sequence.  Where the steps run the decoding kernels, ``inputs`` (each
+        stream's levels before their projections, from coarse_heads) give the
+        state's ``tails``: its one-token steps then make only the blocks they
+        begin."""
         T = query.shape[2]
         tail = query[:, :, -self.tail_length():]
+        last_key = key[:, :, -1].detach()
         if self.windows is None:
-            return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, LevelStore([None] + ks[1:], []))
-        if not _kernel_decodes(query, w, dropout):
-            return HeadLevelCache(T, pad, key[:, :, -1].detach(), query, None)
-        with torch.no_grad():  # qs: each row's last token's block at each level
-            last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
-            q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
-            store = LevelStore.filled(self.windows, ks, v0, count)
-        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, store, q_blocks)
+            store = LevelStore([None] + ks[1:], [])
+            if inputs[0] is None or self.levels == 1:
+                return HeadLevelCache(T, pad, last_key, tail, store)
+        elif not _kernel_decodes(query, w, dropout):
+            return HeadLevelCache(T, pad, last_key, query, None)
+        with torch.no_grad():
+            if self.windows is not None:
+                store = LevelStore.filled(self.windows, ks, v0, count)
+            tails = BlockTails.of_levels(inputs[0], inputs[1], count, self.downsample_kernel)
+            return HeadLevelCache(T, pad, last_key, tail, store, _latest_blocks(qs, count), tails,
+                                  _latest_blocks(ks, count))
 
     def tail_length(self) -> int:
         """How many of the latest full-resolution queries a decoding step can need
@@ -149,3 +160,11 @@ class HKTLevels(CachedDecoding, Levels):
         position), read from a start aligned to 2^(L-1)."""
         top = 2 ** (self.levels - 1)
         return self.downsample_kernel * (top - 1) + top
+
+
+def _latest_blocks(qs, count: Tensor):
+    """Each row's last token's block at each level l >= 1 (B, H, 1, D), of
+    ``qs`` (every level's queries, each row's tokens first; row b's first
+    ``count[b]`` positions its tokens)."""
+    last = (count - 1).clamp(min=0)[:, None] >> torch.arange(1, len(qs), device=count.device)
+    return [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
