@@ -33,12 +33,13 @@ def _next_element(tail: Tensor, taps: Tensor) -> Tensor:
 
 
 class BlockTails:
-    """Per level l >= 1 the latest K elements of level l-1's query stream
-    (``q[l-1]`` (B, K, Cq)) and key stream (``k[l-1]`` (B, K, Ck)), oldest
-    first, each row at its own position."""
+    """Per level l >= 1 the latest K elements of level l-1's query and key
+    streams side by side (``x[l-1]`` (B, K, Cq + Ck), the query stream's Cq
+    channels first), oldest first, each row at its own position: one
+    product and sum per level make both streams' next element."""
 
-    def __init__(self, q: List[Tensor], k: List[Tensor]) -> None:
-        self.q, self.k = q, k
+    def __init__(self, x: List[Tensor], split: int) -> None:
+        self.x, self.split = x, split
 
     @classmethod
     def of_levels(cls, q_levels: Sequence[Tensor], k_levels: Sequence[Tensor], counts: Tensor, K: int
@@ -47,9 +48,17 @@ class BlockTails:
         N_l, C), l = 0 .. L-2, level l's query and key streams (before any
         projection), row b's tokens its first ``counts[b]`` positions."""
         last = counts.to(q_levels[0].device) - 1
-        q = [_latest_rows(x, last >> l, K) for l, x in enumerate(q_levels)]
-        k = [_latest_rows(x, last >> l, K) for l, x in enumerate(k_levels)]
-        return cls(q, k)
+        x = [torch.cat([_latest_rows(q, last >> l, K), _latest_rows(k, last >> l, K)], dim=2)
+             for l, (q, k) in enumerate(zip(q_levels, k_levels))]
+        return cls(x, q_levels[0].shape[2])
+
+    @property
+    def q(self) -> List[Tensor]:
+        return [x[:, :, :self.split] for x in self.x]
+
+    @property
+    def k(self) -> List[Tensor]:
+        return [x[:, :, self.split:] for x in self.x]
 
     def push(self, xq: Tensor, xk: Tensor, t: List[int], taps_q: Tensor, taps_k: Tensor
              ) -> List[Optional[Tuple[Tensor, Tensor, Optional[Tensor]]]]:
@@ -60,18 +69,17 @@ class BlockTails:
         None for all, else a (B,) bool tensor; the other rows' elements are
         meaningless)."""
         out: List[Optional[Tuple[Tensor, Tensor, Optional[Tensor]]]] = []
+        new = torch.cat([xq, xk], dim=1)
         gained: Optional[Tensor] = None  # rows whose level l-1 gained an element (None: all)
-        for l in range(1, len(self.q) + 1):
-            self.q[l - 1] = self._append(self.q[l - 1], xq, gained)
-            self.k[l - 1] = self._append(self.k[l - 1], xk, gained)
+        for l in range(1, len(self.x) + 1):
+            self.x[l - 1] = self._append(self.x[l - 1], new, gained)
             begins = [tb % (1 << l) == 0 for tb in t]
             if not any(begins):  # and none at any level above
-                out.extend([None] * (len(self.q) - l + 1))
+                out.extend([None] * (len(self.x) - l + 1))
                 break
-            gained = None if all(begins) else torch.tensor(begins, device=xq.device)
-            xq = _next_element(self.q[l - 1], taps_q[l - 1])
-            xk = _next_element(self.k[l - 1], taps_k[l - 1])
-            out.append((xq, xk, gained))
+            gained = None if all(begins) else torch.tensor(begins, device=new.device)
+            new = _next_element(self.x[l - 1], torch.cat([taps_q[l - 1], taps_k[l - 1]], dim=1))
+            out.append((new[:, :self.split], new[:, self.split:], gained))
         return out
 
     @staticmethod
@@ -82,5 +90,4 @@ class BlockTails:
 
     def reorder(self, index: Tensor) -> None:
         """Rows ``index`` of the batch (beam search's reordering)."""
-        self.q = [x[index.to(x.device)] for x in self.q]
-        self.k = [x[index.to(x.device)] for x in self.k]
+        self.x = [x[index.to(x.device)] for x in self.x]

@@ -57,8 +57,26 @@ class HeadLevelCache:
     def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
                  q_blocks: Optional[List[Tensor]] = None, tails: Optional[BlockTails] = None,
                  k_blocks: Optional[List[Tensor]] = None):
-        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
+        self.length, self.pad, self.last_key, self._q_tail = length, pad, last_key, q_tail
         self.store, self.q_blocks, self.tails, self.k_blocks = store, q_blocks or [], tails, k_blocks or []
+        self._recent: List[Tensor] = []  # the queries of step_levels' steps since q_tail was last joined
+
+    @property
+    def q_tail(self) -> Tensor:
+        """The latest full-resolution queries (B, H, n, D), the newest last."""
+        self._join_recent()
+        return self._q_tail
+
+    def _join_recent(self, keep: Optional[int] = None) -> None:
+        """The queries of the latest one-token steps joined to ``q_tail``, its
+        last ``keep`` kept (None: all)."""
+        if self._recent:
+            self._q_tail = torch.cat([self._q_tail, *self._recent], dim=2)[:, :, -(keep or 0):]
+            self._recent = []
+
+    @q_tail.setter
+    def q_tail(self, x: Tensor) -> None:
+        self._q_tail, self._recent = x, []
 
     def continues(self, key: Tensor, T: int) -> bool:
         """Whether a call with keys ``key`` (B, H_kv, S, D), its last T new,
@@ -100,8 +118,8 @@ class HeadLevelCache:
             if new is None:
                 continue
             nq, nk, rows = new
-            qb = torch.einsum("bhd,hed->bhe", nq.view(B, H, D), levels.coarse_q_proj[l - 1]).to(query.dtype)
-            kb = torch.einsum("bhd,hed->bhe", nk.view(B, Hk, D), levels.coarse_k_proj[l - 1]).to(key.dtype)
+            qb = _head_maps(nq, levels.coarse_q_proj[l - 1]).to(query.dtype)
+            kb = _head_maps(nk, levels.coarse_k_proj[l - 1]).to(key.dtype)
             if rows is not None:  # the other rows keep their block
                 qb = torch.where(rows[:, None, None], qb, self.q_blocks[l - 1][:, :, 0])
                 kb = torch.where(rows[:, None, None], kb, self.k_blocks[l - 1][:, :, 0])
@@ -109,7 +127,9 @@ class HeadLevelCache:
             if dense:  # every row's block t >> l, the unchanged ones written back as they are
                 self.store.write_block(l, self.k_blocks[l - 1], [tb >> l for tb in t])
         self.length, self.last_key = key.shape[2], key[:, :, -1].detach()
-        self.q_tail = torch.cat([self.q_tail, query], dim=2)[:, :, -tail_length:]
+        self._recent.append(query)  # joined to q_tail only where a step of another kind reads it
+        if len(self._recent) >= tail_length:
+            self._join_recent(tail_length)
         return [query] + self.q_blocks, [k_new] + self.k_blocks
 
     def reorder(self, index: Tensor) -> None:
@@ -286,3 +306,10 @@ def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, row
         index = block[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])
         out.append(cache.scatter_(2, index, _take(kc, block - offset)))
     return out
+
+
+def _head_maps(x: Tensor, maps: Tensor) -> Tensor:
+    """Each head's map of its vector: x (B, heads D), the heads side by side,
+    maps (heads, D, D) (torch layout, out x in); (B, heads, D)."""
+    heads, D = maps.shape[0], maps.shape[2]
+    return torch.bmm(x.view(-1, heads, D).transpose(0, 1), maps.transpose(1, 2)).transpose(0, 1)
