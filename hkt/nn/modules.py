@@ -19,7 +19,7 @@ from ._mha_inputs import batch_first_view, build_mask, merge_masks, packed_atten
 from ._mha_weights import _RECOMPUTING_HOOKS, _from_mha, _stored
 from ..functional import hkt_attention, qkv_attention
 from ..decoding.level_cache import LevelCache
-from .levels import Levels
+from ._mha_levels import MHALevels
 
 __all__ = ["MultiheadHKT", "swap_attention"]
 
@@ -84,7 +84,7 @@ def _attention_weights(qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Opti
     return weights
 
 
-class MultiheadHKT(Levels):
+class MultiheadHKT(MHALevels):
     r"""Multi-head Hierarchical Kernel Transformer attention, a drop-in
     replacement for :class:`torch.nn.MultiheadAttention`.
 
@@ -100,8 +100,9 @@ class MultiheadHKT(Levels):
       an MHA ``state_dict`` loads into ``levels=1`` with ``strict=True`` and
       ``levels=1`` computes MHA's function (equal within rounding);
     * levels l >= 1, the level weights and the ``windows`` are those of
-      :class:`hkt.Levels` (which this class extends; their parameters keep
-      their names here: ``q_downsample``, ``k_downsample``,
+      :class:`hkt.Levels`, in the layout of the streams' projections
+      (``hkt.nn._mha_levels.MHALevels``, which this class extends; their
+      parameters keep their names here: ``q_downsample``, ``k_downsample``,
       ``coarse_q_proj_weight`` / ``_bias``, ``coarse_k_proj_weight`` /
       ``_bias``, ``level_logits``).  Values stay at full resolution (level
       0's value projection only).
@@ -197,12 +198,14 @@ class MultiheadHKT(Levels):
                  vdim: Optional[int] = None, batch_first: bool = False, device=None, dtype=None, *,
                  levels: int = 3, downsample_kernel: int = 2, num_kv_heads: Optional[int] = None,
                  pack_padding: bool = False, windows: Optional[Sequence[Optional[int]]] = None) -> None:
-        num_kv_heads = Levels._check_options(embed_dim, num_heads, num_kv_heads, levels, downsample_kernel)
+        num_kv_heads = MHALevels._check_options(embed_dim, num_heads, num_kv_heads, levels, downsample_kernel)
         windows = check_windows(windows, levels, growing=True)  # docs/contract.md section 1.11
         factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__(num_heads, embed_dim // num_heads, num_kv_heads, levels, downsample_kernel, windows)
+        kdim = kdim if kdim is not None else embed_dim
+        super().__init__(num_heads, embed_dim // num_heads, num_kv_heads, levels, downsample_kernel, windows,
+                         embed_dim, kdim, bias, **factory_kwargs)
         self.embed_dim = embed_dim
-        self.kdim = kdim if kdim is not None else embed_dim
+        self.kdim = kdim
         self.vdim = vdim if vdim is not None else embed_dim
         self._packed_in_proj = self.kdim == embed_dim and self.vdim == embed_dim
         self.dropout = dropout
@@ -235,7 +238,7 @@ class MultiheadHKT(Levels):
             self.bias_k = self.bias_v = None
 
         # Levels 1 .. L-1, after level 0: the order of parameters() (and of optimiser state)
-        self._add_levels(embed_dim, self.kdim, bias, **factory_kwargs)
+        self._add_coarse_levels(**factory_kwargs)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -273,12 +276,6 @@ class MultiheadHKT(Levels):
                         causal: bool) -> Tensor:
         """need_weights with windows: the dense definition's probabilities (O(T*S), as MHA's weights)."""
         return probs_of_scores(*windowed_scores(qs, ks, w, self.windows), mask, causal)
-
-    def _reference_weight(self) -> Tensor:
-        """level_weights()'s dtype and device with levels=1 (Levels._reference_weight)."""
-        if torch.jit.is_scripting():
-            return self.out_proj.weight
-        return self._stored_weight()
 
     @torch.jit.unused
     def _stored_weight(self) -> Tensor:
@@ -406,10 +403,9 @@ class MultiheadHKT(Levels):
             v = torch.cat([v, v.new_zeros(B, 1, Ekv)], dim=1)
             n_extra += 1
 
-        qs, ks = [_heads(q0, H, hd)], [_heads(k0, Hk, hd)]
         # appended slots: zero inputs of the key stream
-        self._add_coarse_heads(qs, ks, query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
-        return qs, ks, _heads(v, Hk, hd), qkv, n_extra
+        coarse_q, coarse_k = self.coarse_levels(query, F.pad(key, [0, 0, 0, n_extra]) if n_extra > 0 else key)
+        return [_heads(q0, H, hd)] + coarse_q, [_heads(k0, Hk, hd)] + coarse_k, _heads(v, Hk, hd), qkv, n_extra
 
     def _attend(self, qs: List[Tensor], ks: List[Tensor], vh: Tensor, w: Tensor, qkv: Optional[Tensor],
                 mask: Optional[Tensor], causal: bool, dropout_p: float, real: Optional[Tensor], n_extra: int,

@@ -16,8 +16,8 @@ The attention function receives the projected, rotary-embedded query and key of
 each head.  Level 0 is them; level l >= 1 causally downsamples the previous
 level's query (key) sequence, per channel, with trainable taps
 (:func:`hkt.downsample.causal_downsample`) and maps each head's downsampled vector
-with its own trainable (head_dim x head_dim) matrix (:meth:`hkt.Levels.coarse_heads`,
-each layer's levels an :class:`hkt.Levels`).  The attention itself is
+with its own trainable (head_dim x head_dim) matrix (:meth:`HKTLevels.coarse_levels`,
+each layer's levels an :class:`hkt.Levels` in the layout of projected heads).  The attention itself is
 :func:`hkt.hkt_attention`; decoding steps with a cache run
 :func:`hkt.hkt_attention_with_kvcache` (CPU, float32/float64, no grad; with
 windows the windowed decoding kernel over the rings of

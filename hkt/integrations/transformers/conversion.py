@@ -83,10 +83,7 @@ def _head_shape(m: nn.Module):
 
 
 def _check_options(levels, downsample_kernel, level0_weight) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
-        raise ValueError(f"levels: expected an int >= 1, got {levels!r}")
-    if isinstance(downsample_kernel, bool) or not isinstance(downsample_kernel, int) or downsample_kernel < 1:
-        raise ValueError(f"downsample_kernel: expected an int >= 1, got {downsample_kernel!r}")
+    HKTLevels._check_levels(levels, downsample_kernel)
     if not isinstance(level0_weight, (int, float)) or isinstance(level0_weight, bool) or not 0 < level0_weight < 1:
         raise ValueError(f"level0_weight: must be in (0, 1), got {level0_weight!r}")
 

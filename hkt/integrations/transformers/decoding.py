@@ -132,6 +132,20 @@ class HeadLevelCache:
             self._join_recent(tail_length)
         return [query] + self.q_blocks, [k_new] + self.k_blocks
 
+    def write_blocks(self, length: int, window: List[Tensor], start: Tensor, rows: Tensor) -> List[Tensor]:
+        """The store grown to ``length`` positions and the blocks of the new
+        positions ``rows`` (B, T) written into its coarse keys
+        (:func:`_write_blocks`, from the levels ``window`` of the positions
+        from ``start`` (B,)); returns those coarse keys, levels 1 .. L-1."""
+        self.store.grow(length)
+        self.store.k[1:] = _write_blocks(self.store.k[1:], window, start, rows)
+        return self.store.k[1:]
+
+    def keep_blocks(self, qs: List[Tensor]) -> None:
+        """``q_blocks`` from a step's queries of levels 1 .. L-1 (B, H, T, D):
+        each row's latest block's."""
+        self.q_blocks = [x[:, :, -1:] for x in qs]
+
     def reorder(self, index: Tensor) -> None:
         """Rows ``index`` (B',) of the batch, as beam search reorders HF's cache."""
         index = index.to(self.pad.device)
@@ -191,9 +205,7 @@ class CachedDecoding:
             return out
         t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
         store = state.store
-        store.grow(S)
-        store.k[1:] = _write_blocks(store.k[1:], k_win, start, new_rows)
-        coarse_k = store.k[1:]
+        coarse_k = state.write_blocks(S, k_win, start, new_rows)
         shifted = bool(pad.any())
         k0 = _take(key, _shift_index(pad, S)) if shifted else key
         v0 = _take(value, _shift_index(pad, S)) if shifted else value
@@ -278,7 +290,7 @@ class CachedDecoding:
             t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, count)
             ks = [key[:, :, S - T:]] + [_take(kc, (new_rows >> l) - (start[:, None] >> l))
                                         for l, kc in enumerate(k_win, 1)]
-            state.q_blocks = [x[:, :, -1:] for x in qs[1:]]
+            state.keep_blocks(qs[1:])
         out = state.store.attend(qs, ks, value[:, :, S - T:], w.detach(), t0, scaling, softcap)
         state.advance(key, q_all[:, :, -self.tail_length():])
         return out

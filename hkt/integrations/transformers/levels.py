@@ -1,27 +1,31 @@
-"""A converted layer's levels (:class:`HKTLevels`, an :class:`hkt.Levels`
-made from projected heads) and its prefill: the whole op over a sequence
-with no cached positions, and the decoding state it keeps for the steps
-that follow (hkt/integrations/transformers/decoding.py)."""
-from typing import Optional
+"""A converted layer's levels (:class:`HKTLevels`, the layout of
+:class:`hkt.Levels` made from projected heads) and its prefill: the whole op
+over a sequence with no cached positions, and the decoding state it keeps
+for the steps that follow (hkt/integrations/transformers/decoding.py).
+
+Shapes below: B batch, N sequence length, H query heads, H_kv key/value
+heads of D features, L levels, K taps."""
+from typing import List, Optional, Tuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import hkt
 from hkt._core.checks import check_windows
 from hkt.decoding.level_cache import LevelStore
 from hkt.decoding.tails import BlockTails
+from hkt.downsample import causal_downsample
 from hkt.nn.levels import Levels
 
 from .decoding import CachedDecoding, HeadLevelCache, _kernel_decodes
 from .masks import _row_layout, _shift_index, _take, _window_mask
 
 
-
 class HKTLevels(CachedDecoding, Levels):
     """The parameters HKT adds to one attention module (its ``hkt`` child), for
     H query heads, H_kv key/value heads of D features and L levels (K taps):
-    an :class:`hkt.Levels` made from projected heads (``Levels._add_head_levels``):
+    an :class:`hkt.Levels` made from projected heads (:meth:`coarse_levels`),
+    a map per head and no bias:
 
     * ``q_downsample`` (L-1, K, H D), ``k_downsample`` (L-1, K, H_kv D): the taps
       of level l's causal downsampling of level l-1's query and key sequences
@@ -45,16 +49,68 @@ class HKTLevels(CachedDecoding, Levels):
                  level0_weight: float, *, windows=None, device=None, dtype=None) -> None:
         # windows: checked by convert (hkt's rule, docs/contract.md section 1.11); None when no level has one
         super().__init__(num_heads, head_dim, num_kv_heads, levels, downsample_kernel,
-                         check_windows(windows, levels, growing=True))
+                         check_windows(windows, levels, growing=True), device, dtype)
         self.level0_weight = level0_weight
         self.decode_state: Optional[HeadLevelCache] = None
         # whether the module's latest call was handed a cache (_note_cache): not every
         # family passes use_cache down to its attention
         self.cached_call = False
-        # levels=1 has it too (ones): the dtype and device of level_weights() (Levels._reference_weight)
+        # levels=1 has it too (ones), so that scaled_level_weights() needs no branch
         self.register_buffer("level_scale", torch.ones(num_heads, 1, device=device, dtype=dtype), persistent=False)
-        self._add_head_levels(device=device, dtype=dtype)
+        self._add_coarse_levels(device=device, dtype=dtype)
         self.reset_parameters()
+
+    def _add_coarse_levels(self, device=None, dtype=None) -> None:
+        """Registers the parameters the class's docstring lists, in its order
+        (None of them for levels=1)."""
+        if self.levels == 1:
+            for name in ("q_downsample", "k_downsample", "coarse_q_proj", "coarse_k_proj", "level_logits"):
+                self.register_parameter(name, None)
+            return
+        H, Hk, D, Lc, K = self.num_heads, self.num_kv_heads, self.head_dim, self.levels - 1, self.downsample_kernel
+        kw = {"device": device, "dtype": dtype}
+        self.q_downsample = nn.Parameter(torch.empty(Lc, K, H * D, **kw))
+        self.k_downsample = nn.Parameter(torch.empty(Lc, K, Hk * D, **kw))
+        self.coarse_q_proj = nn.Parameter(torch.empty(Lc, H, D, D, **kw))
+        self.coarse_k_proj = nn.Parameter(torch.empty(Lc, Hk, D, D, **kw))
+        self.level_logits = nn.Parameter(torch.empty(H, self.levels, **kw))
+
+    def _reset_coarse_projections(self) -> None:
+        """For training from scratch (:meth:`hkt.Levels._reset_levels`; a
+        conversion starts from :meth:`reset_parameters` instead): each head's
+        map xavier_uniform."""
+        for maps in (self.coarse_q_proj, self.coarse_k_proj):
+            for l in range(self.levels - 1):
+                for h in range(maps.shape[1]):
+                    nn.init.xavier_uniform_(maps[l, h])
+
+    def coarse_heads(self, x: Tensor, stream: str, inputs: Optional[List[Tensor]] = None) -> List[Tensor]:
+        """Levels 1 .. L-1 of one stream of projected heads, the query
+        (``stream="q"``) or key (``"k"``) heads x (B, heads, N, D): level l
+        (B, heads, ceil(N / 2^l), D), the block p of which depends only on
+        x's rows <= 2^l p.  ``inputs``, a list: each level's sequence before
+        its projection, (B, ceil(N / 2^l), heads D), levels 0 .. L-2,
+        appended to it (what a decoding state keeps the latest of)."""
+        taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
+                                                                                  self.coarse_k_proj)
+        B, Hx, N, D = x.shape
+        flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
+        out = []
+        for l in range(1, self.levels):
+            if inputs is not None:
+                inputs.append(flat)
+            flat = causal_downsample(flat, taps[l - 1])
+            n = flat.shape[1]
+            out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))
+        return out
+
+    def coarse_levels(self, query: Tensor, key: Tensor) -> Tuple[List[Tensor], List[Tensor]]:
+        """Levels 1 .. L-1 of the projected query heads (B, H, N, D) and key
+        heads (B, H_kv, S, D): :meth:`coarse_heads` of each; empty for
+        levels=1."""
+        if self.levels == 1:
+            return [], []
+        return self.coarse_heads(query, "q"), self.coarse_heads(key, "k")
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -75,9 +131,6 @@ class HKTLevels(CachedDecoding, Levels):
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"levels={self.levels}, downsample_kernel={self.downsample_kernel}"
                 + ("" if self.windows is None else f", windows={list(self.windows)}"))
-
-    def _reference_weight(self) -> Tensor:
-        return self.level_scale
 
     def scaled_level_weights(self) -> Tensor:
         """w (H, L) for hkt_attention: the convex :meth:`hkt.Levels.level_weights`
@@ -110,7 +163,7 @@ class HKTLevels(CachedDecoding, Levels):
         if window is not None:
             near = _window_mask(T, T, window, query.device)[None, None]
             mask = near if mask is None else mask & near
-        # the levels' inputs, whose latest elements a dense decoding state keeps (_decode_state)
+        # the levels' inputs, whose latest elements the decoding state keeps (_decode_state)
         inputs = ([], []) if use_cache and _kernel_decodes(query, w, dropout) else (None, None)
         qs = [q0] + self.coarse_heads(q0, "q", inputs[0])
         ks = [k0] + self.coarse_heads(k0, "k", inputs[1])

@@ -1,7 +1,7 @@
 """Writes the files in this folder with hkt 0.2.0 (commit 49c1afb): a
 MultiheadHKT state_dict with windows, one without, and a converted tiny
 Llama-style Hugging Face model saved with save_pretrained, each with the
-outputs that version computes from it (tests/module/test_compat_v0_2_0.py loads them
+outputs that version computes from it (tests/nn/test_compat_v0_2_0.py loads them
 with the code of the day and compares).  Run from the repository root with
 that version installed: python tests/data/v0_2_0/make_files.py
 """
