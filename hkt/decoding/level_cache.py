@@ -163,6 +163,19 @@ class LevelStore:
                                           self.windows, self.chunk, scale, softcap)
                           for b, t in enumerate(starts)], dim=0)
 
+    def write_block(self, level: int, key: Tensor, slots: List[int]) -> None:
+        """Row b's block ``slots[b]`` of a level without a window set to
+        ``key[b]`` (key (B, H_kv, 1, D)), in place (in a copy where the level
+        is part of an earlier call's graph, which a backward may still read)."""
+        k = self.k[level]
+        if k.requires_grad:
+            k = self.k[level] = k.detach().clone()
+        if len(set(slots)) == 1:  # every row at the same position: one slice (a generation without padding)
+            k[:, :, slots[0]:slots[0] + 1] = key
+            return
+        index = torch.tensor(slots, device=k.device)[:, None, None, None].expand(-1, k.shape[1], 1, k.shape[3])
+        k.scatter_(2, index, key)
+
     def reorder(self, index: Tensor) -> None:
         """Rows ``index`` (B',) of the batch (beam search's reordering)."""
         self.k = [None if x is None else x[index.to(x.device)] for x in self.k]

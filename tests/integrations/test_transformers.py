@@ -744,3 +744,43 @@ def test_level_weights_are_convex_and_the_op_gets_them_scaled(levels):
         torch.testing.assert_close(m.scaled_level_weights(), w * m.level_scale)
         if levels > 1:  # level 0's weight at conversion times its scale: the model's own score
             assert (m.level_scale > 1).all()
+
+
+def _steps_from(model, x, mask, new, keep_tails):
+    """Logits of greedy-free decoding: prompt x (mask its padding), then the
+    tokens ``new`` one at a time through one cache; with ``keep_tails`` False
+    every layer forgets its tails after the prompt, so each step downsamples
+    a window of recent positions instead.  Returns (logits, whether every
+    layer's last step ran from its tails)."""
+    cache, out = DynamicCache(config=model.config), []
+    with torch.no_grad():
+        model(x, attention_mask=mask, cache=cache, use_cache=True)
+        states = [m for m in model.modules() if isinstance(m, ht.HKTLevels)]
+        if not keep_tails:
+            for m in states:
+                m.decode_state.tails = None
+        for i in range(new.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out.append(model(new[:, i:i + 1], attention_mask=mask, cache=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1), all(m.decode_state.tails is not None for m in states)
+
+
+@pytest.mark.parametrize("windows", [None, WINDOWS])
+@pytest.mark.parametrize("levels,kernel", [(3, 2), (4, 3)])
+def test_one_token_steps_from_the_tails(windows, levels, kernel):
+    """A one-token step makes only the blocks its token begins, from the
+    levels' latest inputs the state keeps (hkt.decoding.tails): in float64,
+    over a left-padded batch whose rows begin blocks at different steps, the
+    same logits to the last bit as steps that downsample a window of recent
+    positions, and the whole sequence's without a cache."""
+    windows = None if windows is None else (windows + [None])[:levels]
+    model = scramble(ht.convert(tiny("llama"), levels=levels, downsample_kernel=kernel, windows=windows)).double()
+    x, mask = padded("llama", T=19)
+    new = ids(3, 21, seed=5)
+    fast, ran = _steps_from(model, x, mask, new, keep_tails=True)
+    slow, ran_slow = _steps_from(model, x, mask, new, keep_tails=False)
+    assert ran and not ran_slow
+    assert torch.equal(fast, slow)
+    with torch.no_grad():
+        whole = model(torch.cat([x, new], 1), attention_mask=torch.cat([mask, torch.ones_like(new)], 1)).logits
+    assert rel(fast, whole[:, x.shape[1]:]) < 1e-12

@@ -63,25 +63,25 @@ def test_ring_generate_equals_without_cache(windows, left_padded, monkeypatch):
     """Greedy decoding of a batch 24 tokens past the prompt: the same tokens
     and logits with the cache as without it, each cached step on the ring
     kernel (hkt_attention runs at the prompt only, once a layer), with rings
-    whose size does not grow with the sequence.  Without padding the rows
-    share their positions, and the steps at odd ones reuse the coarse
-    queries (no new block's levels computed)."""
+    whose size does not grow with the sequence.  Each step makes the blocks
+    its token begins from the layer's tails (HeadLevelCache.step_levels),
+    never from a window of recent positions (_new_blocks)."""
     model = _model(windows)
     layers = model.config.num_hidden_layers
     x, mask = padded("llama", T=24) if left_padded else (ids(2, 24), None)
     want, want_logits = _generate(model, x, mask, use_cache=False)
     spy = _Spy(monkeypatch)
-    new_blocks = ht.HKTLevels._new_blocks
-    calls = []
+    new_blocks, step_levels = ht.HKTLevels._new_blocks, ht.decoding.HeadLevelCache.step_levels
+    calls, steps = [], []
     monkeypatch.setattr(ht.HKTLevels, "_new_blocks", lambda *a: calls.append(1) or new_blocks(*a))
+    monkeypatch.setattr(ht.decoding.HeadLevelCache, "step_levels", lambda *a: steps.append(1) or step_levels(*a))
     got, logits = _generate(model, x, mask)
     assert torch.equal(got, want)
     assert rel(logits, want_logits) < 1e-4
     assert spy.attention == layers
     # one call per row and step where the rows of the left-padded batch are at different positions
     assert spy.kernel == 23 * layers * (x.shape[0] if left_padded else 1)
-    # the 23 steps at positions 24 .. 46: every one has a row at an even position, or 12 do
-    assert len(calls) == (23 if left_padded else 12) * layers
+    assert len(steps) == 23 * layers and not calls
     sizes = [[k.shape for k, W in zip(s.store.k, windows) if W is not None] for s in _states(model)]
     _generate(model, x, mask, n=40)
     assert sizes == [[k.shape for k, W in zip(s.store.k, windows) if W is not None] for s in _states(model)]

@@ -6,13 +6,14 @@ decoding kernels where they run (:func:`_kernel_decodes`), the windowed
 decoding kernel over the rings the prefill filled, or hkt_attention one new
 token at a time; and the coarse key caches the new blocks are written into
 (:func:`_write_blocks`)."""
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 import hkt
 from hkt.decoding.level_cache import LevelStore
+from hkt.decoding.tails import BlockTails
 
 from .masks import _compact_index, _layout_index, _row_layout, _shift_index, _take, _unsupported
 
@@ -50,14 +51,40 @@ class HeadLevelCache:
     its last key).  ``real`` (B, length) bool: which positions are tokens,
     where some row's are not one run (a pad token inside a prompt; the
     steps lay each row out from it, its tokens first), growing by each
-    step's; None where each row's padding is ``pad``, before its tokens."""
+    step's; None where each row's padding is ``pad``, before its tokens.
+    Where the steps run hkt's decoding kernels, ``tails`` (a
+    :class:`hkt.decoding.tails.BlockTails`), ``q_blocks`` and ``k_blocks``
+    (per level l >= 1 (B, heads, 1, D), the query and key of each row's
+    latest block): a one-token step then makes only the blocks its token
+    begins (:meth:`step_levels`); ``tails`` None once a step of another
+    kind has run."""
 
     packed = False  # see PackedPrompt
 
     def __init__(self, length: int, pad: Tensor, last_key: Tensor, q_tail: Tensor, store: Optional[LevelStore],
-                 q_blocks: Optional[List[Tensor]] = None, real: Optional[Tensor] = None):
-        self.length, self.pad, self.last_key, self.q_tail = length, pad, last_key, q_tail
+                 q_blocks: Optional[List[Tensor]] = None, real: Optional[Tensor] = None,
+                 tails: Optional[BlockTails] = None, k_blocks: Optional[List[Tensor]] = None):
+        self.length, self.pad, self.last_key, self._q_tail = length, pad, last_key, q_tail
         self.store, self.q_blocks, self.real = store, q_blocks or [], real
+        self.tails, self.k_blocks = tails, k_blocks or []
+        self._recent: List[Tensor] = []  # the queries of step_levels' steps since q_tail was last joined
+
+    @property
+    def q_tail(self) -> Tensor:
+        """The latest full-resolution queries (B, H, n, D), the newest last."""
+        self._join_recent()
+        return self._q_tail
+
+    def _join_recent(self, keep: Optional[int] = None) -> None:
+        """The queries of the latest one-token steps joined to ``q_tail``, its
+        last ``keep`` kept (None: all)."""
+        if self._recent:
+            self._q_tail = torch.cat([self._q_tail, *self._recent], dim=2)[:, :, -(keep or 0):]
+            self._recent = []
+
+    @q_tail.setter
+    def q_tail(self, x: Tensor) -> None:
+        self._q_tail, self._recent = x, []
 
     def tokens(self, S: int) -> Optional[Tensor]:
         """(B, S) which keys of a call with S of them, the new ones last, are
@@ -81,10 +108,51 @@ class HeadLevelCache:
     def advance(self, key: Tensor, q_tail: Tensor) -> None:
         """The state after a step whose keys, the new ones last, are ``key``
         (B, H_kv, S, D): S positions, its last key, and ``q_tail``, the
-        latest queries the next blocks are downsampled from."""
+        latest queries the next blocks are downsampled from.  ``tails`` no
+        longer follows: a step other than :meth:`step_levels`'s moved on."""
         if self.real is not None:
             self.real = self.tokens(key.shape[2])
         self.length, self.last_key, self.q_tail = key.shape[2], key[:, :, -1].detach(), q_tail
+        self.tails = None
+
+    def step_levels(self, levels, query: Tensor, key: Tensor, t: List[int], tail_length: int
+                    ) -> Tuple[List[Tensor], List[Tensor]]:
+        """One new position per row (t[b] its position, tokens only) through
+        the levels of ``levels`` (an HKTLevels): the blocks it begins made
+        from ``tails``, the state moved on.  Returns the new position's query
+        and key of each level (its block's), (B, heads, 1, D) each; without
+        windows the coarse keys written into the store too (grown to hold
+        them).  ``query`` (B, H, 1, D) and ``key`` (B, H_kv, S, D), the new
+        key last."""
+        B, H, _, D = query.shape
+        Hk = key.shape[1]
+        taps_q, taps_k = levels.q_downsample, levels.k_downsample
+        # (B, 1, heads, D) in memory for one token: the heads side by side, as the levels take them
+        xq = query.transpose(1, 2).reshape(B, H * D).to(taps_q.dtype)
+        k_new = key[:, :, -1:]
+        xk = k_new.reshape(B, Hk * D).to(taps_k.dtype)
+        dense = self.store.windows is None
+        if dense:
+            self.store.grow(key.shape[2])
+        for l, new in enumerate(self.tails.push(xq, xk, t, taps_q, taps_k), start=1):
+            if new is None:
+                continue
+            nq, nk, rows = new
+            qb = _head_maps(nq, levels.coarse_q_proj[l - 1]).to(query.dtype)
+            kb = _head_maps(nk, levels.coarse_k_proj[l - 1]).to(key.dtype)
+            if rows is not None:  # the other rows keep their block
+                qb = torch.where(rows[:, None, None], qb, self.q_blocks[l - 1][:, :, 0])
+                kb = torch.where(rows[:, None, None], kb, self.k_blocks[l - 1][:, :, 0])
+            self.q_blocks[l - 1], self.k_blocks[l - 1] = qb[:, :, None], kb[:, :, None]
+            if dense:  # every row's block t >> l, the unchanged ones written back as they are
+                self.store.write_block(l, self.k_blocks[l - 1], [tb >> l for tb in t])
+        if self.real is not None:
+            self.real = self.tokens(key.shape[2])
+        self.length, self.last_key = key.shape[2], key[:, :, -1].detach()
+        self._recent.append(query)  # joined to q_tail only where a step of another kind reads it
+        if len(self._recent) >= tail_length:
+            self._join_recent(tail_length)
+        return [query] + self.q_blocks, [k_new] + self.k_blocks
 
     def write_blocks(self, length: int, window: List[Tensor], start: Tensor, rows: Tensor) -> List[Tensor]:
         """The store grown to ``length`` positions and the blocks of the new
@@ -105,8 +173,11 @@ class HeadLevelCache:
         index = index.to(self.pad.device)
         self.pad, self.last_key, self.q_tail = self.pad[index], self.last_key[index], self.q_tail[index]
         self.q_blocks = [x[index] for x in self.q_blocks]
+        self.k_blocks = [x[index] for x in self.k_blocks]
         if self.real is not None:
             self.real = self.real[index.to(self.real.device)]
+        if self.tails is not None:
+            self.tails.reorder(index)
         if self.store is not None:
             self.store.reorder(index)
 
@@ -161,6 +232,8 @@ class CachedDecoding:
         if after:
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
+        if (T == 1 and state.tails is not None and sliding_window is None and _kernel_decodes(query, w, dropout)):
+            return self._decode_step(query, key, value, w, pad, layout, count, scaling, softcap)
         if self.windows is not None and state.store is not None:
             if not _kernel_decodes(query, w, dropout):
                 raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
@@ -198,6 +271,27 @@ class CachedDecoding:
             out = torch.cat(rows, dim=2)
         state.advance(key, q_all[:, :, -self.tail_length():])
         return out
+
+    @torch.no_grad()
+    def _decode_step(self, query, key, value, w, pad, layout, count, scaling, softcap=None):
+        """One new token per row, in as few torch ops as the step allows (at
+        that size each op's fixed cost is the time): the blocks it begins from
+        the state's tails (:meth:`HeadLevelCache.step_levels`), then every
+        level attended in one call of a decoding kernel: without windows
+        hkt's KV-cache kernel over transformers' cache and the coarse keys
+        (each row laid out after its padding ``pad``, or by ``layout``), with
+        windows the windowed decoding kernel over the rings."""
+        state, S = self.decode_state, key.shape[2]
+        t = (count - 1).tolist()
+        qs, ks = state.step_levels(self, query, key, t, self.tail_length())
+        t0 = torch.tensor(t, device=query.device)
+        if state.store.windows is not None:
+            return state.store.attend(qs, ks, value[:, :, S - 1:], w.detach(), t0, scaling, softcap)
+        k0, v0 = key, value
+        if layout is not None or bool(pad.any()):
+            positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout
+            k0, v0 = _take(key, positions), _take(value, positions)
+        return state.store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
 
     def _new_blocks(self, query, key, pad, layout, count):
         """The coarse levels of T new positions after S - T cached ones (each
@@ -272,3 +366,10 @@ def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, row
         index = block[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])
         out.append(cache.scatter_(2, index, _take(kc, block - offset)))
     return out
+
+
+def _head_maps(x: Tensor, maps: Tensor) -> Tensor:
+    """Each head's map of its vector: x (B, heads D), the heads side by side,
+    maps (heads, D, D) (torch layout, out x in); (B, heads, D)."""
+    heads, D = maps.shape[0], maps.shape[2]
+    return torch.bmm(x.view(-1, heads, D).transpose(0, 1), maps.transpose(1, 2)).transpose(0, 1)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import hkt
 from hkt._core.checks import check_windows
 from hkt.decoding.level_cache import LevelStore
+from hkt.decoding.tails import BlockTails
 from hkt.downsample import causal_downsample
 from hkt.nn.levels import Levels
 
@@ -84,17 +85,21 @@ class HKTLevels(CachedDecoding, Levels):
                 for h in range(maps.shape[1]):
                     nn.init.xavier_uniform_(maps[l, h])
 
-    def coarse_heads(self, x: Tensor, stream: str) -> List[Tensor]:
+    def coarse_heads(self, x: Tensor, stream: str, inputs: Optional[List[Tensor]] = None) -> List[Tensor]:
         """Levels 1 .. L-1 of one stream of projected heads, the query
         (``stream="q"``) or key (``"k"``) heads x (B, heads, N, D): level l
         (B, heads, ceil(N / 2^l), D), the block p of which depends only on
-        x's rows <= 2^l p."""
+        x's rows <= 2^l p.  ``inputs``, a list: each level's sequence before
+        its projection, (B, ceil(N / 2^l), heads D), levels 0 .. L-2,
+        appended to it (what a decoding state keeps the latest of)."""
         taps, proj = (self.q_downsample, self.coarse_q_proj) if stream == "q" else (self.k_downsample,
                                                                                   self.coarse_k_proj)
         B, Hx, N, D = x.shape
         flat = x.transpose(1, 2).reshape(B, N, Hx * D).to(taps.dtype)
         out = []
         for l in range(1, self.levels):
+            if inputs is not None:
+                inputs.append(flat)
             flat = causal_downsample(flat, taps[l - 1])
             n = flat.shape[1]
             out.append(torch.einsum("bnhd,hed->bhne", flat.view(B, n, Hx, D), proj[l - 1]).to(x.dtype))
@@ -164,20 +169,23 @@ class HKTLevels(CachedDecoding, Levels):
         if window is not None:
             near = _window_mask(T, T, window, query.device)[None, None] if layout is None else _band(layout, window)
             mask = near if mask is None else mask & near
-        coarse_q, coarse_k = self.coarse_levels(q0, k0)
-        qs, ks = [q0] + coarse_q, [k0] + coarse_k
+        # the levels' inputs, whose latest elements the decoding state keeps (_decode_state)
+        inputs = ([], []) if use_cache and _kernel_decodes(query, w, dropout) else (None, None)
+        qs = [q0] + self.coarse_heads(q0, "q", inputs[0])
+        ks = [k0] + self.coarse_heads(k0, "k", inputs[1])
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
                                 windows=self.windows, softcap=softcap)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
             self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0,
-                                                   None if layout is None else real)
+                                                   None if layout is None else real, inputs)
         if shifted:  # back to the model's layout
             out = _take(out, _shift_index(-pad, T) if layout is None else _placed_index(real))
         if real is not None:  # padding rows give zeros
             out = out.masked_fill(~real[:, None, :, None], 0.0)
         return out
 
-    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0, holes=None) -> HeadLevelCache:
+    def _decode_state(self, query, key, w, dropout, pad, count, qs, ks, v0, holes=None, inputs=(None, None)
+                      ) -> HeadLevelCache:
         """What a prefill of T positions keeps for the decoding steps that follow:
         the latest queries the next blocks are downsampled from (each row's
         latest tokens'), and the coarse
@@ -187,20 +195,27 @@ class HKTLevels(CachedDecoding, Levels):
         from ``ks`` and ``v0``, each row's tokens first), else every query so
         far and no store: such a step recomputes the windowed op over the whole
         sequence.  ``holes`` (B, T): which positions are tokens where some
-        row's are not one run (the steps lay the rows out from it), else None."""
+        row's are not one run (the steps lay the rows out from it), else None.
+        Where the steps run the decoding kernels, ``inputs`` (each stream's
+        levels before their projections, from coarse_heads) give the state's
+        ``tails``: its one-token steps then make only the blocks they begin."""
         T = query.shape[2]
         n = self.tail_length()
         # in the layout's order: a row's latest tokens are not its latest positions when it has holes
         tail = query[:, :, -n:] if holes is None else _take(qs[0], _shift_index(count - n, n))
+        last_key = key[:, :, -1].detach()
         if self.windows is None:
-            return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, LevelStore([None] + ks[1:], []), real=holes)
-        if not _kernel_decodes(query, w, dropout):
-            return HeadLevelCache(T, pad, key[:, :, -1].detach(), query, None, real=holes)
-        with torch.no_grad():  # qs: each row's last token's block at each level
-            last = ((count - 1).clamp(min=0)[:, None] >> torch.arange(1, self.levels, device=count.device))
-            q_blocks = [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
-            store = LevelStore.filled(self.windows, ks, v0, count)
-        return HeadLevelCache(T, pad, key[:, :, -1].detach(), tail, store, q_blocks, real=holes)
+            store = LevelStore([None] + ks[1:], [])
+            if inputs[0] is None or self.levels == 1:
+                return HeadLevelCache(T, pad, last_key, tail, store, real=holes)
+        elif not _kernel_decodes(query, w, dropout):
+            return HeadLevelCache(T, pad, last_key, query, None, real=holes)
+        with torch.no_grad():
+            if self.windows is not None:
+                store = LevelStore.filled(self.windows, ks, v0, count)
+            tails = BlockTails.of_levels(inputs[0], inputs[1], count, self.downsample_kernel)
+            return HeadLevelCache(T, pad, last_key, tail, store, _latest_blocks(qs, count), holes, tails,
+                                  _latest_blocks(ks, count))
 
     def tail_length(self) -> int:
         """How many of the latest full-resolution queries a decoding step can need
@@ -223,3 +238,11 @@ def prefill_documents(levels: HKTLevels, query, key, value, w, real, docs, scali
     out = levels.prefill(q, k, v, w, None if bool(tokens.all()) else tokens, scaling, dropout, False, causal, window,
                          softcap)
     return out[row, :, slot].permute(0, 2, 1, 3)
+
+
+def _latest_blocks(qs, count: Tensor):
+    """Each row's last token's block at each level l >= 1 (B, H, 1, D), of
+    ``qs`` (every level's queries, each row's tokens first; row b's first
+    ``count[b]`` positions its tokens)."""
+    last = (count - 1).clamp(min=0)[:, None] >> torch.arange(1, len(qs), device=count.device)
+    return [_take(x, last[:, l - 1:l]) for l, x in enumerate(qs[1:], 1)]
