@@ -292,7 +292,9 @@ def _checked_sliding_window(sliding_window) -> Optional[int]:
     if sliding_window is None:
         return None
     if not isinstance(sliding_window, numbers.Integral) or isinstance(sliding_window, bool):
-        raise TypeError(f"sliding_window: expected None or an int >= 1, got {type(sliding_window).__name__}")
+        t = type(sliding_window)  # named as the extension names it: torch.Tensor, numpy.float64, float
+        name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+        raise TypeError(f"sliding_window: expected None or an int >= 1, got {name}")
     if int(sliding_window) < 1:
         raise ValueError(f"sliding_window: must be an int >= 1 (or None for no band), got {int(sliding_window)!r}")
     return int(sliding_window)
