@@ -90,6 +90,13 @@ typedef struct {
     int64_t mask_stride[4];
 
     int causal;                /* key j visible to query i only if j <= i */
+    /* > 0: the sliding-window band of width W = sliding_window: key j visible
+     * to query i only if i - j < W (and, without causal, j - i < W), on top
+     * of causal and the masks, for the combined score of every level.  i and
+     * j are level-0 positions both counted from 0, as causal counts them when
+     * T != S.  Key tiles outside the band are skipped, so the work grows as
+     * T * W.  0: no band.  At most 2^60 (the binding's count limit). */
+    int64_t sliding_window;
     double scale;
     double dropout_p;          /* 0 disables dropout */
     uint64_t seed;
@@ -296,7 +303,8 @@ int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen);
  *   lse: H * T_total reals, sequence s's (H, T_s) block contiguous at H * cu_q[s];
  *   workspace: hkt_varlen_workspace_bytes(vp, backward) bytes from the caller.
  * Causal masking is per sequence (key j visible to query i when j <= i, both
- * counted from the sequence's start). */
+ * counted from the sequence's start).  No sliding-window band: the binding
+ * refuses sliding_window for packed calls, and p.sliding_window must be 0. */
 typedef struct {
     hkt_params p;
     int64_t nseq;
@@ -319,6 +327,7 @@ void hkt_backward_varlen_cpu(const hkt_varlen_params *vp);
  *   k_cache[l] (B, H_kv, >= ceil(S_max/2^l), D)    v_cache (B, H_kv, S_max, Dv)
  *   score[i, j] = scale * sum_l w[l] * <q[l][i], k_cache[l][j >> l]>,  j <= t_i
  *   out[i] = softmax(score[i, 0..t_i]) @ v_cache[0..t_i]       (B, H, Tn, Dv)
+ *   (with sliding_window W > 0: over j in max(0, t_i - W + 1) .. t_i only)
  *
  * Query head h reads kv head h / (H / H_kv).  With v_new not NULL, first
  * k_new[l] (B, H_kv, Tn, D) and v_new (B, H_kv, Tn, Dv) are written into the
@@ -348,6 +357,9 @@ typedef struct {
     const int64_t *seqlens;    /* B entries: positions in the cache before this call */
     double scale;
     double softcap;            /* > 0: scores capped as in hkt_params; 0: no cap */
+    /* > 0: row i reads only keys t_i - W + 1 .. t_i (W = sliding_window, the
+     * band of hkt_params); 0: every key 0 .. t_i */
+    int64_t sliding_window;
     void *out;
     int64_t out_stride[3];
     void *workspace;           /* hkt_decode_workspace_bytes(p) bytes, any alignment */

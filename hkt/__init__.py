@@ -1,12 +1,13 @@
 """hkt: Hierarchical Kernel Transformer attention for PyTorch.
 
     hkt.hkt_attention(q, k, v, w, *, attn_mask=None, is_causal=False, dropout_p=0.0, scale=None, backend=None,
-                      windows=None, softcap=None)
+                      windows=None, softcap=None, sliding_window=None)
                                              (k, v may have fewer heads than q: grouped-query attention;
-                                             windows: a window per level; softcap: scores capped to c tanh(s / c))
+                                             windows: a window per level; softcap: scores capped to c tanh(s / c);
+                                             sliding_window: key j seen from query i only when i - j < W)
     hkt.hkt_attention_varlen(q, k, v, w, cu_seqlens_q, cu_seqlens_k, ...)   packed variable-length batches
     hkt.hkt_attention_with_kvcache(q, k_cache, v_cache, w, cache_seqlens, k=None, v=None, *, scale=None,
-                                   softcap=None)   decoding with a KV cache
+                                   softcap=None, sliding_window=None)   decoding with a KV cache
     hkt.MultiheadHKT(embed_dim, num_heads, ..., levels=3, downsample_kernel=2, num_kv_heads=None,
                      pack_padding=False)   drop-in nn.MultiheadAttention; .init_cache / .decode for generation
     hkt.swap_attention(model, levels=3)      replace every nn.MultiheadAttention in a model

@@ -8,10 +8,10 @@ from ._core import kernels as _kernels
 from .ops import sdpa as _sdpa
 from . import ops
 from ._core.checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
-from ._core.checks import _check_inputs, _kernel_mask, _real, check_call
+from ._core.checks import _check_inputs, _kernel_mask, _real, check_call, check_windows
 from ._core.guards import _autocast_inputs, _call_mode, _unwrap_dead
 from .ops._eager import flat_apply
-from .ops._schema import schema_softcap
+from .ops._schema import schema_sliding_window, schema_softcap
 from .ops.window import windowed_attention
 from .ops.attention import AttentionFunction, QKVAttentionFunction, dropout_seed, eager_seed, op_scale
 
@@ -68,6 +68,7 @@ def hkt_attention(
     backend: Optional[str] = None,
     windows: Optional[Sequence[Optional[int]]] = None,
     softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ) -> Tensor:
     r"""Hierarchical Kernel Transformer attention.
 
@@ -116,6 +117,16 @@ def hkt_attention(
             through it.  The CPU kernels compute it (bfloat16 in float32);
             ``backend="sdpa"`` (so also under torch.func transforms), the CUDA
             kernels and ``windows`` raise ``NotImplementedError`` naming it.
+        sliding_window: None for none, else an int W >= 1: key j is visible
+            to query i only when i - j < W (and, without ``is_causal``, also
+            j - i < W), for the combined score of every level, on top of
+            ``is_causal`` and ``attn_mask`` (docs/contract.md section 1.13;
+            ``is_causal=True`` with W is transformers' sliding-window
+            layer).  The CPU kernels skip the key tiles outside the band, so
+            time grows as T * W; ``backend="sdpa"`` applies it as a bool
+            mask; the CUDA kernels raise ``NotImplementedError`` naming it,
+            and so does ``windows`` with a window on any level.  A bad W (0,
+            negative, not an int, a bool) raises naming ``sliding_window``.
 
     Returns:
         (B, H, T, Dv), laid out in memory like ``q[0]`` when Dv = D and
@@ -170,6 +181,11 @@ def hkt_attention(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected None, 'auto', 'kernels' or 'sdpa', got {backend!r}")
+    if windows is not None and sliding_window is not None and isinstance(q, (list, tuple)):
+        if check_windows(windows, len(q)) is not None:
+            raise NotImplementedError("sliding_window: not taken together with windows (the windowed kernels have "
+                                      "no band); pass one of sliding_window and windows")
+        windows = None  # no level has a window: the dense kernels, with the band
     if windows is not None and isinstance(q, (list, tuple)):  # a window per level (contract 1.11): its own kernels
         if torch._C._is_any_autocast_enabled():
             q, k, v, w = _autocast_inputs(q, k, v, w)
@@ -181,8 +197,8 @@ def hkt_attention(
             q, k, v, w = _autocast_inputs(q, k, v, w)
         way = _pick_backend(backend, q, dropout_p, softcap)
         if way == "sdpa":
-            return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
-        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, way == "op", softcap)
+            return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap, sliding_window)
+        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, way == "op", softcap, sliding_window)
     except (RuntimeError, BufferError):
         # not a check: a dead torch.func wrapper (a tensor kept from inside a
         # finished transform) fails in DLPack, before any kernel ran; the call
@@ -191,10 +207,10 @@ def hkt_attention(
         if dead is None:
             raise
         return hkt_attention(*dead[:4], attn_mask=dead[4], is_causal=is_causal, dropout_p=dropout_p, scale=scale,
-                             backend=backend, softcap=softcap)
+                             backend=backend, softcap=softcap, sliding_window=sliding_window)
 
 
-def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, softcap=None):
+def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, softcap=None, sliding_window=None):
     """The call on the kernels: torch's rules here (hkt._core.checks: types,
     devices, bfloat16 upcast before the extension sees it, so a mix must be
     refused first; the scalars' types), the rest (shapes, strides,
@@ -212,31 +228,35 @@ def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, so
         # torch.compile or torch.jit.trace: the registered custom op, which they
         # record; meta tensors (shapes only) take its fake kernel
         if q0.is_meta:  # no kernel runs on them: the extension's checks, asked without running it
-            _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
+            _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap, sliding_window)
         # without dropout the seed is never read: a tensor on q's device keeps the
         # traced graph free of CPU work (CUDA graph partitions)
         seed = dropout_seed(dropout_p, q0.device)
         out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
-                                       op_scale(scale, q0), seed, schema_softcap(softcap))
+                                       op_scale(scale, q0), seed, schema_softcap(softcap),
+                                       schema_sliding_window(sliding_window))
         return out
     # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
     seed = eager_seed(dropout_p) if dropout_p > 0 else 0
     if grad_mode and (grad or (attn_mask is not None and attn_mask.requires_grad)):
         # the op's registered autograd, without the dispatcher (ops/attention.py)
-        return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap)
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, want_lse=False,
-                             softcap=softcap)[0]
+        return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap,
+                          sliding_window)
+    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap, sliding_window,
+                             want_lse=False)[0]
 
 
-def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None):
+def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None, sliding_window=None):
     """backend="sdpa" (hkt.ops.sdpa): every argument checked in Python first, as
     the extension would for the kernels, then plain differentiable torch ops."""
     attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
-                                             dropout_allowed=False, softcap=softcap)
+                                             dropout_allowed=False, softcap=softcap,
+                                             sliding_window=sliding_window)
     if schema_softcap(softcap):  # checked by the extension: None, 0.0 or a cap
         raise NotImplementedError("softcap: the 'sdpa' backend (which torch.func transforms run) takes no cap "
                                   "(SDPA has no score modifier); use backend='kernels', outside torch.func")
-    return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale)
+    return _sdpa.sdpa_attention(q, k, v, w, attn_mask, is_causal, scale,
+                                schema_sliding_window(sliding_window) or None)
 
 
 def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor,

@@ -16,7 +16,7 @@ from ._core import kernels as _kernels
 from ._core.checks import _check_tensor
 from ._core.guards import _autocast_inputs, _refuse_meta, _refuse_trace
 from .ops import decode as decode_op
-from .ops._schema import schema_scale, schema_softcap
+from .ops._schema import schema_scale, schema_sliding_window, schema_softcap
 
 __all__ = ["hkt_attention_with_kvcache"]
 
@@ -40,6 +40,7 @@ def hkt_attention_with_kvcache(
     *,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ) -> Tensor:
     r"""HKT attention of Tn new positions against a key/value cache (causal
     decoding), in the style of FlashAttention's ``flash_attn_with_kvcache``.
@@ -78,6 +79,10 @@ def hkt_attention_with_kvcache(
         softcap: None (or 0.0) for none, else c > 0: each score s becomes
             c * tanh(s / c), as in :func:`hkt.hkt_attention`
             (docs/contract.md section 1.12).
+        sliding_window: None for none, else an int W >= 1: position t_i
+            sees only the keys ``t_i - W < j <= t_i`` (the band of
+            :func:`hkt.hkt_attention`, docs/contract.md section 1.13); the
+            kernel reads nothing before the band.
 
     Returns:
         (B, H, Tn, Dv), in q's dtype.  Slots of the caches after position
@@ -114,7 +119,7 @@ def hkt_attention_with_kvcache(
         ceil(S_max / 2^l) slots, a negative ``cache_seqlens``, H not divisible
         by H_kv, only one of k and v, overlapping written caches, a
         non-finite scale, a softcap that is not None, 0.0 or a finite
-        positive number.
+        positive number, a sliding_window that is not None or an int >= 1.
 
     Under ``torch.autocast`` the other inputs are cast to the caches' dtype,
     in which the kernel computes.
@@ -130,21 +135,21 @@ def hkt_attention_with_kvcache(
     # torch's rules, which the extension cannot name (the rest are its own)
     _check_decode_inputs(q, k_cache, v_cache, w, k, v)
     if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
-        return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap)
+        return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap, sliding_window)
     _refuse_meta(q[0], "decoding")
-    return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap)
+    return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap, sliding_window)
 
 
-def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap=None) -> Tensor:
+def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap=None, sliding_window=None) -> Tensor:
     """The call as hkt::decode (read only) or hkt::decode_append (k and v written
     into the caches first) take it: cache_seqlens as a tensor, or None beside
     an int."""
     lens = (cache_seqlens, 0) if isinstance(cache_seqlens, Tensor) else (None, cache_seqlens)
     if k is None and v is None:
         return decode_op.decode(list(q), list(k_cache), v_cache, w, *lens, schema_scale(scale),
-                                schema_softcap(softcap))
+                                schema_softcap(softcap), schema_sliding_window(sliding_window))
     return decode_op.decode_append(list(q), list(k_cache), v_cache, w, *lens, list(k), v, schema_scale(scale),
-                                   schema_softcap(softcap))
+                                   schema_softcap(softcap), schema_sliding_window(sliding_window))
 
 
 def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["hkt_attention_reference", "attention_probs", "masked_probs", "combined_scores", "level_terms",
-           "upsample_level", "repeat_kv", "check_windows", "window_seen", "windowed_scores"]
+           "upsample_level", "repeat_kv", "check_windows", "window_seen", "windowed_scores", "band_seen"]
 
 # the most levels a call may have (docs/contract.md section 1; the kernels'
 # per-level arrays are sized for it)
@@ -228,6 +228,7 @@ def hkt_attention_reference(
     return_probs: bool = False,
     windows: Optional[Sequence[Optional[int]]] = None,
     softcap: Optional[float] = None,
+    sliding_window: Optional[int] = None,
 ):
     """HKT attention exactly as docs/contract.md section 1 defines it.
 
@@ -243,9 +244,13 @@ def hkt_attention_reference(
     ``softcap``: None (or 0.0) for none, else c > 0: the combined score s
     becomes c * tanh(s / c) before the mask is applied (docs/contract.md
     section 1.12).
+    ``sliding_window``: None for none, else an int W >= 1: key j is visible
+    to query i only when i - j < W (and, without ``is_causal``, j - i < W),
+    for the combined score (docs/contract.md section 1.13).
     """
     dropout_p, scale = _checked(q, k, v, w, attn_mask, is_causal, dropout_p, scale)
     softcap = _checked_softcap(softcap)
+    sliding_window = _checked_sliding_window(sliding_window)
     windows = check_windows(windows, len(q))
     if windows is None:
         score, seen = combined_scores(list(q), list(k), w, scale), None
@@ -253,6 +258,9 @@ def hkt_attention_reference(
         score, seen = windowed_scores(q, k, w, windows, scale)
     if softcap is not None:
         score = softcap * torch.tanh(score / softcap)
+    if sliding_window is not None:
+        band = band_seen(sliding_window, is_causal, score.shape[-2], score.shape[-1], score.device)
+        seen = band if seen is None else seen & band
     P = probs_of_scores(score, seen, attn_mask, is_causal)
     Pd = P
     if dropout_p > 0:
@@ -268,6 +276,28 @@ def hkt_attention_reference(
 
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def band_seen(sliding_window: int, is_causal: bool, T: int, S: int, device=None) -> Tensor:
+    """The sliding-window band (T, S): True where i - j < W and, without
+    causality, j - i < W (i, j counted from 0, as causality counts them)."""
+    d = torch.arange(T, device=device).unsqueeze(1) - torch.arange(S, device=device).unsqueeze(0)
+    seen = d < sliding_window
+    return seen if is_causal else seen & (-d < sliding_window)
+
+
+def _checked_sliding_window(sliding_window) -> Optional[int]:
+    """``sliding_window`` as an int, or None for no band; anything else must
+    be an integer >= 1 that is not a bool (nor a tensor)."""
+    if sliding_window is None:
+        return None
+    if not isinstance(sliding_window, numbers.Integral) or isinstance(sliding_window, bool):
+        t = type(sliding_window)  # named as the extension names it: torch.Tensor, numpy.float64, float
+        name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+        raise TypeError(f"sliding_window: expected None or an int >= 1, got {name}")
+    if int(sliding_window) < 1:
+        raise ValueError(f"sliding_window: must be an int >= 1 (or None for no band), got {int(sliding_window)!r}")
+    return int(sliding_window)
 
 
 def _checked_softcap(softcap) -> Optional[float]:

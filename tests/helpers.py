@@ -30,6 +30,25 @@ def sample_inputs(B, H, T, S, D, Dv, L, *, dtype=torch.float64, per_head=True, r
 MASKS = [None, "bool", "float", "bool4d"]
 
 
+def grad_leaves(q, k, v, w, mask=None):
+    """q, k, v, w (and a float mask) as fresh leaves that require grad."""
+    xs = [x.detach().requires_grad_(True) for x in (*q, *k, v, w)]
+    L = len(q)
+    m = mask
+    if mask is not None and mask.is_floating_point():
+        m = mask.detach().requires_grad_(True)
+    return xs[:L], xs[L:2 * L], xs[2 * L], xs[2 * L + 1], m
+
+
+def outputs_and_grads(fn, q, k, v, w, mask, **kw):
+    """fn's output and its gradients in q, k, v, w (and a mask that requires
+    grad) for one fixed random output gradient."""
+    out = fn(q, k, v, w, attn_mask=mask, **kw)
+    wrt = [*q, *k, v, w] + ([mask] if mask is not None and mask.requires_grad else [])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(out.dtype)
+    return out, torch.autograd.grad(out, wrt, g)
+
+
 def make_mask(kind, B, H, T, S, dtype, seed=1):
     g = torch.Generator().manual_seed(seed)
     if kind is None:

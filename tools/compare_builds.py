@@ -246,6 +246,24 @@ class NoCapBuild:
         return 0.0
 
 
+class NoBandBuild:
+    """A build from before the sliding-window band: its check_forward takes no
+    sliding_window; calls without a band pass."""
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    def __getattr__(self, name):
+        return getattr(self.mod, name)
+
+    def check_forward(self, *args, **kw):
+        args, band = list(args), kw.pop("sliding_window", None)
+        if len(args) > 11:
+            band = args.pop(11)
+        assert band is None, "a build without the band"
+        return self.mod.check_forward(*args, **kw)
+
+
 def through(mod, fn):
     """fn() with the Python layer calling mod (hkt._core.kernels' extension)."""
     kernels._C = mod
@@ -301,6 +319,7 @@ def bitwise(x, y):
 def windowed_calls(old, new, calls, same):
     """The windowed kernels through the Python layer, 2 threads: (calls, same) updated."""
     capped = hasattr(old, "window_softcap")
+    old = old if hasattr(old, "sliding_window") else NoBandBuild(old)
     old = old if capped else NoCapBuild(old)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -87,6 +87,18 @@ int parse_scale(PyObject *scale, int64_t D, double *out) {
     return 0;
 }
 
+/* Whether obj is an instance of numbers.<abc> (1 or 0; -1 with the exception
+ * set): the rare case, a NumPy scalar say, asked only after the plain types. */
+static int is_number(PyObject *obj, const char *abc) {
+    PyObject *numbers = PyImport_ImportModule("numbers");
+    PyObject *cls = numbers ? PyObject_GetAttrString(numbers, abc) : NULL;
+    Py_XDECREF(numbers);
+    if (!cls) return -1;
+    const int yes = PyObject_IsInstance(obj, cls);
+    Py_DECREF(cls);
+    return yes;
+}
+
 /* softcap (docs/contract.md section 1.12): NULL (not given), None or 0.0 for
  * none (*out = 0), else a finite positive real number that is not a bool: a
  * float, an int or any numbers.Real (a NumPy scalar).  The messages are
@@ -96,15 +108,7 @@ int parse_softcap(PyObject *obj, double *out) {
     *out = 0;
     if (obj == NULL || obj == Py_None) return 0;
     int real = !PyBool_Check(obj) && (PyFloat_Check(obj) || PyLong_Check(obj));
-    if (!real && !PyBool_Check(obj)) { /* the rare case: numbers.Real asked only here */
-        PyObject *numbers = PyImport_ImportModule("numbers");
-        PyObject *Real = numbers ? PyObject_GetAttrString(numbers, "Real") : NULL;
-        Py_XDECREF(numbers);
-        if (!Real) return -1;
-        real = PyObject_IsInstance(obj, Real);
-        Py_DECREF(Real);
-        if (real < 0) return -1;
-    }
+    if (!real && !PyBool_Check(obj) && (real = is_number(obj, "Real")) < 0) return -1;
     if (!real) {
         char tn[128];
         PyErr_Format(PyExc_TypeError, "softcap: expected None or a real number, got %.100s",
@@ -132,6 +136,49 @@ int parse_softcap(PyObject *obj, double *out) {
     Py_DECREF(f);
     *out = c;
     return 0;
+}
+
+/* sliding_window (docs/contract.md section 1.13): NULL (not given) or None for
+ * no band (*out = 0), else an integer W >= 1 that is not a bool: an int or any
+ * numbers.Integral (a NumPy integer), not a tensor.  A W past 2^60 is kept at
+ * 2^60, which no count of ours reaches (the same band), so the kernels' i + W
+ * cannot overflow. */
+int parse_sliding_window(PyObject *obj, int64_t *out) {
+    *out = 0;
+    if (obj == NULL || obj == Py_None) return 0;
+    int integral = !PyBool_Check(obj) && PyLong_Check(obj);
+    if (!integral && !PyBool_Check(obj) && (integral = is_number(obj, "Integral")) < 0) return -1;
+    if (!integral) {
+        char tn[128];
+        PyErr_Format(PyExc_TypeError, "sliding_window: expected None or an int >= 1, got %.100s",
+                     type_name(obj, tn, sizeof tn));
+        return -1;
+    }
+    PyObject *n = PyNumber_Index(obj);
+    if (!n) return -1;
+    int overflow = 0;
+    const long long W = PyLong_AsLongLongAndOverflow(n, &overflow);
+    if (W == -1 && PyErr_Occurred()) {
+        Py_DECREF(n);
+        return -1;
+    }
+    if (overflow < 0 || (!overflow && W < 1)) {
+        PyErr_Format(PyExc_ValueError, "sliding_window: must be an int >= 1 (or None for no band), got %R", n);
+        Py_DECREF(n);
+        return -1;
+    }
+    Py_DECREF(n);
+    *out = overflow > 0 || W > HKT_MAX_COUNT ? HKT_MAX_COUNT : (int64_t)W;
+    return 0;
+}
+
+/* The CUDA kernels take no sliding-window band yet: refused by name rather
+ * than run without it. */
+int check_band_kernels(int64_t sliding_window, int on_cuda) {
+    if (sliding_window == 0 || !on_cuda) return 0;
+    PyErr_SetString(PyExc_NotImplementedError, "sliding_window: the CUDA kernels do not take a sliding-window band "
+                    "yet; move the tensors to the CPU, or use backend='sdpa' (the band as a mask)");
+    return -1;
 }
 
 /* The kernels that do not take a soft cap yet, refused by name rather than run

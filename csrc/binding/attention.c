@@ -43,8 +43,8 @@ static int take_levels(hkt_params *p, held *hd, PyObject *qt, PyObject *kt, cons
 static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyObject *v,
                        PyObject *w, PyObject *out, PyObject *lse, PyObject *mask,
                        int causal, PyObject *scale, double dropout_p, unsigned long long seed,
-                       PyObject *softcap, PyObject *num_threads, int output, const DLTensor **q0_out,
-                       const DLTensor **mask_out) {
+                       PyObject *softcap, PyObject *sliding_window, PyObject *num_threads, int output,
+                       const DLTensor **q0_out, const DLTensor **mask_out) {
     PyObject *qt = NULL, *kt = NULL;
     int rc = -1;
     memset(p, 0, sizeof *p);
@@ -127,7 +127,8 @@ static int fill_common(hkt_params *p, held *hd, PyObject *qs, PyObject *ks, PyOb
     p->causal = causal;
     if (parse_scale(scale, p->D, &p->scale) || check_dropout(dropout_p) || parse_softcap(softcap, &p->softcap) ||
         check_softcap_kernels(p->softcap, q0_on_cuda(q0), p->dtype == HKT_BFLOAT16) ||
-        parse_threads(num_threads, &p->num_threads))
+        parse_sliding_window(sliding_window, &p->sliding_window) ||
+        check_band_kernels(p->sliding_window, q0_on_cuda(q0)) || parse_threads(num_threads, &p->num_threads))
         goto done;
     p->dropout_p = dropout_p;
     p->seed = (uint64_t)seed;
@@ -199,7 +200,7 @@ static int run_kernel(hkt_params *p, int backward, const DLTensor *q0) {
 PyDoc_STRVAR(forward_doc,
 "forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
 "        dropout_p=0.0, seed=0, num_threads=0, stream=None, key_cache_bytes=-1,\n"
-"        softcap=None)\n--\n\n"
+"        softcap=None, sliding_window=None)\n--\n\n"
 "HKT attention forward.  q, k: sequences of L arrays (B, H, ceil(T/2^l), D) and\n"
 "(B, H_kv, ceil(S/2^l), D); v (B, H_kv, S, Dv), H_kv dividing H (query head h\n"
 "reads kv head h / (H / H_kv)); w (L,) or (H, L).  Writes out\n"
@@ -218,7 +219,9 @@ PyDoc_STRVAR(forward_doc,
 "keys are transposed tile by tile and strided values read where they lie.\n"
 "softcap: None or 0.0 for none, else c > 0: each combined score s becomes\n"
 "c tanh(s / c) before the mask (float32 and float64; bfloat16 and CUDA\n"
-"arrays refuse it).\n\n"
+"arrays refuse it).  sliding_window: None for none, else an int W >= 1: key j\n"
+"is visible to query i only when i - j < W (and, without is_causal, j - i < W),\n"
+"key tiles outside the band skipped (CUDA arrays refuse it).\n\n"
 "CUDA arrays: the kernels are queued on stream, a cudaStream_t as an int\n"
 "(torch.cuda.current_stream().cuda_stream; None or 0: the legacy default\n"
 "stream), and the call returns without waiting for them.  Arrays passed as\n"
@@ -231,17 +234,18 @@ PyDoc_STRVAR(forward_doc,
 
 static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal",
-                             "scale", "dropout_p", "seed", "num_threads", "stream", "key_cache_bytes", "softcap", NULL};
+                             "scale", "dropout_p", "seed", "num_threads", "stream", "key_cache_bytes", "softcap",
+                             "sliding_window", NULL};
     PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *nthreads = NULL;
-    PyObject *stream = Py_None, *softcap = NULL;
+    PyObject *stream = Py_None, *softcap = NULL, *sliding_window = NULL;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     long long key_cache_bytes = -1;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOOLO:forward", kwlist, &qs, &ks, &v, &w,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdKOOLOO:forward", kwlist, &qs, &ks, &v, &w,
                                      &out, &lse, &mask, &causal, &scale, &dropout_p, &seed, &nthreads,
-                                     &stream, &key_cache_bytes, &softcap))
+                                     &stream, &key_cache_bytes, &softcap, &sliding_window))
         return NULL;
     held hd;
     held_start(&hd);
@@ -250,7 +254,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
     void *stream_handle;
     if (parse_stream(stream, &hd, &stream_handle)) return NULL;
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed, softcap,
-                         nthreads, 1, &q0, &mt);
+                         sliding_window, nthreads, 1, &q0, &mt);
     p.stream = stream_handle;
     p.key_cache_bytes = key_cache_bytes;
     if (rc == 0 && p.dtype == HKT_BFLOAT16 && q0_on_cuda(q0)) rc = check_cuda_tc(&p, 0);
@@ -263,7 +267,7 @@ static PyObject *py_forward(PyObject *self, PyObject *args, PyObject *kw) {
 
 PyDoc_STRVAR(check_forward_doc,
 "check_forward(q, k, v, w, out, lse, attn_mask=None, is_causal=False, scale=None,\n"
-"              dropout_p=0.0, softcap=None)\n--\n\n"
+"              dropout_p=0.0, softcap=None, sliding_window=None)\n--\n\n"
 "forward's checks of its arguments, without the kernels: raises what forward\n"
 "would (naming the argument), else returns None.  Each array is passed as a\n"
 "(shape, dtype code, bits) tuple (DLPack's codes: 2 float, 6 bool) and\n"
@@ -272,13 +276,14 @@ PyDoc_STRVAR(check_forward_doc,
 
 static PyObject *py_check_forward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k", "v", "w", "out", "lse", "attn_mask", "is_causal", "scale", "dropout_p",
-                             "softcap", NULL};
+                             "softcap", "sliding_window", NULL};
     PyObject *qs, *ks, *v, *w, *out, *lse, *mask = Py_None, *scale = Py_None, *softcap = NULL;
+    PyObject *sliding_window = NULL;
     int causal = 0;
     double dropout_p = 0.0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdO:check_forward", kwlist, &qs, &ks, &v, &w, &out,
-                                     &lse, &mask, &causal, &scale, &dropout_p, &softcap))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OpOdOO:check_forward", kwlist, &qs, &ks, &v, &w, &out,
+                                     &lse, &mask, &causal, &scale, &dropout_p, &softcap, &sliding_window))
         return NULL;
     described *d = malloc(sizeof *d); /* 20 KiB: not on the caller's stack */
     if (!d) return PyErr_NoMemory();
@@ -288,8 +293,8 @@ static PyObject *py_check_forward(PyObject *self, PyObject *args, PyObject *kw) 
     hd.desc = d;
     hkt_params p;
     const DLTensor *q0, *mt;
-    const int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, 0, softcap, NULL, 1,
-                               &q0, &mt);
+    const int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, 0, softcap,
+                               sliding_window, NULL, 1, &q0, &mt);
     release_all(&hd);
     free(d);
     if (rc) return NULL;
@@ -352,7 +357,8 @@ static int take_scratch(hkt_params *p, held *hd, PyObject *scratch, const DLTens
 PyDoc_STRVAR(backward_doc,
 "backward(dout, q, k, v, w, out, lse, dq, dk, dv, dw, attn_mask=None,\n"
 "         is_causal=False, scale=None, dropout_p=0.0, seed=0, num_threads=0,\n"
-"         dmask=None, stream=None, scratch=None, softcap=None)\n--\n\n"
+"         dmask=None, stream=None, scratch=None, softcap=None,\n"
+"         sliding_window=None)\n--\n\n"
 "HKT attention backward.  Takes forward's inputs, out and lse, and the output\n"
 "gradient dout (B, H, T, Dv); overwrites dq[l], dk[l] (like q[l], k[l]), dv\n"
 "(like v) and dw (like w, C-contiguous), with unit stride along features and\n"
@@ -360,7 +366,7 @@ PyDoc_STRVAR(backward_doc,
 "as heads side by side in one buffer do, are fine).  With a float attn_mask,\n"
 "dmask (shaped like it) receives the mask's gradient, summed over its\n"
 "broadcast dimensions.  dropout_p and seed must be\n"
-"the forward's, and so must softcap.\n\n"
+"the forward's, and so must softcap and sliding_window.\n\n"
 "bfloat16 q, k, v, dout and out (CPU, where cpu_has_bf16(), D and Dv even) run\n"
 "natively, with lse, w, a float mask, dw and dmask float32, and dq, dk and dv\n"
 "either all float32 or all bfloat16 (summed in float32 in memory the call\n"
@@ -373,18 +379,18 @@ PyDoc_STRVAR(backward_doc,
 static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"dout", "q", "k", "v", "w", "out", "lse", "dq", "dk", "dv", "dw",
                              "attn_mask", "is_causal", "scale", "dropout_p", "seed",
-                             "num_threads", "dmask", "stream", "scratch", "softcap", NULL};
+                             "num_threads", "dmask", "stream", "scratch", "softcap", "sliding_window", NULL};
     PyObject *dout, *qs, *ks, *v, *w, *out, *lse, *dq, *dk, *dv, *dw;
     PyObject *mask = Py_None, *scale = Py_None, *nthreads = NULL, *dmask = Py_None;
-    PyObject *stream = Py_None, *scratch = Py_None, *softcap = NULL;
+    PyObject *stream = Py_None, *scratch = Py_None, *softcap = NULL, *sliding_window = NULL;
     int causal = 0;
     double dropout_p = 0.0;
     unsigned long long seed = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOOO:backward", kwlist, &dout, &qs,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOOOOOO|OpOdKOOOOOO:backward", kwlist, &dout, &qs,
                                      &ks, &v, &w, &out, &lse, &dq, &dk, &dv, &dw, &mask, &causal,
                                      &scale, &dropout_p, &seed, &nthreads, &dmask, &stream, &scratch,
-                                     &softcap))
+                                     &softcap, &sliding_window))
         return NULL;
     held hd;
     held_start(&hd);
@@ -393,7 +399,7 @@ static PyObject *py_backward(PyObject *self, PyObject *args, PyObject *kw) {
     void *stream_handle;
     if (parse_stream(stream, &hd, &stream_handle)) return NULL;
     int rc = fill_common(&p, &hd, qs, ks, v, w, out, lse, mask, causal, scale, dropout_p, seed, softcap,
-                         nthreads, 0, &q0, &mt);
+                         sliding_window, nthreads, 0, &q0, &mt);
     if (rc) goto done;
     p.stream = stream_handle;
     rc = -1;
@@ -477,7 +483,21 @@ done:
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(sliding_window_doc,
+"sliding_window(sliding_window)\n--\n\n"
+"sliding_window as forward, backward and decode take it: 0 for None, else\n"
+"the int W >= 1 (kept at 2^60 past it); raises what they would (TypeError,\n"
+"ValueError).  For the Python layer, whose ops carry it as an int.");
+
+static PyObject *py_sliding_window(PyObject *self, PyObject *obj) {
+    int64_t W;
+    (void)self;
+    if (parse_sliding_window(obj, &W)) return NULL;
+    return PyLong_FromLongLong((long long)W);
+}
+
 PyMethodDef binding_attention_methods[] = {
+    {"sliding_window", py_sliding_window, METH_O, sliding_window_doc},
     {"forward", (PyCFunction)(void (*)(void))py_forward, METH_VARARGS | METH_KEYWORDS, forward_doc},
     {"check_forward", (PyCFunction)(void (*)(void))py_check_forward, METH_VARARGS | METH_KEYWORDS,
      check_forward_doc},

@@ -159,6 +159,8 @@ int parse_scale(PyObject *scale, int64_t D, double *out);
 int check_dropout(double dropout_p);
 int parse_softcap(PyObject *softcap, double *out);
 int check_softcap_kernels(double softcap, int on_cuda, int native_bf16);
+int parse_sliding_window(PyObject *obj, int64_t *out);
+int check_band_kernels(int64_t sliding_window, int on_cuda);
 int parse_stream(PyObject *obj, held *hd, void **handle);
 void after_fork_in_child(void);
 int parse_threads(PyObject *obj, int *out);

@@ -179,7 +179,7 @@ static int take_decode_weights(hkt_decode_params *p, held *hd, PyObject *w, cons
 /* Checks every argument of decode and fills p; *seqlens is the caller's to free. */
 static int fill_decode(hkt_decode_params *p, held *hd, PyObject *qs, PyObject *kcs, PyObject *vc, PyObject *w,
                        PyObject *seqlens, PyObject *out, PyObject *ks, PyObject *v, PyObject *scale,
-                       PyObject *softcap, PyObject *nthreads, int64_t **lens) {
+                       PyObject *softcap, PyObject *sliding_window, PyObject *nthreads, int64_t **lens) {
     PyObject *qt = NULL, *kt = NULL;
     const DLTensor *k0 = NULL;
     int rc = -1;
@@ -216,7 +216,7 @@ static int fill_decode(hkt_decode_params *p, held *hd, PyObject *qs, PyObject *k
     p->out = (void *)ptr;
     note_span(hd, ot, "out", 1);
     if (parse_scale(scale, p->D, &p->scale) || parse_softcap(softcap, &p->softcap) ||
-        parse_threads(nthreads, &p->num_threads))
+        parse_sliding_window(sliding_window, &p->sliding_window) || parse_threads(nthreads, &p->num_threads))
         goto done;
     rc = 0;
 done:
@@ -227,7 +227,7 @@ done:
 
 PyDoc_STRVAR(decode_doc,
 "decode(q, k_cache, v_cache, w, cache_seqlens, out, k=None, v=None, scale=None,\n"
-"       num_threads=0, softcap=None)\n--\n\n"
+"       num_threads=0, softcap=None, sliding_window=None)\n--\n\n"
 "HKT attention of Tn new positions against a KV cache (CPU, forward only).\n"
 "q: L arrays (B, H, Tn, D), row i the level-l query of position\n"
 "t_i = cache_seqlens[b] + i; k_cache: L arrays (B, H_kv, >= ceil(S_max/2^l), D);\n"
@@ -238,22 +238,24 @@ PyDoc_STRVAR(decode_doc,
 "(B, H_kv, Tn, Dv), given together, are first written into the caches (level l\n"
 "slot t_i >> l, in order of i); the caches must then share memory with no\n"
 "other argument nor overlap themselves.  softcap: None or 0.0 for none, else\n"
-"c > 0: each score s becomes c tanh(s / c), as in forward.");
+"c > 0: each score s becomes c tanh(s / c), as in forward.  sliding_window:\n"
+"None for none, else an int W >= 1: row i sees keys t_i - W < j <= t_i only.");
 
 static PyObject *py_decode(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"q", "k_cache", "v_cache", "w", "cache_seqlens", "out", "k", "v", "scale",
-                             "num_threads", "softcap", NULL};
+                             "num_threads", "softcap", "sliding_window", NULL};
     PyObject *qs, *kcs, *vc, *w, *seqlens, *out, *ks = Py_None, *v = Py_None, *scale = Py_None, *nthreads = NULL;
-    PyObject *softcap = NULL;
+    PyObject *softcap = NULL, *sliding_window = NULL;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOOOO:decode", kwlist, &qs, &kcs, &vc, &w, &seqlens, &out,
-                                     &ks, &v, &scale, &nthreads, &softcap))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|OOOOOO:decode", kwlist, &qs, &kcs, &vc, &w, &seqlens, &out,
+                                     &ks, &v, &scale, &nthreads, &softcap, &sliding_window))
         return NULL;
     held hd;
     held_start(&hd);
     hkt_decode_params p;
     int64_t *lens = NULL;
-    int rc = fill_decode(&p, &hd, qs, kcs, vc, w, seqlens, out, ks, v, scale, softcap, nthreads, &lens);
+    int rc = fill_decode(&p, &hd, qs, kcs, vc, w, seqlens, out, ks, v, scale, softcap, sliding_window, nthreads,
+                         &lens);
     if (rc == 0) rc = check_overlaps(&hd);
     if (rc == 0) rc = check_caller_stack();
     char *mem = NULL;

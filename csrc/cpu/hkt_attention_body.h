@@ -190,7 +190,8 @@ static void fold_levels(const hkt_params *p, const ws_layout *ws, real *base, in
 
 /* The tile's scores (ws->scores) soft-capped where p asks for it (the cap's
  * derivative kept in ws->capgrad where the backward has one), then masked:
- * invisible entries become -inf, a float mask is added. */
+ * invisible entries (causality, the sliding-window band, a bool mask) become
+ * -inf, a float mask is added. */
 static void tile_masks(const hkt_params *p, const ws_layout *ws, real *base, int64_t b, int64_t h, int64_t i0,
                        int64_t i1, int64_t j0, int64_t j1) {
     const int64_t nq = i1 - i0, nk = j1 - j0;
@@ -217,6 +218,18 @@ static void tile_masks(const hkt_params *p, const ws_layout *ws, real *base, int
             for (int64_t c = i0 + r - j0 + 1 > 0 ? i0 + r - j0 + 1 : 0; c < nk; c++) srow[c] = -INFINITY;
         }
     }
+    const int64_t W = p->sliding_window;
+    if (W > 0 && (i1 - 1) - j0 >= W) /* the band's lower edge: key j <= i - W is hidden */
+        for (int64_t r = 0; r < nq; r++) {
+            const int64_t end = i0 + r - W + 1 - j0; /* columns before it are hidden */
+            real *srow = S + r * BK;
+            for (int64_t c = 0; c < (end < nk ? end : nk); c++) srow[c] = -INFINITY;
+        }
+    if (W > 0 && !p->causal && (j1 - 1) - i0 >= W) /* its upper edge: key j >= i + W is hidden */
+        for (int64_t r = 0; r < nq; r++) {
+            real *srow = S + r * BK;
+            for (int64_t c = i0 + r + W - j0 > 0 ? i0 + r + W - j0 : 0; c < nk; c++) srow[c] = -INFINITY;
+        }
     if (p->mask_kind == HKT_MASK_BOOL)
         for (int64_t r = 0; r < nq; r++) {
             real *srow = S + r * BK;
@@ -398,8 +411,8 @@ static void forward_task(const hkt_params *p, const ws_layout *ws, char *block, 
                       sp.r0 * p->q_stride[l][2], p->q_stride[l][2], base + ws->q_tile + ws->pack_off[l], p->D);
         }
     real *vpack = base + ws->values_packed;
-    const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
-    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+    const int64_t jend = key_end(p, i1);
+    for (int64_t j0 = first_key_tile(p, i0); j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         real *kt[HKT_MAX_LEVELS];
         int64_t ktld[HKT_MAX_LEVELS], col0[HKT_MAX_LEVELS];

@@ -311,11 +311,12 @@ static void backward_keys_range(const hkt_params *p, const ws_layout *ws, real *
         }
         for (int64_t h = h0; h < h1; h++) {
             for (int x = 0; x < n * p->L; x++) dwacc[x] = 0;
-            for (int64_t i0 = p->causal ? t0 * BK / BQ * BQ : 0; i0 < p->T; i0 += BQ) {
+            const int64_t iend = query_end(p, kj1[n - 1]);
+            for (int64_t i0 = first_query_tile(p, kj0[0]); i0 < iend; i0 += BQ) {
                 const int64_t i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
                 int packed = 0; /* the query tile's rows, as the first pair left them */
                 for (int s = 0; s < n; s++) {
-                    if (p->causal && i1 - 1 < kj0[s]) continue; /* the query tile ends before these keys */
+                    if (!pair_visible(p, i0, i1, kj0[s], kj1[s])) continue; /* causality or the band hide them */
                     backward_pair(p, &wk[s], base, b, h, i0, i1, kj0[s], kj1[s], kt[s], ktld[s], want | packed,
                                   dwacc + s * p->L);
                     packed = ROWS_PACKED;
@@ -385,13 +386,13 @@ static void backward_queries_range(const hkt_params *p, const ws_layout *ws, rea
     const real *kt[HKT_MAX_LEVELS];
     int64_t ktld[HKT_MAX_LEVELS];
     const int64_t iend = qt1 * BQ < p->T ? qt1 * BQ : p->T;
-    const int64_t jend = p->causal ? (iend < p->S ? iend : p->S) : p->S;
-    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+    const int64_t jend = key_end(p, iend);
+    for (int64_t j0 = first_key_tile(p, qt0 * BQ); j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < p->S ? j0 + BK : p->S;
         backward_keys(p, ws, base, b, h, j0, j1, kt, ktld);
         for (int64_t q = qt0; q < qt1; q++) {
             const int64_t i0 = q * BQ, i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
-            if (p->causal && i1 - 1 < j0) continue;
+            if (!pair_visible(p, i0, i1, j0, j1)) continue;
             backward_pair(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, WANT_Q, NULL);
         }
     }
@@ -425,7 +426,7 @@ static void backward_mask_task(const hkt_params *p, const ws_layout *ws, real *b
                 backward_keys(p, ws, base, b, h, j0, j1, kt, ktld);
                 for (int64_t q = qt0; q < qt1; q++) {
                     const int64_t i0 = q * BQ, i1 = i0 + BQ < p->T ? i0 + BQ : p->T;
-                    if (p->causal && i1 - 1 < j0) continue;
+                    if (!pair_visible(p, i0, i1, j0, j1)) continue;
                     backward_pair(p, ws, base, b, h, i0, i1, j0, j1, kt, ktld, 0, NULL);
                     for (int64_t r = 0; r < i1 - i0; r++) {
                         const real *drow = dS + r * BK;
@@ -482,8 +483,8 @@ static void refine_lse(const hkt_params *p, const ws_layout *ws, real *base, int
             sum[r] = 0;
         }
         if (!any) continue;
-        const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
-        for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+        const int64_t jend = key_end(p, i1);
+        for (int64_t j0 = first_key_tile(p, i0); j0 < jend; j0 += BK) {
             const int64_t j1 = j0 + BK < S ? j0 + BK : S;
             const real *kt[HKT_MAX_LEVELS];
             int64_t ktld[HKT_MAX_LEVELS];

@@ -445,8 +445,8 @@ static BF16_TARGET void forward_task_bf16(const hkt_params *p, const ws_layout *
     uint32_t *vall = (uint32_t *)(base + ws->values_all);
     const query_tile tile = {p, ws, base, b, h, i0, nq, ob, ldo};
     start_task(&tile, block);
-    const int64_t jend = p->causal ? (i1 < S ? i1 : S) : S;
-    for (int64_t j0 = 0; j0 < jend; j0 += BK) {
+    const int64_t jend = key_end(p, i1);
+    for (int64_t j0 = first_key_tile(p, i0); j0 < jend; j0 += BK) {
         const int64_t j1 = j0 + BK < S ? j0 + BK : S, nk = j1 - j0;
         const uint32_t *kp[HKT_MAX_LEVELS], *vp;
         float *buf[HKT_MAX_LEVELS]; /* holding 32-bit words: bfloat16 pairs */

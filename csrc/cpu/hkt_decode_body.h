@@ -10,6 +10,8 @@
  * own position t = seqlens[b] + i (hkt.h, hkt_decode_params):
  *
  *   score[j] = scale * sum_l w[l] * <q[l][i], k_cache[l][j >> l]>,  j <= t
+ *              (and t - j < W with a sliding window W > 0; keys before the
+ *              band are never read, chunks wholly before it skipped)
  *              (then softcap * tanh(score / softcap) where softcap > 0)
  *   out[i]   = softmax(score) @ v_cache[0 .. t]
  *
@@ -121,9 +123,14 @@ static void chunk_task(const hkt_decode_params *p, const hkt_decode_plan_t *pl, 
         slot[0] = -INFINITY;
         slot[1] = 0;
         if (j0 > t) continue; /* the chunk lies wholly after row i's position */
-        const int64_t j1 = j0 + C < t + 1 ? j0 + C : t + 1, n = j1 - j0;
+        const int64_t j1 = j0 + C < t + 1 ? j0 + C : t + 1;
+        /* the sliding-window band: keys before t - W + 1 are hidden */
+        const int64_t lo = p->sliding_window > 0 && t - p->sliding_window + 1 > j0 ? t - p->sliding_window + 1 : j0;
+        if (lo >= j1) continue; /* the chunk lies wholly before the band */
         chunk_scores(p, C, scratch, b, h, hk, i, j0, j1);
-        real *s = scratch;
+        /* from the band's first key on: the fold needs the chunk's scores from j0 */
+        real *s = scratch + (lo - j0);
+        const int64_t n = j1 - lo;
         if (p->softcap > 0) soft_cap(s, n, (real)p->softcap, NULL); /* contract 1.12; no mask here */
         const real m = row_max(s, n);
         if (m == -INFINITY) continue; /* every score -inf: nothing to add */
@@ -136,7 +143,7 @@ static void chunk_task(const hkt_decode_params *p, const hkt_decode_plan_t *pl, 
         slot[0] = m;
         slot[1] = sum;
         for (int64_t e = 0; e < Dv; e++) o[e] = 0;
-        const real *v = vb + j0 * ldv;
+        const real *v = vb + lo * ldv;
         int64_t x = 0;
         for (; x + 4 <= n; x += 4) {
             const real p0 = s[x], p1 = s[x + 1], p2 = s[x + 2], p3 = s[x + 3];

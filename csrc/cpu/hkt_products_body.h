@@ -299,6 +299,42 @@ enum {
 };
 
 static inline int diagonal_tile(const hkt_params *p, int64_t i0, int64_t j0) { return p->causal && i0 == j0; }
+/* ---- Which (query tile, key tile) pairs hold a visible entry: causality
+ * and the sliding-window band (hkt.h, sliding_window W) hide whole tiles,
+ * which every loop over pairs skips (the band's work then grows as T * W).
+ * A skipped pair's entries are all hidden, so it would add only zeros
+ * (P = dS = 0): skipping it changes no bit of any sum. */
+static inline int pair_visible(const hkt_params *p, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const int64_t W = p->sliding_window;
+    if (p->causal && i1 - 1 < j0) return 0;
+    if (W > 0 && (i0 - (j1 - 1) >= W || (!p->causal && j0 - (i1 - 1) >= W))) return 0;
+    return 1;
+}
+/* The first key tile's start (a multiple of BK: key tiles are cached and
+ * placed by j0 / BK) that query rows from i0 on may see. */
+static inline int64_t first_key_tile(const hkt_params *p, int64_t i0) {
+    const int64_t W = p->sliding_window;
+    return W > 0 && i0 - W + 1 > 0 ? (i0 - W + 1) / BK * BK : 0;
+}
+/* The end of the keys that query rows before i1 may see. */
+static inline int64_t key_end(const hkt_params *p, int64_t i1) {
+    const int64_t W = p->sliding_window;
+    int64_t end = p->causal ? i1 : W > 0 ? i1 - 1 + W : p->S; /* W <= 2^60: no overflow */
+    return end < p->S ? end : p->S;
+}
+/* The same from the key side: the first query tile's start (a multiple of
+ * BQ) that sees keys from j0 on, and the end of the queries that see keys
+ * before j1. */
+static inline int64_t first_query_tile(const hkt_params *p, int64_t j0) {
+    const int64_t W = p->sliding_window;
+    if (p->causal) return j0 / BQ * BQ;
+    return W > 0 && j0 - W + 1 > 0 ? (j0 - W + 1) / BQ * BQ : 0;
+}
+static inline int64_t query_end(const hkt_params *p, int64_t j1) {
+    const int64_t W = p->sliding_window;
+    return W > 0 && j1 - 1 + W < p->T ? j1 - 1 + W : p->T;
+}
+
 /* gemm (transposed for DIAG_KEYS), in blocks where diag is set. */
 static void gemm_diag(int diag, int kind, int64_t M, int64_t N, int64_t K, real alpha, const real *A, int64_t lda,
                       const real *B, int64_t ldb, real *C, int64_t ldc, int accumulate) {

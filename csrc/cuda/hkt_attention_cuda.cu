@@ -203,7 +203,16 @@ static void leave_device(int prev) {
     if (prev >= 0) cudaSetDevice(prev);
 }
 
+/* The band (hkt_params.sliding_window) is the CPU kernels' only: refused by
+ * name rather than computed without it (the binding refuses it first). */
+static int refuse_band(const hkt_params *p, char *err, size_t errlen) {
+    if (p->sliding_window == 0) return 0;
+    snprintf(err, errlen, "sliding_window: the CUDA kernels take no sliding-window band");
+    return -1;
+}
+
 extern "C" int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen) {
+    if (refuse_band(p, err, errlen)) return -1;
     const char *what = "";
     int prev = -1;
     cudaError_t e = enter_device(p, &prev, &what);
@@ -219,6 +228,7 @@ extern "C" int hkt_forward_cuda(const hkt_params *p, char *err, size_t errlen) {
 }
 
 extern "C" int hkt_backward_cuda(const hkt_params *p, char *err, size_t errlen) {
+    if (refuse_band(p, err, errlen)) return -1;
     const char *what = "";
     int prev = -1;
     cudaError_t e = enter_device(p, &prev, &what);

@@ -179,7 +179,8 @@ def _as_4d(attn_mask: Tensor, q0: Tensor, k0: Tensor) -> Tensor:
     return attn_mask
 
 
-def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_allowed: bool, softcap=None):
+def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_allowed: bool, softcap=None,
+               sliding_window=None):
     """Every argument of an hkt_attention call checked before any kernel runs,
     for the callers that never reach the extension or reach it late (meta
     tensors, backend="sdpa", windows): torch's rules here, then the
@@ -192,7 +193,7 @@ def check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, *, dropout_al
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask, q[0], k[0])
     # the rest is the extension's to check: asked without running the kernels
-    check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap)
+    check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap, sliding_window)
     if dropout_p > 0 and not dropout_allowed:
         raise ValueError("dropout_p: the 'sdpa' backend has no dropout (SDPA's own dropout pattern is not the "
                          "kernels' one); use backend='kernels' (backend=None picks them when dropout_p > 0)")

@@ -15,7 +15,7 @@ from .. import _C
 from .maths import compute_dtype, float_mask_in
 
 __all__ = ["_forward", "_backward", "check_forward", "_decode", "_varlen_forward", "_varlen_backward", "_downsample_forward",
-           "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "dropout_keep_mask",
+           "_downsample_backward", "window_kernels", "window_decode_kernel", "window_softcap", "schema_sliding_window", "dropout_keep_mask",
            "has_cuda", "cpu_tile"]
 
 has_cuda = bool(_C.has_cuda)
@@ -118,15 +118,17 @@ def _cuda_tc(q: Sequence[Tensor], v: Tensor, dropout_p: float, backward: bool = 
 
 
 def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-             is_causal: bool, dropout_p: float, scale: float, seed: int, softcap=None, like_inputs: bool = True,
-             want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
+             is_causal: bool, dropout_p: float, scale: float, seed: int, softcap=None, sliding_window=None,
+             like_inputs: bool = True, want_lse: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """Returns (out (B, H, T, Dv) in q's dtype, lse (B, H, T) in the compute dtype).
     like_inputs: out laid out in memory like q[0] (see _empty_like), as an
     eager call's is; False: contiguous (what the custom op's fake kernel
     says).  want_lse=False, on the CPU: lse is None, never allocated (a
     forward nobody will differentiate: a fair part of a small call's time).
     softcap: as the caller gave it, the extension's to check; bfloat16 with a
-    cap is computed in float32 (the native bfloat16 kernels take no cap)."""
+    cap is computed in float32 (the native bfloat16 kernels take no cap).
+    sliding_window: None or the band's W, as the caller gave it (the
+    extension's to check)."""
     q0 = q[0]
     if dropout_p > 0 and q0.is_cuda and torch.cuda.is_current_stream_capturing():
         # the seed is read here, on the host: every replay would drop the same entries
@@ -162,7 +164,8 @@ def _forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, att
     # the scalars, in the binding's order: one place for one more
     _C.forward(a[:L], a[L:n], a[n], a[n + 1], to_dlpack(out), None if lse is None else to_dlpack(lse),
                None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
-               min(torch.get_num_threads(), _C.max_threads), _stream(q0) if cuda else None, -1, softcap)  # _threads
+               min(torch.get_num_threads(), _C.max_threads), _stream(q0) if cuda else None, -1, softcap,
+               sliding_window)  # _threads
     return (out if out_dtype is in_dtype else out.to(in_dtype)), lse
 
 
@@ -177,7 +180,7 @@ def _described(x: Tensor, dtype: Optional[torch.dtype] = None) -> tuple:
 
 
 def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-                  is_causal: bool, dropout_p: float, scale, softcap=None) -> None:
+                  is_causal: bool, dropout_p: float, scale, softcap=None, sliding_window=None) -> None:
     """The extension's checks of a forward over these arguments, without
     running it: for the calls that never reach the kernels (meta tensors, the
     "sdpa" backend), each array described by its shape and dtype (its device
@@ -192,13 +195,13 @@ def check_forward(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor
     out = ((*q0.shape[:3], v.shape[-1] if v.dim() else 0), *_described(q0, dtype)[1:])
     mask = None if attn_mask is None else _described(attn_mask, dtype if attn_mask.is_floating_point() else None)
     _C.check_forward([_described(x) for x in q], [_described(x) for x in k], _described(v), _described(w),
-                     out, None, mask, is_causal, scale, dropout_p, softcap)
+                     out, None, mask, is_causal, scale, dropout_p, softcap, sliding_window)
 
 
 def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, out: Tensor,
               lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
               seed: int, mask_grad: bool = False, like_inputs: bool = False,
-              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, softcap=None
+              into: Optional[Tuple[Tensor, Tensor, Tensor]] = None, softcap=None, sliding_window=None
               ) -> Tuple[List[Tensor], List[Tensor], Tensor, Tensor, Optional[Tensor]]:
     """Returns (dq per level, dk per level, dv, dw, dmask), in the inputs' dtype;
     dmask (shaped like the float attn_mask) only with mask_grad, else None.
@@ -238,7 +241,8 @@ def _backward(dout: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor,
                 list(map(to_dlpack, dq)), list(map(to_dlpack, dk)), to_dlpack(dv), to_dlpack(dw),
                 None if attn_mask is None else _mask_arg(attn_mask, dtype), is_causal, scale, dropout_p, seed,
                 min(torch.get_num_threads(), _C.max_threads), None if dmask is None else to_dlpack(dmask),
-                _stream(q0) if cuda else None, None if scratch is None else to_dlpack(scratch), softcap)  # _threads
+                _stream(q0) if cuda else None, None if scratch is None else to_dlpack(scratch), softcap,
+                sliding_window)  # _threads
     if dv.dtype is not in_dtype or dw.dtype is not in_dtype:
         dq, dk, dv, dw = _in_dtype(dq, dk, dv, dw, in_dtype)
     if dmask is not None:
@@ -339,7 +343,8 @@ def _written(x: Tensor, name: str):
 
 
 def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: Tensor, cache_seqlens,
-            k: Optional[Sequence[Tensor]], v: Optional[Tensor], scale: Optional[float], softcap=None) -> Tensor:
+            k: Optional[Sequence[Tensor]], v: Optional[Tensor], scale: Optional[float], softcap=None,
+            sliding_window=None) -> Tensor:
     """One decoding step (CPU): returns out (B, H, Tn, Dv) in q's dtype.  With k
     and v, the kernel first writes them into k_cache / v_cache in place, so the
     caches go over exactly as they are (a copy would take the writes)."""
@@ -352,7 +357,7 @@ def _decode(q: Sequence[Tensor], k_cache: Sequence[Tensor], v_cache: Tensor, w: 
         kc, vc = [_written(x, f"k_cache[{l}]") for l, x in enumerate(k_cache)], _written(v_cache, "v_cache")
     _C.decode([_feat(x) for x in q], kc, vc, _feat(w), lens, _dl(out),
               None if k is None else [_feat(x) for x in k], None if v is None else _feat(v), scale,
-              _threads(), softcap)
+              _threads(), softcap, sliding_window)
     return out
 
 
@@ -437,6 +442,27 @@ def window_softcap(softcap) -> float:
     if torch.compiler.is_compiling():
         return 0.0 if softcap is None else float(softcap_traced(softcap))
     return _C.window_softcap(softcap)
+
+
+def schema_sliding_window(sliding_window) -> int:
+    """sliding_window as the ops' schemas take it, an int, 0 for none, checked
+    by the extension (hkt._C.sliding_window: None or an int W >= 1, kept at
+    2^60 past it).  Under torch.compile, where dynamo cannot trace into the
+    extension, None as 0 and a plain int >= 1 as it is; anything else is
+    checked by the extension outside the graph (a graph break), which raises
+    its own error as eager does."""
+    if torch.compiler.is_compiling():
+        if sliding_window is None:
+            return 0
+        if type(sliding_window) is not int or sliding_window < 1:
+            return _sliding_window_eagerly(sliding_window)
+        return min(sliding_window, 1 << 60)
+    return _C.sliding_window(sliding_window)
+
+
+@torch.compiler.disable
+def _sliding_window_eagerly(sliding_window) -> int:
+    return _C.sliding_window(sliding_window)
 
 
 @torch.compiler.disable

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["default_scale", "compute_dtype", "float_mask_in", "repeat_kv", "level_factor", "combined_scores", "windowed_scores", "probs_of_scores",
-           "masked_probs", "dense_attention"]
+           "masked_probs", "dense_attention", "band_seen"]
 
 
 def default_scale(D: int) -> float:
@@ -131,6 +131,14 @@ def windowed_scores(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor, windows
     return score, seen
 
 
+def band_seen(sliding_window: int, is_causal: bool, T: int, S: int, device=None) -> Tensor:
+    """The sliding-window band (T, S) (docs/contract.md section 1.13): True
+    where i - j < W and, without causality, j - i < W."""
+    d = torch.arange(T, device=device).unsqueeze(1) - torch.arange(S, device=device).unsqueeze(0)
+    seen = d < sliding_window
+    return seen if is_causal else seen & (-d < sliding_window)
+
+
 def probs_of_scores(score: Tensor, seen: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
     """The softmax of scores (B, H, T, S) over the visible keys: those ``seen``
     allows (None: all), causality and a bool mask allow; a float mask is added.
@@ -166,17 +174,21 @@ def masked_probs(q: List[Tensor], k: List[Tensor], w: Tensor, attn_mask: Optiona
 
 def dense_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                     is_causal: bool, scale: Optional[float], dropout_p: float = 0.0,
-                    keep: Optional[Tensor] = None, softcap: float = 0.0) -> Tensor:
+                    keep: Optional[Tensor] = None, softcap: float = 0.0, sliding_window: int = 0) -> Tensor:
     """hkt_attention without windows through the (B, H, T, S) matrices, for
     arguments already checked: differentiable to any order (the double
     backward of the ops recomputes the forward with it).  ``keep``: the kept
     entries (B, H, T, S) of dropout_p > 0; ``softcap`` > 0: the combined
-    scores capped before the mask (docs/contract.md section 1.12)."""
+    scores capped before the mask (docs/contract.md section 1.12);
+    ``sliding_window`` > 0: the band (section 1.13), 0 for none."""
     if scale is not None:
         scale = float(scale)
-    if softcap:
+    if softcap or sliding_window:
         scores = combined_scores(list(q), list(k), w, scale)
-        P = probs_of_scores(softcap * torch.tanh(scores / softcap), None, attn_mask, is_causal)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        seen = band_seen(sliding_window, is_causal, *scores.shape[-2:], scores.device) if sliding_window else None
+        P = probs_of_scores(scores, seen, attn_mask, is_causal)
     else:
         P = masked_probs(list(q), list(k), w, attn_mask, is_causal, scale)
     if dropout_p > 0:

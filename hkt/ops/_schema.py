@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from .._core.kernels import window_softcap
+from .._core.kernels import schema_sliding_window, window_softcap
 
-__all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "no_derivative"]
+__all__ = ["OP_OPTIONS", "schema_scale", "schema_softcap", "schema_sliding_window", "no_derivative"]
 
 _CUDAGRAPH_SAFE = os.environ.get("HKT_CUDAGRAPH_SAFE", "0") == "1"
 _TAGS = () if _CUDAGRAPH_SAFE or not hasattr(torch.Tag, "cudagraph_unsafe") else (torch.Tag.cudagraph_unsafe,)

@@ -4,8 +4,9 @@ for torch.compile, and autograd.
 hkt::attention_forward  -> (out, lse)           lse is the per-row log-sum-exp
 hkt::attention_backward -> dq[0..L) + dk[0..L) + [dv, dw] (+ [dmask] with mask_grad)
 
-Both take softcap last, a float with 0.0 for none (docs/contract.md section
-1.12), defaulted so that calls made before it existed (TorchScript's) still
+Both take softcap, a float with 0.0 for none (docs/contract.md section
+1.12), then sliding_window, an int with 0 for none (section 1.13), last,
+defaulted so that calls made before they existed (TorchScript's) still
 match the schema.
 
 attn_mask reaches the ops at its own size, 4-D, each dimension 1 or the full
@@ -34,7 +35,7 @@ from torch import Tensor
 from .._core import kernels as _kernels
 from .._core.maths import compute_dtype, default_scale, dense_attention
 from ._eager import eager_autograd, needs_grad
-from ._schema import OP_OPTIONS, schema_scale, schema_softcap
+from ._schema import OP_OPTIONS, schema_scale, schema_sliding_window, schema_softcap
 
 __all__ = ["attention_forward", "attention_backward", "AttentionFunction", "QKVAttentionFunction", "dropout_seed", "eager_seed",
            "heads", "op_scale"]
@@ -76,15 +77,16 @@ def _seed_value(seed: Tensor) -> int:
 @torch.library.custom_op("hkt::attention_forward", mutates_args=(), **OP_OPTIONS)
 def attention_forward(q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
                       is_causal: bool, dropout_p: float, scale: float, seed: Tensor,
-                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                      softcap: float = 0.0, sliding_window: int = 0) -> tuple[Tensor, Tensor]:
     # the seed is read (on the host) only when there is dropout: without, it may
     # be a device tensor (functional.py makes it one), never synchronized on
     return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
-                             _seed_value(seed) if dropout_p > 0 else 0, softcap, like_inputs=False)
+                             _seed_value(seed) if dropout_p > 0 else 0, softcap, sliding_window or None,
+                             like_inputs=False)
 
 
 @attention_forward.register_fake
-def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap=0.0):
+def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap=0.0, sliding_window=0):
     B, H, T, _ = q[0].shape
     out = q[0].new_empty((B, H, T, v.shape[-1]))
     lse = q[0].new_empty((B, H, T), dtype=compute_dtype(q[0].dtype))
@@ -94,25 +96,30 @@ def _(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap=0.0):
 @torch.library.custom_op("hkt::attention_backward", mutates_args=(), **OP_OPTIONS)
 def attention_backward(dout: Tensor, q: List[Tensor], k: List[Tensor], v: Tensor, w: Tensor, out: Tensor,
                        lse: Tensor, attn_mask: Optional[Tensor], is_causal: bool, dropout_p: float, scale: float,
-                       seed: Tensor, mask_grad: bool = False, softcap: float = 0.0) -> List[Tensor]:
+                       seed: Tensor, mask_grad: bool = False, softcap: float = 0.0,
+                       sliding_window: int = 0) -> List[Tensor]:
     dq, dk, dv, dw, dmask = _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale,
-                                               _seed_value(seed) if dropout_p > 0 else 0, mask_grad, softcap=softcap)
+                                               _seed_value(seed) if dropout_p > 0 else 0, mask_grad, softcap=softcap,
+                                               sliding_window=sliding_window or None)
     return dq + dk + [dv, dw] + ([dmask] if mask_grad else [])
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad=False, softcap=0.0):
+def _(dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad=False, softcap=0.0,
+      sliding_window=0):
     return ([x.new_empty(x.shape) for x in q] + [x.new_empty(x.shape) for x in k]
             + [v.new_empty(v.shape), w.new_empty(w.shape)]
             + ([attn_mask.new_empty(attn_mask.shape)] if mask_grad else []))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap = inputs
+    q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap, sliding_window = inputs
     out, lse = output
     ctx.L = len(q)
-    # softcap: the op's float, or an eager call's as the caller gave it (the extension's to check)
+    # softcap and sliding_window: the op's float and int, or an eager call's as
+    # the caller gave them (checked by the extension in the forward)
     ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.softcap = is_causal, dropout_p, scale, softcap
+    ctx.sliding_window = sliding_window
     # the op's seed is a tensor, saved as one; an eager call's an int (AttentionFunction)
     seed_tensor = isinstance(seed, Tensor)
     ctx.seed = None if seed_tensor else seed
@@ -130,11 +137,13 @@ def _gradients(ctx, dout, q, k, v, w, out, lse, attn_mask, seed, mask_argument=4
     if getattr(ctx, "eager", False):
         if not torch.is_grad_enabled():  # no dispatch, the scale as the caller gave it
             return _kernels._backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
-                                      ctx.scale, seed, mask_grad, like_inputs=True, into=into, softcap=ctx.softcap)
+                                      ctx.scale, seed, mask_grad, like_inputs=True, into=into, softcap=ctx.softcap,
+                                      sliding_window=ctx.sliding_window)
         seed = torch.tensor(seed, dtype=torch.int64, device="cpu")  # create_graph: the op, its seed a tensor
     L = ctx.L
     grads = attention_backward(dout, q, k, v, w, out, lse, attn_mask, ctx.is_causal, ctx.dropout_p,
-                               op_scale(ctx.scale, q[0]), seed, mask_grad, schema_softcap(ctx.softcap))
+                               op_scale(ctx.scale, q[0]), seed, mask_grad, schema_softcap(ctx.softcap),
+                               schema_sliding_window(ctx.sliding_window or None))  # the op's: 0 for none
     return grads[:L], grads[L:2 * L], grads[2 * L], grads[2 * L + 1], (grads[2 * L + 2] if mask_grad else None)
 
 
@@ -146,9 +155,12 @@ def _forward_op_gradients(ctx, grad_out, grad_lse):
     dq, dk, dv, dw, dmask = _gradients(ctx, grad_out, q, k, v, w, out, lse, attn_mask,
                                        ctx.seed if seed is None else seed)
     grads = (dq, dk, dv, dw, dmask, None, None, None, None)
-    # softcap's slot: an eager call passes it always; the dispatcher drops a
-    # trailing argument equal to its default (softcap=0.0) from the op's
-    return grads + (None,) if getattr(ctx, "eager", False) or ctx.softcap else grads
+    # softcap's and sliding_window's slots: an eager call passes both always;
+    # the dispatcher drops trailing arguments equal to their defaults
+    # (sliding_window=0, then softcap=0.0) from the op's
+    if getattr(ctx, "eager", False) or ctx.sliding_window:
+        return grads + (None, None)
+    return grads + (None,) if ctx.softcap else grads
 
 
 torch.library.register_autograd("hkt::attention_forward", _forward_op_gradients, setup_context=_setup_context)
@@ -192,6 +204,7 @@ def _qkv_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.L, ctx.heads = len(q_coarse) + 1, (H, H_kv)
     ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.seed, ctx.softcap = is_causal, dropout_p, scale, seed, None
+    ctx.sliding_window = None
     # qkv itself, not its three views: a saved-tensors hook (offloading, say) sees one tensor
     ctx.save_for_backward(qkv, *q_coarse, *k_coarse, w, out, lse, attn_mask)
 
@@ -229,10 +242,10 @@ QKVAttentionFunction = eager_autograd("QKVAttentionFunction", _qkv_forward, _qkv
 # ---- double backward ------------------------------------------------------------
 
 def _setup_backward_context(ctx, inputs, output):
-    dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad, softcap = inputs
+    dout, q, k, v, w, out, lse, attn_mask, is_causal, dropout_p, scale, seed, mask_grad, softcap, sliding_window = inputs
     ctx.L = len(q)
     ctx.is_causal, ctx.dropout_p, ctx.scale, ctx.mask_grad = is_causal, dropout_p, scale, mask_grad
-    ctx.softcap = softcap
+    ctx.softcap, ctx.sliding_window = softcap, sliding_window
     # out and lse are not kept: the formula recomputes the attention from the inputs
     ctx.save_for_backward(dout, *q, *k, v, w, attn_mask, seed)
 
@@ -299,7 +312,7 @@ def _double_backward(ctx, grads):
         m_ = None
         if attn_mask is not None:
             m_ = _slot(attn_mask, cd, ctx.mask_grad or mask_needs) if float_mask else attn_mask
-        out = dense_attention(q_, k_, v_, w_, m_, ctx.is_causal, ctx.scale, p, keep, ctx.softcap)
+        out = dense_attention(q_, k_, v_, w_, m_, ctx.is_causal, ctx.scale, p, keep, ctx.softcap, ctx.sliding_window)
         # first-order gradients only where a gradient of them came in
         first_all = q_ + k_ + [v_, w_] + ([m_] if ctx.mask_grad else [])
         pairs = [(x, g) for x, g in zip(first_all, ggrads) if g is not None]
@@ -331,9 +344,9 @@ def _double_backward(ctx, grads):
     d_v, d_w = back(res[1 + 2 * L], v), back(res[2 + 2 * L], w)
     d_mask = back(res[3 + 2 * L], attn_mask) if mask_needs else None
     res = (d_dout, d_q, d_k, d_v, d_w, None, None, d_mask, None, None, None, None)
-    # the dispatcher drops trailing arguments equal to their defaults (softcap=0.0,
-    # then mask_grad=False): one slot per argument it kept
-    return res + (None,) * (2 if ctx.softcap else 1 if ctx.mask_grad else 0)
+    # the dispatcher drops trailing arguments equal to their defaults
+    # (sliding_window=0, softcap=0.0, then mask_grad=False): one slot per argument it kept
+    return res + (None,) * (3 if ctx.sliding_window else 2 if ctx.softcap else 1 if ctx.mask_grad else 0)
 
 
 torch.library.register_autograd("hkt::attention_backward", _double_backward,

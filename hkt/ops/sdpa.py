@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._core.maths import default_scale, float_mask_in, repeat_kv
+from .._core.maths import band_seen, default_scale, float_mask_in, repeat_kv
 
 __all__ = ["sdpa_attention", "concat_levels"]
 
@@ -162,10 +162,12 @@ def concat_levels(q: Sequence[Tensor], k: Sequence[Tensor], w: Tensor):
 
 
 def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tensor, attn_mask: Optional[Tensor],
-                   is_causal: bool, scale: Optional[float]) -> Tensor:
+                   is_causal: bool, scale: Optional[float], sliding_window: Optional[int] = None) -> Tensor:
     """HKT attention (no dropout) through F.scaled_dot_product_attention.
     attn_mask is None or 4-D (each dimension 1 or full), bool or floating;
-    arguments already checked (hkt._core.checks.check_call)."""
+    sliding_window None or W >= 1, the band going to SDPA as a bool mask
+    combined with causality and attn_mask; arguments already checked
+    (hkt._core.checks.check_call)."""
     T, D = q[0].shape[2], q[0].shape[3]
     S = k[0].shape[2]
     if scale is None:
@@ -175,7 +177,7 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
     if _pick_variant(qt, v) == "pad_v":
         qt, kt, v = _equal_head_sizes(qt, kt, v)
     scale = float(scale)
-    if attn_mask is None and (not is_causal or scale > 0):
+    if attn_mask is None and sliding_window is None and (not is_causal or scale > 0):
         # is_causal alone leaves no row empty (row i sees key 0) unless S == 0,
         # where SDPA gives zeros
         out = _sdpa(qt, kt, v, None, is_causal, scale)
@@ -185,9 +187,12 @@ def sdpa_attention(q: Sequence[Tensor], k: Sequence[Tensor], v: Tensor, w: Tenso
         # NaN rows there (finite inputs, Dv = L * D); with an explicit mask it is
         # right, so the causal mask goes as one
         attn_mask = torch.ones((1, 1, T, S), dtype=torch.bool, device=qt.device)
-    causal = None
+    causal = None  # what causality and the band let through, (T, S)
     if is_causal:
         causal = torch.ones(T, S, dtype=torch.bool, device=qt.device).tril()
+    if sliding_window is not None:
+        band = band_seen(sliding_window, is_causal, T, S, qt.device)
+        causal = band if causal is None else causal & band
     if attn_mask.dtype == torch.bool:
         visible = attn_mask if causal is None else attn_mask & causal
         empty = ~visible.any(dim=-1, keepdim=True)

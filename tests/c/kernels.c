@@ -1,8 +1,8 @@
 /* Every CPU kernel family through hkt.h and hkt_window.h, with no Python: the
  * dense forward and backward (causal or not; no mask, a bool mask, a float
  * mask with its gradient, dropout; per-head and shared level weights; grouped
- * kv heads), the windowed forward, backward and decoding, packed sequences
- * both ways, decoding against a cache, and the causal downsampling both ways,
+ * kv heads; a sliding-window band), the windowed forward, backward and decoding, packed sequences
+ * both ways, decoding against a cache (with a band too), and the causal downsampling both ways,
  * each in float32 and float64, on fixed inputs of odd sizes.
  *
  *   kernels --write FILE   runs every case and writes its float64 results
@@ -117,7 +117,8 @@ static void keepf(const void *buf, int64_t n, int f64, const char *fmt, ...) {
 
 /* ---- dense attention: forward, then backward from its out and lse ---- */
 
-static void dense_case(const char *tag, int f64, int causal, int mask_kind, int w_per_head, double dropout) {
+static void dense_case(const char *tag, int f64, int causal, int mask_kind, int w_per_head, double dropout,
+                       int64_t band) {
     const int64_t B = 2, H = 4, H_kv = 2, D = 5, Dv = 7;
     const int64_t T = causal ? 77 : 70, S = causal ? 77 : 83;
     const int L = 3;
@@ -156,6 +157,7 @@ static void dense_case(const char *tag, int f64, int causal, int mask_kind, int 
         p.mask_stride[0] = H * T * S, p.mask_stride[1] = T * S, p.mask_stride[2] = S, p.mask_stride[3] = 1;
     }
     p.causal = causal;
+    p.sliding_window = band;
     p.scale = 1.0 / sqrt((double)D);
     p.dropout_p = dropout;
     p.seed = 12345;
@@ -272,7 +274,7 @@ static void varlen_case(int f64, int causal) {
 
 /* ---- decoding: new positions appended to a cache, then attended ---- */
 
-static void decode_case(int f64) {
+static void decode_case(const char *tag, int f64, int64_t band) {
     const int64_t B = 2, H = 4, H_kv = 2, Tn = 3, D = 5, Dv = 6, S_max = 40;
     const int L = 3;
     static const int64_t seqlens[] = {17, 30};
@@ -297,6 +299,7 @@ static void decode_case(int f64) {
     p.w = draw(L, f64, 1.0);
     p.w_stride[0] = 0, p.w_stride[1] = 1;
     p.seqlens = seqlens;
+    p.sliding_window = band;
     p.scale = 0.45;
     p.out = blank(B * H * Tn * Dv, f64);
     strides4(p.out_stride, H, Tn, Dv);
@@ -305,11 +308,11 @@ static void decode_case(int f64) {
     p.workspace = mem;
     hkt_decode_cpu(&p);
     free(mem);
-    keep("decode/out", p.out, B * H * Tn * Dv, f64);
+    keepf(p.out, B * H * Tn * Dv, f64, "decode%s/out", tag);
     for (int l = 0; l < L; l++) {
-        keepf(p.k_cache[l], nk[l], f64, "decode/k_cache%d", l);
+        keepf(p.k_cache[l], nk[l], f64, "decode%s/k_cache%d", tag, l);
     }
-    keep("decode/v_cache", p.v_cache, B * H_kv * S_max * Dv, f64);
+    keepf(p.v_cache, B * H_kv * S_max * Dv, f64, "decode%s/v_cache", tag);
 }
 
 /* ---- causal downsampling: forward and backward ---- */
@@ -453,19 +456,24 @@ static void window_decode_case(int f64) {
 
 static void run_all(int f64) {
     rng_state = 2024; /* both dtypes draw the same numbers */
-    dense_case("/plain", f64, 0, HKT_MASK_NONE, 1, 0.0);
-    dense_case("/causal", f64, 1, HKT_MASK_NONE, 0, 0.0);
-    dense_case("/bool", f64, 0, HKT_MASK_BOOL, 1, 0.0);
-    dense_case("/causal_float", f64, 1, HKT_MASK_FLOAT, 1, 0.0);
-    dense_case("/dropout", f64, 1, HKT_MASK_NONE, 1, 0.25);
+    dense_case("/plain", f64, 0, HKT_MASK_NONE, 1, 0.0, 0);
+    dense_case("/causal", f64, 1, HKT_MASK_NONE, 0, 0.0, 0);
+    dense_case("/bool", f64, 0, HKT_MASK_BOOL, 1, 0.0, 0);
+    dense_case("/causal_float", f64, 1, HKT_MASK_FLOAT, 1, 0.0, 0);
+    dense_case("/dropout", f64, 1, HKT_MASK_NONE, 1, 0.25, 0);
     varlen_case(f64, 1);
     varlen_case(f64, 0);
-    decode_case(f64);
+    decode_case("", f64, 0);
     downsample_case(f64);
     window_case(f64, 1, 0);
     window_case(f64, 0, 0);
     window_case(f64, 1, 1);
     window_decode_case(f64);
+    /* the sliding-window band, narrower than a tile (whole tiles skipped) and
+     * not a multiple of 64: drawn last, so the cases above keep their inputs */
+    dense_case("/band_bool", f64, 0, HKT_MASK_BOOL, 1, 0.0, 20);
+    dense_case("/causal_band_float", f64, 1, HKT_MASK_FLOAT, 0, 0.25, 30);
+    decode_case("/band", f64, 9);
 }
 
 /* ---- the results file: one "name count" line, then count hex floats ---- */

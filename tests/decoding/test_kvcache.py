@@ -58,7 +58,7 @@ def new_rows(q, k, v, lens, Tn):
     return qn, kn, vn
 
 
-def expected(q, k, v, w, lens, Tn, scale=None):
+def expected(q, k, v, w, lens, Tn, scale=None, sliding_window=None):
     """The last Tn rows of the causal reference over each row's lens[b] + Tn
     positions, in float64, kv heads repeated for grouped queries."""
     H, Hk = q[0].shape[1], k[0].shape[1]
@@ -68,7 +68,8 @@ def expected(q, k, v, w, lens, Tn, scale=None):
         qb = [x[b:b + 1, :, :level_len(T, l)].to(F64) for l, x in enumerate(q)]
         kb = [x[b:b + 1, :, :level_len(T, l)].to(F64).repeat_interleave(H // Hk, 1) for l, x in enumerate(k)]
         vb = v[b:b + 1, :, :T].to(F64).repeat_interleave(H // Hk, 1)
-        rows.append(hkt_attention_reference(qb, kb, vb, w.to(F64), is_causal=True, scale=scale)[0, :, -Tn:])
+        rows.append(hkt_attention_reference(qb, kb, vb, w.to(F64), is_causal=True, scale=scale,
+                                            sliding_window=sliding_window)[0, :, -Tn:])
     return torch.stack(rows)
 
 
@@ -106,6 +107,20 @@ def test_matches_causal_reference(L, Tn, dtype):
 def test_grouped_heads_and_shared_weights(Hk, per_head):
     args, want = problem(H=4, Hk=Hk, per_head=per_head, L=3, Tn=3, lens=(5, 22, 1))
     assert (call(args) - want).abs().max().item() <= 1e-12
+
+
+@pytest.mark.parametrize("W", [1, 10, 300])
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_sliding_window_matches_the_banded_reference(W, dtype):
+    """sliding_window=W: position t reads keys t - W + 1 .. t only, on ragged
+    lengths with partly filled coarse blocks and on caches of several chunks."""
+    for lens, S_max in (((0, 13, 29), 40), ((700, 1030, 5), 1040)):
+        q, k, v, w = sequences(3, 4, 2, max(lens) + 3, 8, 6, 3, dtype)
+        kc, vc = caches(k, v, lens, S_max)
+        qn, kn, vn = new_rows(q, k, v, lens, 3)
+        out = hkt.hkt_attention_with_kvcache(qn, kc, vc, w, torch.tensor(lens), kn, vn, sliding_window=W)
+        want = expected(q, k, v, w, lens, 3, sliding_window=W)
+        assert (out.to(F64) - want).abs().max().item() <= tol(dtype)
 
 
 def test_prefilled_cache_without_append():

@@ -53,8 +53,8 @@ def test_portable_kernels_match_the_host_build(driver):
     exe, expected = driver
     res, passed, failed = run_check(exe, expected)
     assert "kernels: default" in res.stdout
-    # every family in both dtypes: 116 named results each
-    assert (passed, failed) == (232, 0), res.stdout
+    # every family in both dtypes: 142 named results each
+    assert (passed, failed) == (284, 0), res.stdout
     assert res.returncode == 0
 
 
@@ -69,6 +69,6 @@ def test_a_wrong_expected_value_fails(driver, tmp_path):
     wrong = tmp_path / "wrong.txt"
     wrong.write_text("\n".join(lines) + "\n")
     res, passed, failed = run_check(exe, wrong)
-    assert (passed, failed) == (230, 2), res.stdout
+    assert (passed, failed) == (282, 2), res.stdout
     assert res.stdout.count("FAIL dense/causal/dv (") == 2, res.stdout
     assert res.returncode == 1

@@ -13,7 +13,7 @@ from hkt import ops
 from hkt.ops import decode as decode_op
 from hkt.reference import hkt_attention_reference as reference
 from hkt._core.kernels import dropout_keep_mask
-from helpers import make_mask, sample_inputs
+from helpers import grad_leaves as leaves, make_mask, outputs_and_grads, sample_inputs
 
 F64, F32 = torch.float64, torch.float32
 CAP = 1.5
@@ -25,22 +25,6 @@ def loud(B=2, H=4, T=70, S=67, D=5, Dv=4, L=3, dtype=F64, kv_heads=None, seed=0,
     q, k, v, w = sample_inputs(B, H, T, S, D, Dv, L, dtype=dtype, seed=seed, kv_heads=kv_heads)
     q = [x * gain for x in q]
     return q, k, v, w
-
-
-def leaves(q, k, v, w, mask=None):
-    xs = [x.detach().requires_grad_(True) for x in (*q, *k, v, w)]
-    L = len(q)
-    m = mask
-    if mask is not None and mask.is_floating_point():
-        m = mask.detach().requires_grad_(True)
-    return xs[:L], xs[L:2 * L], xs[2 * L], xs[2 * L + 1], m
-
-
-def outputs_and_grads(fn, q, k, v, w, mask, **kw):
-    out = fn(q, k, v, w, attn_mask=mask, **kw)
-    wrt = [*q, *k, v, w] + ([mask] if mask is not None and mask.requires_grad else [])
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=F64).to(out.dtype)
-    return out, torch.autograd.grad(out, wrt, g)
 
 
 def repeat_kv(q, k, v):
