@@ -136,7 +136,8 @@ class LevelStore:
                     x[l] = torch.cat([a, a.new_zeros(*a.shape[:2], grow, a.shape[3])], dim=2)
 
     def attend(self, qs: List[Tensor], ks: Optional[List[Tensor]], v: Optional[Tensor], w: Tensor, t0,
-               scale: Optional[float] = None, softcap: Optional[float] = None, level0=None) -> Tensor:
+               scale: Optional[float] = None, softcap: Optional[float] = None, level0=None,
+               sliding_window: Optional[int] = None) -> Tensor:
         """The attention of n new positions per row, (B, H, n, Dv), their keys
         and values written into the store first: qs[l], ks[l] (B, heads, n, D)
         the level-l query and key of each new position's block, v (B, H_kv,
@@ -147,10 +148,13 @@ class LevelStore:
         :func:`hkt.decoding.windowed.decode_windowed`: one call where every row is
         at the same position, else one per row, each in rounds of at most
         ``chunk`` positions, so that no ring overwrites a row a round reads.
-        ``softcap``: None or 0.0 for none, else the scores' cap."""
+        ``softcap``: None or 0.0 for none, else the scores' cap;
+        ``sliding_window``: None, or the band of the decoding kernel (without
+        windows only)."""
         if self.windows is None:
             keys, values = (self.k, self.sums[0]) if level0 is None else ([level0[0], *self.k[1:]], level0[1])
-            return hkt_attention_with_kvcache(qs, keys, values, w, t0, ks, v, scale=scale, softcap=softcap)
+            return hkt_attention_with_kvcache(qs, keys, values, w, t0, ks, v, scale=scale, softcap=softcap,
+                                              sliding_window=sliding_window)
         softcap = softcap or 0.0
         starts = [t0] if isinstance(t0, int) else [int(t) for t in t0]
         if self.max_len is None:

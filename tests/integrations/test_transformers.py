@@ -301,6 +301,45 @@ def test_sliding_window_converts_exactly(family, levels, tol):
             assert rel(output(scramble(model), x, mask)[real], want[real]) > 1e-2
 
 
+@pytest.mark.parametrize("levels", [1, 3])
+def test_sliding_window_runs_on_the_band(levels, monkeypatch):
+    """A sliding-window layer's prompt reaches the kernels with its window as
+    their band (``sliding_window``, T x window work), and at levels=3 its
+    decoding steps reach the decoding kernel with it too; the same logits
+    as the original (levels=1) and as the uncached forward (levels=3, trained
+    levels) over a left-padded batch generated past the window."""
+    base = windowed("mistral")
+    window = base.config.sliding_window
+    model = ht.convert(copy.deepcopy(base), levels=levels)
+    if levels > 1:
+        scramble(model)
+    seen = {"prompt": [], "step": []}
+    attention, with_kvcache = hkt.hkt_attention, hkt.kvcache.hkt_attention_with_kvcache
+
+    def prompt(*a, **kw):
+        seen["prompt"].append(kw.get("sliding_window"))
+        return attention(*a, **kw)
+
+    def step(*a, **kw):
+        seen["step"].append(kw.get("sliding_window"))
+        return with_kvcache(*a, **kw)
+    monkeypatch.setattr(hkt, "hkt_attention", prompt)
+    monkeypatch.setattr(hkt.decoding.level_cache, "hkt_attention_with_kvcache", step)
+    x, mask = padded("mistral", T=9)
+    seq, logits = _greedy(model, x, mask)
+    layers = base.config.num_hidden_layers
+    assert seen["prompt"][:layers] == [window] * layers
+    if levels > 1:
+        assert seen["step"] and set(seen["step"]) == {window}
+        monkeypatch.setattr(hkt, "hkt_attention", attention)
+        want, want_logits = _greedy(model, x, mask, use_cache=False)
+    else:
+        monkeypatch.setattr(hkt, "hkt_attention", attention)
+        want, want_logits = _greedy(base, x, mask)
+    assert torch.equal(seq, want)
+    assert rel(logits, want_logits) < 1e-4
+
+
 @pytest.mark.parametrize("family", _WINDOWED_IN_DEPTH)
 def test_sliding_window_trains_every_added_parameter(family):
     _trains_every_added_parameter(family, windowed(family))

@@ -47,7 +47,8 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
                          f"{levels.num_kv_heads} and {levels.head_dim} from the module")
     w = levels.scaled_level_weights().to(query.dtype)
     if levels.levels == 1:  # the model's own attention: any mask it builds
-        return _level0(query, key, value, w, attention_mask, scaling, dropout, causal, softcap).transpose(1, 2), None
+        return (_level0(query, key, value, w, attention_mask, scaling, dropout, causal, softcap, window)
+                .transpose(1, 2), None)
     if not causal and S != T:
         raise _unsupported("non-causal attention with keys other than the queries' own (cross-attention, or a "
                            "bidirectional model's cache) with levels > 1", "convert with levels=1")
@@ -83,16 +84,22 @@ def hkt_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: 
     return out.transpose(1, 2), None
 
 
-def _level0(query, key, value, w, mask, scaling, dropout, causal, softcap=None):
-    """levels=1: the model's attention, on hkt's kernels, with its own mask."""
-    T = query.shape[2]
+def _level0(query, key, value, w, mask, scaling, dropout, causal, softcap=None, window=None):
+    """levels=1: the model's attention, on hkt's kernels, with its own mask.
+    Where a causal layer's sliding ``window`` hides, over a prompt (T = S),
+    every key the mask hides beyond it (transformers' own sliding-window
+    masks; not a 4-D mask handed in without the window), the kernels also
+    take it as their band, so that they skip those key tiles: T x window
+    work."""
+    T, S = query.shape[2], key.shape[2]
     if mask is None:  # no padding; causal: T = S, a static cache's first T of S, or one new token
         return hkt.hkt_attention([query], [key], value, w, is_causal=causal and T > 1, dropout_p=dropout,
                                  scale=scaling, softcap=softcap)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
+    band = window if causal and T == S and window is not None and not bool(mask.tril(-window).any()) else None
     return hkt.hkt_attention([query], [key], value, w, attn_mask=mask, dropout_p=dropout, scale=scaling,
-                             softcap=softcap)
+                             softcap=softcap, sliding_window=band)
 
 
 def _windowed(m: nn.Module) -> Optional[int]:

@@ -232,8 +232,10 @@ class CachedDecoding:
         if after:
             raise _unsupported("keys after the new tokens during decoding (right padding, or a static cache's "
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
-        if (T == 1 and state.tails is not None and sliding_window is None and _kernel_decodes(query, w, dropout)):
-            return self._decode_step(query, key, value, w, pad, layout, count, scaling, softcap)
+        # the window as the decoding kernel's band where the layout keeps the model's distances
+        band = sliding_window is None or (layout is None and self.windows is None)
+        if T == 1 and state.tails is not None and band and _kernel_decodes(query, w, dropout):
+            return self._decode_step(query, key, value, w, pad, layout, count, scaling, softcap, sliding_window)
         if self.windows is not None and state.store is not None:
             if not _kernel_decodes(query, w, dropout):
                 raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
@@ -254,10 +256,11 @@ class CachedDecoding:
         positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout, the model's positions
         k0 = _take(key, positions) if shifted else key
         v0 = _take(value, positions) if shifted else value
-        if sliding_window is None and _kernel_decodes(query, w, dropout):
+        if band and _kernel_decodes(query, w, dropout):
             with torch.no_grad():
-                out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
-        else:  # any device, dtype, grad mode or window: one new token at a time, its keys those up to it
+                out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0),
+                                   sliding_window=sliding_window)
+        else:  # any device, dtype, grad mode, or a window over holes: one new token at a time
             ks = [k0] + [c[:, :, :-(-S // 2 ** l)] for l, c in enumerate(coarse_k, start=1)]
             keys = torch.arange(S, device=query.device)
             rows = []
@@ -273,14 +276,15 @@ class CachedDecoding:
         return out
 
     @torch.no_grad()
-    def _decode_step(self, query, key, value, w, pad, layout, count, scaling, softcap=None):
+    def _decode_step(self, query, key, value, w, pad, layout, count, scaling, softcap=None, sliding_window=None):
         """One new token per row, in as few torch ops as the step allows (at
         that size each op's fixed cost is the time): the blocks it begins from
         the state's tails (:meth:`HeadLevelCache.step_levels`), then every
         level attended in one call of a decoding kernel: without windows
         hkt's KV-cache kernel over transformers' cache and the coarse keys
-        (each row laid out after its padding ``pad``, or by ``layout``), with
-        windows the windowed decoding kernel over the rings."""
+        (each row laid out after its padding ``pad``, or by ``layout``; a
+        layer's ``sliding_window`` as its band), with windows the windowed
+        decoding kernel over the rings."""
         state, S = self.decode_state, key.shape[2]
         t = (count - 1).tolist()
         qs, ks = state.step_levels(self, query, key, t, self.tail_length())
@@ -291,7 +295,8 @@ class CachedDecoding:
         if layout is not None or bool(pad.any()):
             positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout
             k0, v0 = _take(key, positions), _take(value, positions)
-        return state.store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0))
+        return state.store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0),
+                                  sliding_window=sliding_window)
 
     def _new_blocks(self, query, key, pad, layout, count):
         """The coarse levels of T new positions after S - T cached ones (each

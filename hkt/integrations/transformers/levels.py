@@ -19,7 +19,7 @@ from hkt.nn.levels import Levels
 
 from .decoding import CachedDecoding, HeadLevelCache, PackedPrompt, _kernel_decodes
 from .masks import (_band, _compact_index, _layout_index, _one_run, _placed_index, _row_layout, _shift_index,
-                    _split_documents, _take, _window_mask)
+                    _split_documents, _take)
 
 
 class HKTLevels(CachedDecoding, Levels):
@@ -149,8 +149,9 @@ class HKTLevels(CachedDecoding, Levels):
         token inside a prompt); right padding is masked.
         ``window`` (a causal layer's sliding window): query i sees key j only
         when i - j < window in the model's positions, as transformers' mask has
-        it (a shift keeps the distances, a gather does not), a mask over every
-        (query, key) pair: dense cost.  The
+        it: the kernels' band (``sliding_window``: T x window work) where a
+        shift keeps the distances, a mask over every (query, key) pair where a
+        gather does not (holes): dense cost.  The
         module's ``windows`` (never with ``window``: convert refuses both) go to
         the windowed kernels with the key-padding mask: near-linear cost.
         ``softcap``: the model's attention-logit cap (Gemma 2's), or None."""
@@ -166,15 +167,17 @@ class HKTLevels(CachedDecoding, Levels):
         mask = None
         if real is not None:  # in the layout each row's tokens are its rows 0 .. count - 1
             mask = (torch.arange(T, device=query.device) < count[:, None])[:, None, None, :]
-        if window is not None:
-            near = _window_mask(T, T, window, query.device)[None, None] if layout is None else _band(layout, window)
-            mask = near if mask is None else mask & near
+        band = None  # the window as the kernels' band, where the layout keeps the model's distances
+        if window is not None and layout is None:
+            band = window
+        elif window is not None:
+            mask = _band(layout, window) if mask is None else mask & _band(layout, window)
         # the levels' inputs, whose latest elements the decoding state keeps (_decode_state)
         inputs = ([], []) if use_cache and _kernel_decodes(query, w, dropout) else (None, None)
         qs = [q0] + self.coarse_heads(q0, "q", inputs[0])
         ks = [k0] + self.coarse_heads(k0, "k", inputs[1])
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
-                                windows=self.windows, softcap=softcap)
+                                windows=self.windows, softcap=softcap, sliding_window=band)
         if use_cache:  # kept as transformers keeps its cache: with their graph, if any, so gradients flow across calls
             self.decode_state = self._decode_state(query, key, w, dropout, pad, count, qs, ks, v0,
                                                    None if layout is None else real, inputs)
