@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._core.checks import _check_tensor
+from ._core.checks import _check_tensor, check_levels
 from ._core.guards import _autocast_inputs, _refuse_trace
 from .ops import route as _route
 
@@ -141,10 +141,7 @@ def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:
     for name, xs in (("q", q), ("k_cache", k_cache), ("k", k)):
         if xs is None and name == "k":
             continue
-        if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)):
-            raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got {type(xs).__name__}")
-        if len(xs) == 0:
-            raise ValueError(f"{name}: expected at least one level, got an empty sequence")
+        check_levels(name, xs)
     if not isinstance(q[0], Tensor):
         raise TypeError(f"q[0]: expected a torch.Tensor, got {type(q[0]).__name__}")
     device = q[0].device
