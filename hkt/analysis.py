@@ -24,7 +24,7 @@ the module's ``forward`` does: (T, E) unbatched, (T, B, E), or (B, T, E) with
 """
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -64,14 +64,16 @@ def cost_ratio(levels: int) -> float:
 
 
 def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causal: bool = False,
-                     tile: int = KERNEL_TILE) -> int:
+                     tile: int = KERNEL_TILE, sliding_window: Optional[int] = None) -> int:
     """Multiply-adds the CPU forward kernel spends on score Gram blocks.
 
     Mirrors csrc/cpu/hkt_attention_body.h: queries and keys are walked in ``tile`` x
     ``tile`` tiles; for tile [i0, i1) x [j0, j1) and level l the kernel forms
     the Gram block of level-l rows r0 = i0 >> l .. (i1 - 1) >> l and columns
     c0 = j0 >> l .. (j1 - 1) >> l, D multiply-adds per entry.  With
-    ``is_causal`` a query tile visits only key tiles with j0 < min(S, i1).
+    ``is_causal`` a query tile visits only key tiles with j0 < min(S, i1); with
+    ``sliding_window`` W only those from the one holding key i0 - W + 1 on
+    (and, without ``is_causal``, with j0 < i1 - 1 + W): the work grows as T * W.
     (The backward recomputes exactly the same tiles, so a training step spends
     twice this on scores.)  For 2^l <= tile the blocks of a level partition its
     grid, so the count is close to T*S*D*cost_ratio(L); a level with 2^l > tile
@@ -95,6 +97,12 @@ def count_score_macs(B: int, H: int, T: int, S: int, D: int, L: int, *, is_causa
     visited = torch.ones(len(i0), len(j0), dtype=torch.bool)
     if is_causal:
         visited = j0[None, :] < torch.clamp(i1, max=S)[:, None]
+    if sliding_window is not None:
+        _check_int("sliding_window", sliding_window, 1)
+        first = torch.clamp(i0 - sliding_window + 1, min=0) // tile * tile
+        visited = visited & (j0[None, :] >= first[:, None])
+        if not is_causal:
+            visited = visited & (j0[None, :] < (i1 - 1 + sliding_window)[:, None])
     total = 0
     for l in range(L):
         rl = ((i1 - 1) >> l) + 1 - (i0 >> l)

@@ -1472,3 +1472,14 @@ def test_emulated_kernels_refuse_softcap_by_name(emulated):
     with pytest.raises(NotImplementedError, match="^softcap: the CUDA kernels do not take softcap yet"):
         emulated.backward(torch.randn_like(out), q, k, v, w, out, lse, dq, dk, dv, dw, softcap=1.5)
     emulated.forward(q, k, v, w, out, lse, softcap=0.0)  # 0.0: no cap, as without
+
+
+def test_emulated_kernels_refuse_a_band_by_name(emulated):
+    # the CUDA kernels take no sliding-window band: named, never run without it
+    q, k, v, w, out, lse, (dq, dk, dv, dw) = _small_call()
+    message = "^sliding_window: the CUDA kernels do not take a sliding-window band"
+    with pytest.raises(NotImplementedError, match=message):
+        emulated.forward(q, k, v, w, out, lse, sliding_window=3)
+    with pytest.raises(NotImplementedError, match=message):
+        emulated.backward(torch.randn_like(out), q, k, v, w, out, lse, dq, dk, dv, dw, sliding_window=3)
+    emulated.forward(q, k, v, w, out, lse, sliding_window=None)  # None: no band, as without

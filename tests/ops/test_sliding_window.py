@@ -461,3 +461,24 @@ def test_every_build_matches_the_reference(kernels):
         tol = 5e-5 if "float32" in case else 1e-12
         assert err <= tol, (kernels, case, err)
     assert res["same_bits"], f"{kernels}: results depend on the thread count"
+
+
+# ---- the work: T * W ----
+
+def test_work_grows_as_t_times_w():
+    # the kernels' own walk of tiles (hkt.analysis mirrors it): past the first
+    # W rows the band's score work is affine in T at a fixed W (each doubling
+    # of T adds twice what the one before added), where the causal call's
+    # quadruples
+    from hkt.analysis import count_score_macs
+    for causal in (True, False):
+        band = [count_score_macs(1, 8, T, T, 64, 3, is_causal=causal, sliding_window=1024)
+                for T in (4096, 8192, 16384)]
+        assert band[2] - band[1] == 2 * (band[1] - band[0]) and band[2] / band[1] < 2.1
+        full = count_score_macs(1, 8, 16384, 16384, 64, 3, is_causal=causal)
+        assert band[2] < full / 6
+        # a band past the sequence visits every tile the call without one visits
+        assert count_score_macs(1, 8, 300, 200, 64, 3, is_causal=causal, sliding_window=300) == \
+            count_score_macs(1, 8, 300, 200, 64, 3, is_causal=causal)
+    with pytest.raises(ValueError, match="^sliding_window: expected an int >= 1, got 0"):
+        count_score_macs(1, 1, 10, 10, 4, 1, sliding_window=0)
