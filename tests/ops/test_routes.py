@@ -167,3 +167,21 @@ def test_no_entry_calls_a_family_s_kernels_but_through_its_route(entry):
     named |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     named |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert not (named & _ROUTE_ONLY), (entry, named & _ROUTE_ONLY)
+
+
+def test_the_default_scale_and_the_dropout_seed_are_each_made_in_one_place():
+    # the library's layers (the oracle, the paper's analysis and the integrations
+    # keep their own maths): 1/sqrt(D) only in _core/maths.py, a seed drawn only
+    # in ops/attention.py's dropout_seed
+    made = {"sqrt": set(), "randint": set()}
+    for path in sorted((ROOT / "hkt").rglob("*.py")):
+        rel = path.relative_to(ROOT / "hkt").as_posix()
+        if rel in ("reference.py", "analysis.py") or rel.startswith("integrations/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in made:
+                    made[name].add(rel)
+    assert made == {"sqrt": {"_core/maths.py"}, "randint": {"ops/attention.py"}}, made
