@@ -6,14 +6,12 @@ from torch import Tensor
 
 from ._core import kernels as _kernels
 from .ops import sdpa as _sdpa
-from . import ops
 from ._core.checks import ShapeError  # noqa: F401 (hkt.functional.ShapeError: the name the docs give)
-from ._core.checks import _check_inputs, _kernel_mask, _real, check_call, check_windows
+from ._core.checks import _real, check_call, check_windows
 from ._core.guards import _autocast_inputs, _call_mode, _unwrap_dead
-from .ops._eager import flat_apply
+from .ops import route as _route
 from .ops._schema import schema_sliding_window, schema_softcap
 from .ops.window import windowed_attention
-from .ops.attention import AttentionFunction, QKVAttentionFunction, dropout_seed, eager_seed, op_scale
 
 __all__ = ["hkt_attention"]
 
@@ -198,7 +196,8 @@ def hkt_attention(
         way = _pick_backend(backend, q, dropout_p, softcap)
         if way == "sdpa":
             return _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap, sliding_window)
-        return _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, way == "op", softcap, sliding_window)
+        return _route.attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, way == "op", softcap,
+                                    sliding_window)
     except (RuntimeError, BufferError):
         # not a check: a dead torch.func wrapper (a tensor kept from inside a
         # finished transform) fails in DLPack, before any kernel ran; the call
@@ -208,42 +207,6 @@ def hkt_attention(
             raise
         return hkt_attention(*dead[:4], attn_mask=dead[4], is_causal=is_causal, dropout_p=dropout_p, scale=scale,
                              backend=backend, softcap=softcap, sliding_window=sliding_window)
-
-
-def _attention(q, k, v, w, attn_mask, is_causal, dropout_p, scale, recording, softcap=None, sliding_window=None):
-    """The call on the kernels: torch's rules here (hkt._core.checks: types,
-    devices, bfloat16 upcast before the extension sees it, so a mix must be
-    refused first; the scalars' types), the rest (shapes, strides,
-    float32/float64 dtypes, the scale's finiteness, dropout_p's range, the
-    softcap) the extension's, which names the argument.  recording:
-    torch.compile or torch.jit.trace records the call (the registered op).
-    Every scalar goes on, in the same order, to the op, the autograd Function
-    and the kernels."""
-    grad_mode = torch.is_grad_enabled()
-    grad, dropout_p, scale = _check_inputs(q, k, v, w, is_causal, dropout_p, scale, grad_mode)
-    q0 = q[0]
-    if attn_mask is not None:
-        attn_mask = _kernel_mask(attn_mask, q0, k[0])
-    if recording or q0.is_meta:
-        # torch.compile or torch.jit.trace: the registered custom op, which they
-        # record; meta tensors (shapes only) take its fake kernel
-        if q0.is_meta:  # no kernel runs on them: the extension's checks, asked without running it
-            _kernels.check_forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap, sliding_window)
-        # without dropout the seed is never read: a tensor on q's device keeps the
-        # traced graph free of CPU work (CUDA graph partitions)
-        seed = dropout_seed(dropout_p, q0.device)
-        out, _ = ops.attention_forward(list(q), list(k), v, w, attn_mask, is_causal, dropout_p,
-                                       op_scale(scale, q0), seed, schema_softcap(softcap),
-                                       schema_sliding_window(sliding_window))
-        return out
-    # eager: straight to the kernels, no dispatcher (same kernels, same arguments as the op)
-    seed = eager_seed(dropout_p) if dropout_p > 0 else 0
-    if grad_mode and (grad or (attn_mask is not None and attn_mask.requires_grad)):
-        # the op's registered autograd, without the dispatcher (ops/attention.py)
-        return flat_apply(AttentionFunction, q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap,
-                          sliding_window)
-    return _kernels._forward(q, k, v, w, attn_mask, is_causal, dropout_p, scale, seed, softcap, sliding_window,
-                             want_lse=False)[0]
 
 
 def _sdpa_path(q, k, v, w, attn_mask, is_causal, dropout_p, scale, softcap=None, sliding_window=None):
@@ -276,8 +239,5 @@ def qkv_attention(qkv: Tensor, q: Sequence[Tensor], k: Sequence[Tensor], v: Tens
     if (own_dtype and torch.is_grad_enabled() and qkv.requires_grad
             and not qkv.is_meta and _pick_backend(None, q, dropout_p) == "kernels"):
         # q, k, v: the module's own heads; its mask and the rest checked as hkt_attention checks them
-        _, dropout_p, _ = _check_inputs(q, k, v, w, is_causal, dropout_p)
-        mask = None if attn_mask is None else _kernel_mask(attn_mask, q[0], k[0])
-        return flat_apply(QKVAttentionFunction, q[1:], k[1:], q[0].shape[1], k[0].shape[1], qkv, w, mask,
-                          is_causal, dropout_p, None, eager_seed(dropout_p))
+        return _route.attention(q, k, v, w, attn_mask, is_causal, dropout_p, None, False, qkv=qkv)
     return hkt_attention(q, k, v, w, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p)

@@ -12,11 +12,9 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ._core import kernels as _kernels
-from ._core.checks import _check_tensor
-from ._core.guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from .ops import decode as decode_op
-from .ops._schema import schema_scale, schema_sliding_window, schema_softcap
+from ._core.checks import _check_tensor, check_levels
+from ._core.guards import _autocast_inputs, _refuse_trace
+from .ops import route as _route
 
 __all__ = ["hkt_attention_with_kvcache"]
 
@@ -134,22 +132,7 @@ def hkt_attention_with_kvcache(
         q, k, v, w = _autocast_inputs(q, k, v, w, to=v_cache.dtype)
     # torch's rules, which the extension cannot name (the rest are its own)
     _check_decode_inputs(q, k_cache, v_cache, w, k, v)
-    if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
-        return _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap, sliding_window)
-    _refuse_meta(q[0], "decoding")
-    return _kernels._decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap, sliding_window)
-
-
-def _decode_op(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap=None, sliding_window=None) -> Tensor:
-    """The call as hkt::decode (read only) or hkt::decode_append (k and v written
-    into the caches first) take it: cache_seqlens as a tensor, or None beside
-    an int."""
-    lens = (cache_seqlens, 0) if isinstance(cache_seqlens, Tensor) else (None, cache_seqlens)
-    if k is None and v is None:
-        return decode_op.decode(list(q), list(k_cache), v_cache, w, *lens, schema_scale(scale),
-                                schema_softcap(softcap), schema_sliding_window(sliding_window))
-    return decode_op.decode_append(list(q), list(k_cache), v_cache, w, *lens, list(k), v, schema_scale(scale),
-                                   schema_softcap(softcap), schema_sliding_window(sliding_window))
+    return _route.decode(q, k_cache, v_cache, w, cache_seqlens, k, v, scale, softcap, sliding_window)
 
 
 def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:
@@ -158,10 +141,7 @@ def _check_decode_inputs(q, k_cache, v_cache, w, k, v) -> None:
     for name, xs in (("q", q), ("k_cache", k_cache), ("k", k)):
         if xs is None and name == "k":
             continue
-        if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)):
-            raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got {type(xs).__name__}")
-        if len(xs) == 0:
-            raise ValueError(f"{name}: expected at least one level, got an empty sequence")
+        check_levels(name, xs)
     if not isinstance(q[0], Tensor):
         raise TypeError(f"q[0]: expected a torch.Tensor, got {type(q[0]).__name__}")
     device = q[0].device

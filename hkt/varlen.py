@@ -7,10 +7,8 @@ from torch import Tensor
 
 from ._core import kernels as _kernels
 from ._core.checks import _check_inputs
-from ._core.guards import _autocast_inputs, _refuse_meta, _refuse_trace
-from .ops import varlen as varlen_op
-from .ops._eager import flat_apply
-from .ops._schema import schema_scale
+from ._core.guards import _autocast_inputs, _refuse_trace
+from .ops import route as _route, varlen as varlen_op
 
 __all__ = ["hkt_attention_varlen", "varlen_level_offsets", "pack_levels"]
 
@@ -139,12 +137,4 @@ def _varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale):
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor of int32 or int64 offsets, got {type(cu).__name__}")
-    if torch.compiler.is_compiling():  # torch.compile, torch.export: the op, which they record
-        return varlen_op.varlen_forward(list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
-                                        schema_scale(scale))[0]
-    _refuse_meta(q[0], "variable-length attention")
-    if torch.is_grad_enabled() and grad:
-        return flat_apply(varlen_op.VarlenFunction, list(q), list(k), v, w, cu_q, cu_k, max_q, max_k, is_causal,
-                          scale)[0]
-    return _kernels._varlen_forward(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale)[0]
-
+    return _route.varlen(q, k, v, w, cu_q, cu_k, max_q, max_k, is_causal, scale, grad)

@@ -86,12 +86,8 @@ def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None, want_g
     returns them.  want_grad=False (grad mode off): requires_grad is not read
     and False returned."""
     if not (isinstance(q, (list, tuple)) and isinstance(k, (list, tuple)) and q and k):
-        for name, xs in (("q", q), ("k", k)):
-            if not isinstance(xs, (list, tuple)):
-                raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got "
-                                f"{type(xs).__name__}")
-            if len(xs) == 0:
-                raise ValueError(f"{name}: expected at least one level, got an empty sequence")
+        check_levels("q", q)
+        check_levels("k", k)
     q0 = q[0]
     if not isinstance(q0, Tensor):
         raise TypeError(f"q[0]: expected a torch.Tensor, got {type(q0).__name__}")
@@ -118,6 +114,15 @@ def _check_inputs(q, k, v, w, is_causal=False, dropout_p=0.0, scale=None, want_g
             scale is None or scale.__class__ is float):
         dropout_p, scale = _check_scalars(is_causal, dropout_p, scale)
     return grad, dropout_p, scale
+
+
+def check_levels(name: str, xs) -> None:
+    """xs is a list or tuple of at least one level (the extension names a
+    wrong sequence in its own words; these are the ones the docs give)."""
+    if isinstance(xs, Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name}: expected a list or tuple of L tensors (one per level), got {type(xs).__name__}")
+    if len(xs) == 0:
+        raise ValueError(f"{name}: expected at least one level, got an empty sequence")
 
 
 def _check_each(q, k, v, w, dtype, device) -> bool:
@@ -248,6 +253,12 @@ def _kernel_mask(attn_mask: Tensor, q0: Tensor, k0: Tensor) -> Tensor:
     broadcasting to (B, H, T, S)) and made as the kernels take it: a float
     mask in the compute dtype, 4-D."""
     _check_mask(attn_mask, q0.device)
+    return _as_4d(kernel_mask_dtype(attn_mask, q0), q0, k0)
+
+
+def kernel_mask_dtype(attn_mask: Tensor, q0: Tensor) -> Tensor:
+    """A mask already checked in the dtype the kernels take: a float mask in
+    the compute dtype, a bool one as it is."""
     if attn_mask.is_floating_point():
         attn_mask = float_mask_in(attn_mask, compute_dtype(q0.dtype))
-    return _as_4d(attn_mask, q0, k0)
+    return attn_mask

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..ops.attention import dropout_seed, heads as _heads
+from ..ops.attention import heads as _heads
+from ..ops.route import scripted_attention
 from .._core.checks import check_windows
 from .._core.guards import _symbolic
-from .._core.maths import default_scale, masked_probs, probs_of_scores, windowed_scores
+from .._core.maths import masked_probs, probs_of_scores, windowed_scores
 from ._mha_inputs import batch_first_view, build_mask, merge_masks, packed_attention, padding_rows
 from ._mha_weights import _RECOMPUTING_HOOKS, _from_mha, _stored
 from ..functional import hkt_attention, qkv_attention
@@ -54,16 +55,6 @@ def _one_input(a: Tensor, b: Tensor) -> bool:
         if _symbolic():
             return False
     return a.is_set_to(b)
-
-
-def _scripted_attention(qs: List[Tensor], ks: List[Tensor], v: Tensor, w: Tensor, mask: Optional[Tensor],
-                        is_causal: bool, dropout_p: float) -> Tensor:
-    """What :func:`hkt.hkt_attention` does for MultiheadHKT's (already checked,
-    4-D mask) arguments, in TorchScript: the registered op, its default scale and
-    a fresh dropout seed."""
-    scale = default_scale(qs[0].shape[-1])
-    seed = dropout_seed(dropout_p, torch.device("cpu"))
-    return torch.ops.hkt.attention_forward(qs, ks, v, w, mask, is_causal, dropout_p, scale, seed)[0]
 
 
 def _attention_weights(qs: List[Tensor], ks: List[Tensor], w: Tensor, mask: Optional[Tensor], causal: bool,
@@ -415,7 +406,7 @@ class MultiheadHKT(MHALevels):
         (real: its (B, S) real tokens); the packed self-attention projection's
         call, whose gradient the kernels write as qkv's; else hkt_attention."""
         if torch.jit.is_scripting():
-            out = _scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
+            out = scripted_attention(qs, ks, vh, w, mask, causal, dropout_p)
         elif (real is not None and attn_mask is None and n_extra == 0 and dropout_p == 0.0
               and qs[0].device.type == "cpu" and not _symbolic()
               # the packed call never reads the mask: a float mask's gradient needs the padded one

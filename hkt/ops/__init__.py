@@ -11,9 +11,12 @@ once; torch.compile and torch.export record the ops, and an eager call that
 needs gradients runs the same registered functions without the dispatcher
 (_eager.py).  Importing this package registers every op.
 
-window.py also holds the windowed family's route (windowed_attention, what
-hkt_attention(..., windows=) calls); sdpa.py is the "sdpa" backend, HKT
-through scaled_dot_product_attention (no op of its own).
+route.py holds the one route to each family (attention, varlen, decode,
+downsample): the function every public entry of the family calls, which
+picks the op, the eager autograd or the kernel called directly; window.py
+holds the windowed family's (windowed_attention, what hkt_attention(...,
+windows=) calls); sdpa.py is the "sdpa" backend, HKT through
+scaled_dot_product_attention (no op of its own).
 """
 from . import attention, decode, downsample, varlen, window  # noqa: F401
 from .attention import attention_backward, attention_forward  # noqa: F401

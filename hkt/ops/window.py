@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._core.checks import _kernel_mask, check_call, check_windows
+from .._core.checks import check_call, check_windows, kernel_mask_dtype
 from .._core.guards import _functorch_active
 from .._core.kernels import _threads, window_kernels, window_softcap
 from .._core.maths import default_scale, repeat_kv
@@ -206,7 +206,9 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
     if backend == "sdpa":
         raise ValueError("backend: 'sdpa' does not take windows (the levels that see a pair vary with it, which no "
                          "one SDPA call expresses); use backend=None or 'kernels'")
-    _, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale, dropout_allowed=True)
+    # the mask comes back checked and 4-D: only its dtype is left to make
+    attn_mask, dropout_p, scale = check_call(q, k, v, w, attn_mask, is_causal, dropout_p, scale,
+                                             dropout_allowed=True)
     if _functorch_active():  # whichever backend was asked for
         raise NotImplementedError("windows: the windowed kernels do not run under torch.func transforms (vmap, "
                                   "grad, jacrev, ...)")
@@ -214,7 +216,7 @@ def windowed_attention(q, k, v, w, windows, attn_mask, is_causal, dropout_p, sca
         raise ValueError(f"windows: the windowed kernels run on the CPU only, got q[0] on {q[0].device}")
     dtype = q[0].dtype
     if attn_mask is not None:
-        attn_mask = _kernel_mask(attn_mask, q[0], k[0])
+        attn_mask = kernel_mask_dtype(attn_mask, q[0])
     if scale is None:
         scale = default_scale(q[0].shape[-1])
     scale = float(scale)

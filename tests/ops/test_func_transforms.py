@@ -196,11 +196,11 @@ def test_a_dead_wrapper_among_the_inputs_is_taken_as_its_tensor(needs_grad):
 def test_the_eager_functions_skip_apply_s_python_layer_only_where_it_does_nothing_for_them():
     import types
     from hkt._core.guards import _c_apply
-    from hkt import downsample
+    from hkt.ops import route
     from hkt.ops import attention
     # with torch 2.13, the C apply itself (what makes the unwrapping above hkt's to do)
     for fast in (attention.AttentionFunction.fast_apply, attention.QKVAttentionFunction.fast_apply,
-                 downsample._DOWNSAMPLE_APPLY):
+                 route._DOWNSAMPLE_APPLY):
         assert isinstance(fast, types.BuiltinMethodType)
 
     class WithSetup(torch.autograd.Function):  # its defaults must be bound: Function.apply kept
