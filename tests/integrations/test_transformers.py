@@ -451,6 +451,23 @@ def test_generate_with_cache_equals_without(family, levels, kernel):
     assert rel(logits, logits_nc) < 1e-4
 
 
+def test_one_level_steps_run_the_decoding_kernel(monkeypatch):
+    """levels=1, one new token without padding (generate's step): the
+    decoding kernel over transformers' cache, the original's tokens and
+    logits."""
+    base = tiny("llama")
+    model = ht.convert(copy.deepcopy(base), levels=1)
+    calls = []
+    with_kvcache = hkt.hkt_attention_with_kvcache
+    monkeypatch.setattr(hkt, "hkt_attention_with_kvcache", lambda *a, **kw: calls.append(1) or with_kvcache(*a, **kw))
+    x = ids(1, 11)
+    seq, logits = _generate(model, x)
+    want, want_logits = _generate(base, x)
+    assert len(calls) == 11 * base.config.num_hidden_layers
+    assert torch.equal(seq, want)
+    assert rel(logits, want_logits) < 1e-5
+
+
 def _stepwise(model, x, chunks):
     """Logits of x fed through one DynamicCache in chunks of the given sizes."""
     cache, out, at = DynamicCache(config=model.config), [], 0

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 import hkt
 
-from .decoding import PackedPrompt
+from .decoding import PackedPrompt, _kernel_decodes
 from .levels import HKTLevels, prefill_documents
 from .masks import _read_mask, _real_tokens, _unsupported
 
@@ -92,6 +92,12 @@ def _level0(query, key, value, w, mask, scaling, dropout, causal, softcap=None, 
     take it as their band, so that they skip those key tiles: T x window
     work."""
     T, S = query.shape[2], key.shape[2]
+    if mask is None and T == 1 and S > 1 and _kernel_decodes(query, w, dropout):
+        # one new token against the cache (generate's step): the decoding kernel, which reads each key
+        # once per query head, where the attention kernel would transpose the cache's key tiles first
+        with torch.no_grad():
+            return hkt.hkt_attention_with_kvcache([query], [key], value, w.detach(), S - 1, scale=scaling,
+                                                  softcap=softcap)
     if mask is None:  # no padding; causal: T = S, a static cache's first T of S, or one new token
         return hkt.hkt_attention([query], [key], value, w, is_causal=causal and T > 1, dropout_p=dropout,
                                  scale=scaling, softcap=softcap)
