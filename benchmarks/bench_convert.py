@@ -30,7 +30,8 @@ a kind's time over the original's in the same round.  Ratios are checked
 against issue 58's targets (a ✗ marks one missed).  A cell whose time,
 extrapolated from the length before, passes --cap seconds is skipped and
 recorded as such.  Writes benchmarks/results/<cpu>/bench_convert.json and,
-with --docs, the table into docs/performance.md.
+``python benchmarks/readme_tables.py`` then writes the table into
+docs/performance.md ("Converted models against the originals").
 """
 import argparse
 import json
@@ -187,21 +188,6 @@ def table(rows: List[Dict]) -> str:
     return "\n".join(lines)
 
 
-BEGIN, END = "<!-- bench_convert:begin -->", "<!-- bench_convert:end -->"
-
-
-def write_docs(text: str, path: str = "docs/performance.md") -> None:
-    doc = open(path).read()
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in doc and END in doc:
-        doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-    else:
-        doc = doc.rstrip() + "\n\n## Converted models against the originals (`benchmarks/bench_convert.py`)\n\n" \
-              + block + "\n"
-    with open(path, "w") as f:
-        f.write(doc)
-
-
 def main(argv=None) -> List[Dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a tiny model at short lengths (seconds)")
@@ -216,7 +202,6 @@ def main(argv=None) -> List[Dict]:
     ap.add_argument("--cap", type=float, default=120.0, help="seconds one call may be expected to take")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="default benchmarks/results/<cpu>/bench_convert.json")
-    ap.add_argument("--docs", action="store_true", help="write the table into docs/performance.md")
     args = ap.parse_args(argv)
     if args.quick:
         args.prefill_lengths, args.train_lengths, args.token_lengths = [64, 128], [64], [64]
@@ -253,9 +238,6 @@ def main(argv=None) -> List[Dict]:
             f.write("\n")
     text = table([r for r in rows if "ratio" in r or "skipped" in r])
     print(text)
-    if args.docs:
-        write_docs(f"{describe_machine(info)}; {args.threads} threads; ratios to the original on SDPA "
-                   f"(median over {args.rounds} interleaved rounds), issue 58's target in brackets.\n\n{text}")
     return rows
 
 

@@ -263,11 +263,7 @@ def converted_long_context():
     """convert_windows.py's rows, from every CPU folder that has them: a
     converted Llama-style model's forward against the original on SDPA."""
     out = []
-    for d in sorted(os.listdir(RESULTS)):
-        path = os.path.join(RESULTS, d, "convert_windows.json")
-        if not os.path.isfile(path):
-            continue
-        a = json.loads(_read(path))
+    for d, a in _cpu_results("convert_windows.json"):
         m = a["model"]
 
         def cell(r, name):
@@ -296,6 +292,39 @@ def converted_long_context():
             out += ["", _read(notes).rstrip()]
         out += converted_decoding(d)
     return ["", "## Long context for a converted model"] + out if out else []
+
+
+def _cpu_results(name):
+    """(folder, its results) of every CPU folder that has results file ``name``."""
+    for d in sorted(os.listdir(RESULTS)):
+        path = os.path.join(RESULTS, d, name)
+        if os.path.isfile(path):
+            yield d, json.loads(_read(path))
+
+
+def converted_models():
+    """bench_convert.py's rows, from every CPU folder that has them: a
+    converted mid-size Llama and a sliding-window Mistral against the
+    originals on SDPA (prefill, training step, generated token)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_convert", os.path.join(os.path.dirname(__file__),
+                                                                               "bench_convert.py"))
+    bench_convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_convert)
+    table = bench_convert.table
+    out = []
+    for d, a in _cpu_results("bench_convert.json"):
+        loads = [r["load_average"] for r in a["rows"] if "load_average" in r]
+        out += ["", f"### {cpu_title(a['machine'])}, {a['threads']} threads", "",
+                f"`benchmarks/bench_convert.py`, `benchmarks/results/{d}/bench_convert.json`: time over the "
+                f"original's in the same process, the kinds taking turns call by call, median over each row's "
+                f"rounds (2 or 3); issue 58's target in brackets, ✗ where missed. The machine's load average at "
+                f"the end of a row was {min(loads):.1f} to {max(loads):.1f}.", "",
+                table([r for r in a["rows"] if "ratio" in r or "skipped" in r])]
+        notes = os.path.join(RESULTS, d, "bench_convert.md")
+        if os.path.isfile(notes):
+            out += ["", _read(notes).rstrip()]
+    return ["", "## Converted models against the originals"] + out if out else []
 
 
 def converted_decoding(d):
@@ -380,6 +409,7 @@ def performance_page(runs):
         notes = note(folder, "notes.md")
         if notes:
             lines += ["", "### Where the time goes", ""] + notes
+    lines += converted_models()
     lines += converted_long_context()
     for title, name in (("Other benchmarks", "other_benchmarks.md"),
                         ("Other builds: the 16-byte kernels, clang", "builds.md"),
