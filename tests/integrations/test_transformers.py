@@ -840,3 +840,30 @@ def test_one_token_steps_from_the_tails(windows, levels, kernel):
     with torch.no_grad():
         whole = model(torch.cat([x, new], 1), attention_mask=torch.cat([mask, torch.ones_like(new)], 1)).logits
     assert rel(fast, whole[:, x.shape[1]:]) < 1e-12
+
+
+def test_one_level_step_keeps_the_keys_gradients():
+    """levels=1, one query against keys that want gradients (a trainable
+    encoder under a frozen decoder's cross-attention): not the decoding
+    kernel, which has no backward; the keys and values get their gradients."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    k, v = (torch.randn(1, 2, 5, 8, generator=g, requires_grad=True) for _ in range(2))
+    out = ht.attention._level0(q, k, v, torch.ones(4, 1), None, None, 0.0, True)
+    out.square().sum().backward()
+    assert bool(k.grad.abs().sum() > 0) and bool(v.grad.abs().sum() > 0)
+
+
+def test_one_level_band_only_where_the_mask_hides_both_sides():
+    """levels=1: a causal layer's window goes to the kernels as their band
+    only where the mask hides every key the band would (a custom mask that
+    shows a key after its query keeps it)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    w = torch.ones(2, 1, dtype=torch.float64)
+    pos = torch.arange(6)
+    mask = ((pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < 2))
+    mask[0, 5] = True  # a key after its query, further than the window
+    got = ht.attention._level0(q, k, v, w, mask[None, None], None, 0.0, True, window=2)
+    want = hkt.reference.hkt_attention_reference([q], [k], v, w, attn_mask=mask[None, None])
+    assert torch.allclose(got, want, atol=1e-12)

@@ -92,7 +92,7 @@ def _level0(query, key, value, w, mask, scaling, dropout, causal, softcap=None, 
     take it as their band, so that they skip those key tiles: T x window
     work."""
     T, S = query.shape[2], key.shape[2]
-    if mask is None and T == 1 and S > 1 and _kernel_decodes(query, w, dropout):
+    if mask is None and T == 1 and S > 1 and _kernel_decodes(query, w, dropout, key, value):
         # one new token against the cache (generate's step): the decoding kernel, which reads each key
         # once per query head, where the attention kernel would transpose the cache's key tiles first
         with torch.no_grad():
@@ -103,7 +103,9 @@ def _level0(query, key, value, w, mask, scaling, dropout, causal, softcap=None, 
                                  scale=scaling, softcap=softcap)
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
-    band = window if causal and T == S and window is not None and not bool(mask.tril(-window).any()) else None
+    # the band hides keys on both sides of a query (no is_causal here): the mask must hide them all already
+    band = (window if causal and T == S and window is not None and not bool(mask.tril(-window).any())
+            and not bool(mask.triu(window).any()) else None)
     return hkt.hkt_attention([query], [key], value, w, attn_mask=mask, dropout_p=dropout, scale=scaling,
                              softcap=softcap, sliding_window=band)
 

@@ -23,12 +23,14 @@ from .masks import _compact_index, _layout_index, _row_layout, _shift_index, _ta
 _DECODE_KERNEL = True
 
 
-def _kernel_decodes(query: Tensor, w: Tensor, dropout: float) -> bool:
+def _kernel_decodes(query: Tensor, w: Tensor, dropout: float, *others: Tensor) -> bool:
     """Whether a decoding step runs hkt's CPU decoding kernels (float32 and
-    float64, no gradient wanted, no dropout: they have no backward), else
-    hkt_attention one way or another."""
+    float64, no gradient wanted of the query, the weights or ``others`` (the
+    keys and values), no dropout: they have no backward), else hkt_attention
+    one way or another."""
     return (_DECODE_KERNEL and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
-            and not (torch.is_grad_enabled() and (query.requires_grad or w.requires_grad)) and dropout == 0)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (query, w, *others)))
+            and dropout == 0)
 
 
 class HeadLevelCache:
@@ -234,10 +236,10 @@ class CachedDecoding:
                                "unfilled slots)", "pad on the left, and use the default dynamic cache")
         # the window as the decoding kernel's band where the layout keeps the model's distances
         band = sliding_window is None or (layout is None and self.windows is None)
-        if T == 1 and state.tails is not None and band and _kernel_decodes(query, w, dropout):
+        if T == 1 and state.tails is not None and band and _kernel_decodes(query, w, dropout, key, value):
             return self._decode_step(query, key, value, w, pad, layout, count, scaling, softcap, sliding_window)
         if self.windows is not None and state.store is not None:
-            if not _kernel_decodes(query, w, dropout):
+            if not _kernel_decodes(query, w, dropout, key, value):
                 raise _unsupported("a decoding step with gradients or dropout after a prompt run without them, "
                                    "with windows (that prompt kept the windowed decoding's rings, not every query)",
                                    "run the prompt and the steps in the same grad mode")
@@ -256,7 +258,7 @@ class CachedDecoding:
         positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout, the model's positions
         k0 = _take(key, positions) if shifted else key
         v0 = _take(value, positions) if shifted else value
-        if band and _kernel_decodes(query, w, dropout):
+        if band and _kernel_decodes(query, w, dropout, key, value):
             with torch.no_grad():
                 out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0),
                                    sliding_window=sliding_window)

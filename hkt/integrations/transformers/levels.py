@@ -173,7 +173,7 @@ class HKTLevels(CachedDecoding, Levels):
         elif window is not None:
             mask = _band(layout, window) if mask is None else mask & _band(layout, window)
         # the levels' inputs, whose latest elements the decoding state keeps (_decode_state)
-        inputs = ([], []) if use_cache and _kernel_decodes(query, w, dropout) else (None, None)
+        inputs = ([], []) if use_cache and _kernel_decodes(query, w, dropout, key, value) else (None, None)
         qs = [q0] + self.coarse_heads(q0, "q", inputs[0])
         ks = [k0] + self.coarse_heads(k0, "k", inputs[1])
         out = hkt.hkt_attention(qs, ks, v0, w, attn_mask=mask, is_causal=causal, dropout_p=dropout, scale=scaling,
@@ -211,7 +211,7 @@ class HKTLevels(CachedDecoding, Levels):
             store = LevelStore([None] + ks[1:], [])
             if inputs[0] is None or self.levels == 1:
                 return HeadLevelCache(T, pad, last_key, tail, store, real=holes)
-        elif not _kernel_decodes(query, w, dropout):
+        elif not _kernel_decodes(query, w, dropout, key, v0):
             return HeadLevelCache(T, pad, last_key, query, None, real=holes)
         with torch.no_grad():
             if self.windows is not None:
