@@ -254,10 +254,7 @@ class CachedDecoding:
         t0, start, new_rows, q_all, qs, k_win = self._new_blocks(query, key, pad, layout, count)
         store = state.store
         coarse_k = state.write_blocks(S, k_win, start, new_rows)
-        shifted = layout is not None or bool(pad.any())
-        positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout, the model's positions
-        k0 = _take(key, positions) if shifted else key
-        v0 = _take(value, positions) if shifted else value
+        k0, v0, positions = _level0_in_layout(key, value, pad, layout)
         if band and _kernel_decodes(query, w, dropout, key, value):
             with torch.no_grad():
                 out = store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0),
@@ -269,7 +266,7 @@ class CachedDecoding:
             for i in range(T):
                 seen = keys <= (t0 + i)[:, None]
                 if sliding_window is not None:  # in the model's positions: the new query's is S - T + i
-                    seen = seen & (S - T + i - positions < sliding_window)
+                    seen = seen & (S - T + i - (keys if positions is None else positions) < sliding_window)
                 rows.append(hkt.hkt_attention([x[:, :, i:i + 1] for x in qs], ks, v0, w,
                                               attn_mask=seen[:, None, None, :], dropout_p=dropout, scale=scaling,
                                               softcap=softcap))
@@ -293,10 +290,7 @@ class CachedDecoding:
         t0 = torch.tensor(t, device=query.device)
         if state.store.windows is not None:
             return state.store.attend(qs, ks, value[:, :, S - 1:], w.detach(), t0, scaling, softcap)
-        k0, v0 = key, value
-        if layout is not None or bool(pad.any()):
-            positions = _layout_index(pad, layout, torch.zeros_like(pad), S)  # each row's layout
-            k0, v0 = _take(key, positions), _take(value, positions)
+        k0, v0, _ = _level0_in_layout(key, value, pad, layout)
         return state.store.attend(qs, None, None, w.detach(), t0, scaling, softcap, level0=(k0, v0),
                                   sliding_window=sliding_window)
 
@@ -373,6 +367,17 @@ def _write_blocks(caches: List[Tensor], window: List[Tensor], start: Tensor, row
         index = block[:, None, :, None].expand(-1, kc.shape[1], -1, kc.shape[3])
         out.append(cache.scatter_(2, index, _take(kc, block - offset)))
     return out
+
+
+def _level0_in_layout(key: Tensor, value: Tensor, pad: Tensor, layout: Optional[Tensor]):
+    """Level 0's keys and values (B, H_kv, S, D) in each row's layout (after
+    its padding ``pad``, or by ``layout``: :func:`_layout_index`), and the
+    model's position of each of their rows (B, S); the keys and values as
+    they are and None where no row has padding."""
+    if layout is None and not bool(pad.any()):
+        return key, value, None
+    positions = _layout_index(pad, layout, torch.zeros_like(pad), key.shape[2])
+    return _take(key, positions), _take(value, positions), positions
 
 
 def _head_maps(x: Tensor, maps: Tensor) -> Tensor:
