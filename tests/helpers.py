@@ -233,3 +233,28 @@ def load_benchmark(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def run_on_kernels(script, kernels):
+    """The JSON a test script prints last, run in a fresh interpreter on kernel
+    set ``kernels`` (HKT_CPU_KERNELS) with tests/ as its argument."""
+    import json
+    import subprocess
+    env = {**os.environ, "HKT_CPU_KERNELS": kernels}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", script, tests], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def assert_build_matches(res, kernels):
+    """run_on_kernels' result of a script that records each case's error
+    against the reference (``errors``) and whether the thread count changed a
+    bit (``same_bits``): within float32's or float64's tolerance, bitwise the
+    same for any thread count; skipped where this CPU or build lacks the set."""
+    if res["kernels"] != kernels:
+        pytest.skip(f"this CPU or build has no {kernels} kernels (runs {res['kernels']})")
+    for case, err in res["errors"].items():
+        tol = 5e-5 if "float32" in case else 1e-12
+        assert err <= tol, (kernels, case, err)
+    assert res["same_bits"], f"{kernels}: results depend on the thread count"

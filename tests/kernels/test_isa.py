@@ -4,7 +4,6 @@ float64 reference: forward, backward and decoding, float32 and float64,
 bitwise the same for any thread count.  The build is chosen once per process,
 so each runs in a subprocess with HKT_CPU_KERNELS naming it; a set this CPU
 lacks falls back to the widest it has, and is skipped."""
-import json
 import os
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import pytest
 
 import hkt
 from research.timing import machine_info
+from helpers import assert_build_matches, run_on_kernels
 
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
 import json, sys, torch
@@ -55,21 +54,12 @@ print(json.dumps(res))
 
 
 def run_with(kernels):
-    env = {**os.environ, "HKT_CPU_KERNELS": kernels}
-    out = subprocess.run([sys.executable, "-c", SCRIPT, TESTS], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_on_kernels(SCRIPT, kernels)
 
 
 @pytest.mark.parametrize("kernels", ["avx512f", "avx2", "default"])
 def test_every_build_matches_the_reference(kernels):
-    res = run_with(kernels)
-    if res["kernels"] != kernels:
-        pytest.skip(f"this CPU or build has no {kernels} kernels (runs {res['kernels']})")
-    for case, err in res["errors"].items():
-        tol = 5e-5 if "float32" in case else 1e-12
-        assert err <= tol, (kernels, case, err)
-    assert res["same_bits"], f"{kernels}: results depend on the thread count"
+    assert_build_matches(run_with(kernels), kernels)
 
 
 def test_unknown_choice_falls_back_to_the_widest():

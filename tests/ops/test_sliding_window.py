@@ -6,11 +6,7 @@ gradient, masks, dropout, grouped kv heads, softcap, T != S), the edges
 (W = 1, W past the sequence, rows that see nothing, NaN), decoding, the
 "sdpa" backend, the argument rules, the ops, and every instruction-set
 build in a subprocess each."""
-import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,14 +16,14 @@ from hkt import ops
 from hkt.ops import decode as decode_op
 from hkt.reference import hkt_attention_reference as reference
 from hkt._core.kernels import dropout_keep_mask
-from helpers import grad_leaves as leaves, make_mask, outputs_and_grads, sample_inputs, with_threads
+from helpers import (assert_build_matches, grad_leaves as leaves, make_mask, outputs_and_grads, run_on_kernels,
+                     sample_inputs, with_threads)
 
 F64, F32 = torch.float64, torch.float32
 # 200 queries, 190 keys: four 64-row query tiles and three key tiles, with
 # tails; bands narrower than a tile (skipped tiles on both sides), one not a
 # multiple of 64 wider than a tile, and one past both lengths
 T, S = 200, 190
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def inputs(B=1, H=4, T=T, S=S, D=5, Dv=4, L=3, dtype=F64, kv_heads=None, seed=0):
@@ -450,17 +446,7 @@ print(json.dumps(res))
 
 @pytest.mark.parametrize("kernels", ["avx512f", "avx2", "default"])
 def test_every_build_matches_the_reference(kernels):
-    env = {**os.environ, "HKT_CPU_KERNELS": kernels}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, TESTS], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = json.loads(run.stdout.strip().splitlines()[-1])
-    if res["kernels"] != kernels:
-        pytest.skip(f"this CPU or build has no {kernels} kernels (runs {res['kernels']})")
-    for case, err in res["errors"].items():
-        tol = 5e-5 if "float32" in case else 1e-12
-        assert err <= tol, (kernels, case, err)
-    assert res["same_bits"], f"{kernels}: results depend on the thread count"
+    assert_build_matches(run_on_kernels(SCRIPT, kernels), kernels)
 
 
 # ---- the work: T * W ----
